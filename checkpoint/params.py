@@ -1,0 +1,25 @@
+"""Trained parameters to and from a directory (Orbax), for export and the Python API.
+
+The full training checkpoint (optimizer state, data iterator, RNG, async saves) builds on
+this package; exported params are a plain pytree that `megajax.init_params` also returns.
+"""
+
+from __future__ import annotations
+
+import os
+
+import orbax.checkpoint as ocp
+
+
+def save_params(directory: str, params) -> str:
+  """Writes params under `directory` (atomically: Orbax commits a temporary directory)."""
+  path = os.path.abspath(directory)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, params, force=True)
+  return path
+
+
+def load_params(directory: str, like=None):
+  """Reads params; `like` (a pytree of arrays or ShapeDtypeStructs) fixes shapes and shardings."""
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(os.path.abspath(directory), like)

@@ -1,0 +1,88 @@
+r"""megajax-train: train a model from a config file.
+
+  megajax-train --config=configs/default.py --workdir=/tmp/run \
+      --config.model.num_layers=4 --config.train.steps=500
+
+Every knob is a config field (`--config.a.b=v`); the only other flags are the workdir and
+the process topology for jax.distributed (auto-detected on SLURM / Open MPI / Kubernetes).
+"""
+
+import re
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from megajax.config import ConfigError, check_runnable, validate
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory: metrics.jsonl, TensorBoard, params.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+class _QuietLibraries(logging.logging.Filter):
+  """Keeps megajax's own INFO lines and every library's warnings; drops libraries' INFO chatter."""
+
+  def filter(self, record):
+    return record.levelno >= logging.logging.WARNING or "megajax" in record.pathname
+
+
+def main(argv):
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = _CONFIG.value
+  # Validate before jax touches a device or compiles anything.
+  try:
+    validate(config)
+    check_runnable(config)
+  except ConfigError as error:
+    print(f"megajax-train: config error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+  from megajax import trainer  # Imported late: a bad config fails fast.
+  from megajax.launch.cluster import initialize_distributed
+
+  initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  result = trainer.train(config, _WORKDIR.value)
+  last = result.history[-1]
+  logging.info("done: step %d, loss %.4f; metrics in %s/metrics.jsonl", last["step"], last["loss"],
+               _WORKDIR.value)
+
+
+def parse_flags(argv):
+  """absl's parser, but a mistyped --config.a.b is one line naming it, not a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as error:
+    field = next((arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")
+                  and _not_a_field(arg.split("=")[0][len("--config."):])), "--config.?")
+    suggestion = re.search(r'Did you mean "[^"]+"', str(error))
+    hint = f" ({suggestion.group(0)}?)" if suggestion else ""
+    print(f"megajax-train: config error: {field[2:]}: no such config field{hint}; "
+          "see megajax/config.py for the fields", file=sys.stderr)
+    sys.exit(2)
+
+
+def _not_a_field(dotted: str) -> bool:
+  from megajax.config import default_config
+  node = default_config()
+  for name in dotted.split("."):
+    if not hasattr(node, "keys") or name not in node:
+      return True
+    node = node[name]
+  return False
+
+
+def run():
+  app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  run()

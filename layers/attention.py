@@ -1,0 +1,95 @@
+"""Causal self-attention: rotary positions, grouped KV heads, an optional sliding window.
+
+Token i attends to token j when  i - window < j <= i  (window=None: plain causal).
+`xla_attention` is the reference implementation every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from megajax.layers import initializers
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotates pairs (x[..., :d/2], x[..., d/2:]) by position-dependent angles (RoFormer)."""
+  head_dim = x.shape[-1]
+  half = head_dim // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)      # [d/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq            # [b, s, d/2]
+  sin = jnp.sin(angles)[:, :, None, :]                                    # [b, s, 1, d/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)                   # [b, s, h, d/2] each
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def sliding_window_mask(q_len: int, kv_len: int, window: int | None) -> jax.Array:
+  """bool[q_len, kv_len], True where query i may attend to key j."""
+  i = jnp.arange(q_len)[:, None]
+  j = jnp.arange(kv_len)[None, :]
+  mask = j <= i
+  if window is not None:
+    mask &= j > i - window
+  return mask
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+  """Reference attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] with h % kv_h == 0."""
+  b, s, h, d = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, s, kv_heads, h // kv_heads, d)                          # [b, s, kv_h, g, d]
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(d)                                          # [b, kv_h, g, q, s] fp32
+  mask = sliding_window_mask(s, s, window)
+  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)                         # [b, s, kv_h, g, d]
+  return out.reshape(b, s, h, d)
+
+
+ATTENTION_IMPLS = {"xla": xla_attention}
+
+
+class Attention(nn.Module):
+  """Multi-head attention with `num_kv_heads` shared key/value heads (GQA when fewer)."""
+
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  window: int | None
+  rope_theta: float = 10000.0
+  use_bias: bool = True
+  init_std: float = 0.02
+  out_init_std: float = 0.02
+  impl: str = "xla"
+  dtype: jnp.dtype = jnp.bfloat16
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    # x: [b, s, hidden]; positions: [b, s]
+    hidden = x.shape[-1]
+
+    def projection(heads: int, name: str):
+      return nn.DenseGeneral(
+          features=(heads, self.head_dim), use_bias=self.use_bias, dtype=self.dtype,
+          param_dtype=self.param_dtype, name=name,
+          kernel_init=initializers.normal(self.init_std, ("embed", "heads", "head_dim")),
+          bias_init=initializers.zeros(("heads", "head_dim")))
+
+    q = projection(self.num_heads, "query")(x)                            # [b, s, h, d]
+    k = projection(self.num_kv_heads, "key")(x)                           # [b, s, kv_h, d]
+    v = projection(self.num_kv_heads, "value")(x)
+    q = rotary_embedding(q, positions, self.rope_theta)
+    k = rotary_embedding(k, positions, self.rope_theta)
+    out = ATTENTION_IMPLS[self.impl](q, k, v, self.window)                # [b, s, h, d]
+    return nn.DenseGeneral(
+        features=hidden, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, name="out",
+        kernel_init=initializers.normal(self.out_init_std, ("heads", "head_dim", "embed")),
+        bias_init=initializers.zeros(("embed",)))(out)

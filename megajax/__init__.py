@@ -1,0 +1,26 @@
+"""megajax: MegaScale-style LLM training on JAX/XLA.
+
+The Python API, in the order a user meets it:
+
+    import jax, megajax
+    config = megajax.load_config("configs/default.py", {"train.steps": 50})
+    model = megajax.build_model(config)                     # a Flax GPT
+    params = megajax.init_params(model, jax.random.key(0))  # a plain pytree, fp32
+    logits = model.apply({"params": params}, tokens)        # f32[batch, seq, vocab]
+    loss, stats = megajax.make_loss_fn(model)(params, batch)
+    result = megajax.train(config, workdir="/tmp/run")      # result.state, result.history
+"""
+
+from megajax.checkpoint import load_params, save_params
+from megajax.config import ConfigError, default_config, load_config, validate
+from megajax.flops import training_flops_per_token
+from megajax.model import GPT, ModelConfig, count_params, init_params
+from megajax.optim import make_optimizer
+from megajax.step import TrainState, init_train_state, make_loss_fn, make_train_step
+from megajax.trainer import TrainResult, build_model, train
+
+__all__ = [
+    "ConfigError", "GPT", "ModelConfig", "TrainResult", "TrainState", "build_model", "count_params",
+    "default_config", "init_params", "init_train_state", "load_config", "load_params", "make_loss_fn",
+    "make_optimizer", "make_train_step", "save_params", "train", "training_flops_per_token", "validate",
+]

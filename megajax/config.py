@@ -1,0 +1,237 @@
+"""The experiment config: every field with its default, loading, and validation.
+
+A config file is plain Python with a `get_config()` returning a ConfigDict
+(see configs/). Files start from `default_config()` so that every experiment has
+the same, locked field set: a typo in `--config.model.num_layer=4` fails loudly.
+
+`validate(config)` runs before anything is compiled; it raises `ConfigError`,
+whose one-line message names the field path and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import ml_collections
+
+BLOCKS = ("parallel", "serial")
+ATTENTION_IMPLS = ("xla",)  # "pallas" and "cudnn" join with the kernels.
+OPTIMIZERS = ("lamb", "adamw")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots")
+DATA_SOURCES = ("synthetic", "tokens")
+TOKEN_FILE_SUFFIXES = (".bin", ".npy")
+
+
+class ConfigError(ValueError):
+  """A config field has a bad value. `str(error)` is one line: field, problem, fix."""
+
+  def __init__(self, field: str, value, problem: str, fix: str):
+    self.field = field
+    super().__init__(f"{field}={value!r}: {problem}; {fix}")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """All fields with their defaults: a tiny model that trains on a CPU."""
+  c = ml_collections.ConfigDict()
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 256
+  c.model.seq_len = 128
+  c.model.num_layers = 2
+  c.model.hidden_dim = 64
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 0        # 0: as many KV heads as query heads (no grouping).
+  c.model.mlp_dim = 0             # 0: 4 * hidden_dim.
+  c.model.window = 0              # Sliding-window width w; 0: full causal attention.
+  c.model.window_pattern = "L"    # Per layer, repeated: L = local (window), G = global.
+  c.model.block = "parallel"      # "parallel" (MegaScale PTB) or "serial" (GPT).
+  c.model.attention_impl = "xla"
+  c.model.compute_dtype = "bfloat16"
+  c.model.param_dtype = "float32"
+  c.model.tie_embeddings = False
+  c.model.use_bias = True
+  c.model.rope_theta = 10000.0
+  c.model.layernorm_epsilon = 1e-5
+  c.model.init_std = 0.02
+  c.model.remat = "none"          # Activation recomputation per block.
+
+  c.parallel = ml_collections.ConfigDict()
+  c.parallel.dp = 1
+  c.parallel.pp = 1
+  c.parallel.tp = 1
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 200
+  c.train.batch_size = 16         # Global batch, in sequences.
+  c.train.microbatches = 1        # Gradient accumulation inside one step.
+  c.train.seed = 0
+  c.train.log_every = 10
+  c.train.z_loss = 0.0            # Weight of the z-loss (mean logsumexp^2).
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "lamb"
+  c.optimizer.learning_rate = 1e-2  # Peak learning rate.
+  c.optimizer.warmup_steps = 20
+  c.optimizer.end_lr_ratio = 0.1    # Final learning rate as a fraction of the peak.
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.eps = 1e-6
+  c.optimizer.weight_decay = 0.01
+  c.optimizer.grad_clip_norm = 1.0  # 0 disables global-norm clipping.
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "synthetic"     # "synthetic" or "tokens" (a megajax-prepare-data file).
+  c.data.path = ""                # Token file (.bin with its .json, or .npy) for "tokens".
+  c.data.shuffle = True
+  c.data.synthetic_records = 1_000_000
+  c.data.read_threads = 2
+  c.data.prefetch = 4             # Batches the loader prepares ahead of the step.
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.save_params = True   # Write WORKDIR/params (Orbax) when training ends.
+  return c
+
+
+def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+  """Loads `get_config()` from a config file, applies {"model.num_layers": 4, ...}, validates."""
+  if not os.path.isfile(path):
+    raise ConfigError("config", path, "no such config file", "pass a path such as configs/default.py")
+  spec = importlib.util.spec_from_file_location("megajax_user_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for dotted, value in (overrides or {}).items():
+    _set_field(config, dotted, value)
+  validate(config)
+  return config
+
+
+def _set_field(config, dotted: str, value) -> None:
+  *parents, leaf = dotted.split(".")
+  node = config
+  for name in parents:
+    if name not in node:
+      raise ConfigError(dotted, value, "no such config field", "check the field names in megajax/config.py")
+    node = node[name]
+  if leaf not in node:
+    raise ConfigError(dotted, value, "no such config field", "check the field names in megajax/config.py")
+  node[leaf] = value
+
+
+def _require(ok: bool, field: str, value, problem: str, fix: str) -> None:
+  if not ok:
+    raise ConfigError(field, value, problem, fix)
+
+
+def _positive_int(config, field: str) -> None:
+  group, name = field.split(".")
+  value = config[group][name]
+  _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, field, value,
+           "must be a positive integer", f"set --config.{field} to 1 or more")
+
+
+def _choice(config, field: str, choices) -> None:
+  group, name = field.split(".")
+  value = config[group][name]
+  _require(value in choices, field, value, "unknown name", f"choose one of {', '.join(choices)}")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks the whole config; raises ConfigError on the first bad field. Touches no device."""
+  m, p, t, o, d = config.model, config.parallel, config.train, config.optimizer, config.data
+
+  for field in ("model.vocab_size", "model.seq_len", "model.num_layers", "model.hidden_dim",
+                "model.num_heads", "parallel.dp", "parallel.pp", "parallel.tp", "train.steps",
+                "train.batch_size", "train.microbatches", "train.log_every"):
+    _positive_int(config, field)
+  _choice(config, "model.block", BLOCKS)
+  _choice(config, "model.attention_impl", ATTENTION_IMPLS)
+  _choice(config, "model.compute_dtype", DTYPES)
+  _choice(config, "model.param_dtype", DTYPES)
+  _choice(config, "model.remat", REMAT_POLICIES)
+  _choice(config, "optimizer.name", OPTIMIZERS)
+  _choice(config, "data.source", DATA_SOURCES)
+
+  # Attention heads.
+  _require(m.hidden_dim % m.num_heads == 0, "model.num_heads", m.num_heads,
+           f"model.hidden_dim={m.hidden_dim} is not divisible by it",
+           f"use a divisor of {m.hidden_dim}, e.g. {_nearest_divisor(m.hidden_dim, m.num_heads)}")
+  head_dim = m.hidden_dim // m.num_heads
+  _require(head_dim % 2 == 0, "model.num_heads", m.num_heads,
+           f"head dim {head_dim} is odd and rotary embeddings need it even",
+           "pick num_heads so that hidden_dim / num_heads is even")
+  _require((m.num_kv_heads or 0) >= 0, "model.num_kv_heads", m.num_kv_heads, "must be >= 0",
+           "set 0 (one KV head per query head) or a divisor of model.num_heads")
+  kv_heads = m.num_kv_heads or m.num_heads
+  _require(m.num_heads % kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+           f"model.num_heads={m.num_heads} is not divisible by it",
+           f"use a divisor of {m.num_heads}, e.g. {_nearest_divisor(m.num_heads, kv_heads)}")
+  _require(m.num_heads % p.tp == 0, "model.num_heads", m.num_heads,
+           f"not divisible by parallel.tp={p.tp}", "make the head count a multiple of parallel.tp")
+  _require((m.mlp_dim or 0) >= 0, "model.mlp_dim", m.mlp_dim, "must be >= 0", "set 0 (4 * hidden_dim) or a positive width")
+
+  # Sliding window.
+  window = m.window or 0  # None (from Python) and 0 (from the command line) both mean full causal.
+  _require(isinstance(window, int) and 0 <= window <= m.seq_len, "model.window", m.window,
+           f"must be between 1 and model.seq_len={m.seq_len}, or 0 for full causal attention",
+           f"set --config.model.window to a value in [1, {m.seq_len}] or 0")
+  pattern = m.window_pattern
+  _require(isinstance(pattern, str) and len(pattern) >= 1 and set(pattern) <= {"L", "G"},
+           "model.window_pattern", pattern, "must be a non-empty string of L (local) and G (global)",
+           "e.g. 'L' (every layer local) or 'LG' (alternate local and global)")
+  _require(window > 0 or "L" not in pattern or pattern == "L", "model.window_pattern", pattern,
+           "has local layers but model.window=0", "set model.window to the local width")
+
+  # Numbers.
+  for field in ("model.rope_theta", "model.layernorm_epsilon", "model.init_std",
+                "optimizer.learning_rate", "optimizer.eps"):
+    group, name = field.split(".")
+    value = config[group][name]
+    _require(isinstance(value, (int, float)) and value > 0, field, value, "must be a positive number",
+             f"set --config.{field} to a value > 0")
+  _require(0 <= o.b1 < 1, "optimizer.b1", o.b1, "must be in [0, 1)", "e.g. 0.9")
+  _require(0 <= o.b2 < 1, "optimizer.b2", o.b2, "must be in [0, 1)", "e.g. 0.999")
+  _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0", "e.g. 0.01")
+  _require(o.grad_clip_norm >= 0, "optimizer.grad_clip_norm", o.grad_clip_norm, "must be >= 0",
+           "e.g. 1.0, or 0 to disable clipping")
+  _require(0 <= o.end_lr_ratio <= 1, "optimizer.end_lr_ratio", o.end_lr_ratio, "must be in [0, 1]", "e.g. 0.1")
+  _require(isinstance(o.warmup_steps, int) and 0 <= o.warmup_steps < t.steps, "optimizer.warmup_steps",
+           o.warmup_steps, f"must be in [0, train.steps={t.steps})", "shorten the warmup or train longer")
+  _require(t.z_loss >= 0, "train.z_loss", t.z_loss, "must be >= 0", "e.g. 1e-4, or 0 to disable")
+
+  # Batch.
+  _require(t.batch_size % t.microbatches == 0, "train.microbatches", t.microbatches,
+           f"train.batch_size={t.batch_size} is not divisible by it",
+           f"use a divisor of {t.batch_size}, e.g. {_nearest_divisor(t.batch_size, t.microbatches)}")
+  _require((t.batch_size // t.microbatches) % p.dp == 0, "train.batch_size", t.batch_size,
+           f"a microbatch of {t.batch_size // t.microbatches} sequences does not split over parallel.dp={p.dp}",
+           "make batch_size a multiple of microbatches * parallel.dp")
+
+  # Data.
+  _require(d.read_threads >= 1, "data.read_threads", d.read_threads, "must be >= 1", "e.g. 2")
+  _require(d.prefetch >= 0, "data.prefetch", d.prefetch, "must be >= 0", "e.g. 4")
+  if d.source == "synthetic":
+    _require(d.synthetic_records >= t.batch_size, "data.synthetic_records", d.synthetic_records,
+             f"smaller than train.batch_size={t.batch_size}", "raise it")
+  else:
+    _require(bool(d.path) and d.path.endswith(TOKEN_FILE_SUFFIXES), "data.path", d.path,
+             "data.source='tokens' needs a .bin or .npy token file",
+             "make one with megajax-prepare-data and pass --config.data.path=FILE")
+    _require(os.path.isfile(d.path), "data.path", d.path, "file not found",
+             "check the path, or make the file with megajax-prepare-data")
+
+
+def check_runnable(config: ml_collections.ConfigDict) -> None:
+  """What this build can run, beyond a well-formed config: today one device (a 1x1x1 mesh)."""
+  for field in ("parallel.dp", "parallel.pp", "parallel.tp"):
+    group, name = field.split(".")
+    value = config[group][name]
+    _require(value == 1, field, value, "this version of megajax trains on one device (a 1x1x1 mesh)",
+             f"set --config.{field}=1")
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+  divisors = [k for k in range(1, n + 1) if n % k == 0]
+  return min(divisors, key=lambda k: (abs(k - near), -k))

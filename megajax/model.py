@@ -1,0 +1,160 @@
+"""The GPT decoder: embeddings -> N blocks (parallel or serial) -> final LayerNorm -> logits.
+
+parallel block (MegaScale's PTB, one shared LayerNorm):
+    y = x + Attn(LN(x)) + MLP(LN(x))
+serial block (GPT / Megatron pre-LN):
+    z = x + Attn(LN1(x));  y = z + MLP(LN2(z))
+
+Parameters are fp32 (param_dtype), matmuls run in compute_dtype, logits are fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from megajax.layers import Attention, Mlp, initializers, layer_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The model's typed, resolved fields (zeros in the ConfigDict become their defaults)."""
+
+  vocab_size: int
+  seq_len: int
+  num_layers: int
+  hidden_dim: int
+  num_heads: int
+  num_kv_heads: int
+  mlp_dim: int
+  window: int | None
+  window_pattern: str
+  block: str
+  attention_impl: str
+  compute_dtype: jnp.dtype
+  param_dtype: jnp.dtype
+  tie_embeddings: bool
+  use_bias: bool
+  rope_theta: float
+  layernorm_epsilon: float
+  init_std: float
+  remat: str
+
+  @classmethod
+  def from_config(cls, model: ml_collections.ConfigDict) -> "ModelConfig":
+    fields = {f.name: model[f.name] for f in dataclasses.fields(cls)}
+    fields["num_kv_heads"] = model.num_kv_heads or model.num_heads
+    fields["mlp_dim"] = model.mlp_dim or 4 * model.hidden_dim
+    fields["window"] = model.window or None
+    fields["compute_dtype"] = jnp.dtype(model.compute_dtype)
+    fields["param_dtype"] = jnp.dtype(model.param_dtype)
+    return cls(**fields)
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_dim // self.num_heads
+
+  def layer_window(self, layer: int) -> int | None:
+    """The window of one layer: `window` on local (L) layers, None on global (G) ones."""
+    local = self.window_pattern[layer % len(self.window_pattern)] == "L"
+    return self.window if local else None
+
+
+def _attention(config: ModelConfig, window: int | None) -> Attention:
+  # GPT-2: residual-output projections scaled by 1/sqrt(2 * layers) keep the stream's variance flat.
+  return Attention(
+      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+      window=window, rope_theta=config.rope_theta, use_bias=config.use_bias, init_std=config.init_std,
+      out_init_std=config.init_std / math.sqrt(2 * config.num_layers), impl=config.attention_impl,
+      dtype=config.compute_dtype, param_dtype=config.param_dtype, name="attention")
+
+
+def _mlp(config: ModelConfig) -> Mlp:
+  return Mlp(mlp_dim=config.mlp_dim, use_bias=config.use_bias, init_std=config.init_std,
+             out_init_std=config.init_std / math.sqrt(2 * config.num_layers),
+             dtype=config.compute_dtype, param_dtype=config.param_dtype, name="mlp")
+
+
+def _norm(config: ModelConfig, name: str) -> nn.LayerNorm:
+  return layer_norm(config.layernorm_epsilon, config.compute_dtype, config.param_dtype, name)
+
+
+class ParallelBlock(nn.Module):
+  config: ModelConfig
+  window: int | None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    h = _norm(self.config, "norm")(x)                                     # [b, s, hidden]
+    return x + _attention(self.config, self.window)(h, positions) + _mlp(self.config)(h)
+
+
+class SerialBlock(nn.Module):
+  config: ModelConfig
+  window: int | None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    z = x + _attention(self.config, self.window)(_norm(self.config, "attention_norm")(x), positions)
+    return z + _mlp(self.config)(_norm(self.config, "mlp_norm")(z))
+
+
+BLOCKS = {"parallel": ParallelBlock, "serial": SerialBlock}
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class GPT(nn.Module):
+  """tokens int32[b, s] -> logits float32[b, s, vocab]."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    c = self.config
+    batch, seq = tokens.shape
+    embedding = self.param("embedding", initializers.normal(c.init_std, ("vocab", "embed")),
+                           (c.vocab_size, c.hidden_dim), c.param_dtype)
+    x = jnp.take(embedding, tokens, axis=0).astype(c.compute_dtype)       # [b, s, hidden]
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+
+    block_cls = BLOCKS[c.block]
+    if c.remat != "none":
+      block_cls = nn.remat(block_cls, policy=REMAT_POLICIES[c.remat])
+    for layer in range(c.num_layers):
+      x = block_cls(c, c.layer_window(layer), name=f"layer_{layer}")(x, positions)
+
+    x = _norm(c, "final_norm")(x)
+    if c.tie_embeddings:
+      head = embedding.T                                                  # [hidden, vocab]
+    else:
+      head = self.param("head", initializers.normal(c.init_std, ("embed", "vocab")),
+                        (c.hidden_dim, c.vocab_size), c.param_dtype)
+    # fp32 accumulation and output: the softmax over a large vocab is sensitive to bf16 rounding.
+    return jnp.einsum("bsh,hv->bsv", x, head.astype(c.compute_dtype),
+                      preferred_element_type=jnp.float32)                 # [b, s, vocab]
+
+
+def init_params(model: GPT, rng: jax.Array) -> dict:
+  """Initializes the parameters as a plain pytree (logical-axis boxes removed)."""
+  tokens = jnp.zeros((1, model.config.seq_len), jnp.int32)
+  variables = jax.jit(model.init)(rng, tokens)
+  return nn.unbox(variables["params"])
+
+
+def logical_axes(model: GPT) -> dict:
+  """The logical axis names of every parameter (a pytree of PartitionSpecs), from shapes only."""
+  tokens = jax.ShapeDtypeStruct((1, model.config.seq_len), jnp.int32)
+  abstract = jax.eval_shape(model.init, jax.random.key(0), tokens)
+  return nn.get_partition_spec(abstract)["params"]
+
+
+def count_params(params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))

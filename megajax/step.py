@@ -1,0 +1,93 @@
+"""The training step: (state, batch) -> (state, metrics), with gradient accumulation.
+
+The step boundary carries plain pytrees (params, optax state); the 3D-parallel step
+replaces `make_train_step` behind the same signature.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from megajax.loss import cross_entropy_sums
+from megajax.model import GPT, init_params
+from megajax.optim import learning_rate_schedule
+
+
+class TrainState(NamedTuple):
+  step: jax.Array          # int32[], optimizer updates done
+  params: Any              # fp32 master parameters, a plain pytree
+  opt_state: Any           # optax state
+
+
+def make_loss_sums_fn(model: GPT, z_loss: float) -> Callable:
+  """(params, batch) -> (objective summed over masked tokens, stats with the token count)."""
+  def loss_sums(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])             # f32[b, s, vocab]
+    return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
+  return loss_sums
+
+
+def make_loss_fn(model: GPT, z_loss: float = 0.0) -> Callable:
+  """The pure loss: (params, batch) -> (mean objective per token, {"loss", "log_z_squared", "tokens"})."""
+  loss_sums = make_loss_sums_fn(model, z_loss)
+
+  def loss_fn(params, batch):
+    total, stats = loss_sums(params, batch)
+    tokens = jnp.maximum(stats["tokens"], 1.0)
+    return total / tokens, {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
+                            "tokens": stats["tokens"]}
+  return loss_fn
+
+
+def init_train_state(model: GPT, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+  params = init_params(model, rng)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params))
+
+
+def split_microbatches(batch: dict, microbatches: int) -> dict:
+  """[B, ...] -> [microbatches, B / microbatches, ...]; microbatch m is rows m*b:(m+1)*b."""
+  return jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+
+
+def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int):
+  """Summed gradients and stats over microbatches; one microbatch's activations live at a time."""
+  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  if microbatches == 1:
+    (_, stats), grads = grad_fn(params, batch)
+    return grads, stats
+
+  def one_microbatch(carry, microbatch):
+    grads_sum, stats_sum = carry
+    (_, stats), grads = grad_fn(params, microbatch)
+    return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, stats_sum, stats)), None
+
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  zero_stats = {"nll_sum": jnp.zeros(()), "z_sum": jnp.zeros(()), "tokens": jnp.zeros(())}
+  (grads, stats), _ = jax.lax.scan(one_microbatch, (zero_grads, zero_stats),
+                                   split_microbatches(batch, microbatches))
+  return grads, stats
+
+
+def make_train_step(model: GPT, optimizer: optax.GradientTransformation,
+                    config: ml_collections.ConfigDict) -> Callable:
+  """The jitted step. The input state is donated: its buffers become the output's."""
+  loss_sums = make_loss_sums_fn(model, config.train.z_loss)
+  schedule = learning_rate_schedule(config)
+  microbatches = config.train.microbatches
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    grads, stats = accumulate_gradients(loss_sums, state.params, batch, microbatches)
+    tokens = jnp.maximum(stats["tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)  # the mean over every token of the global batch
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
+               "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  return jax.jit(train_step, donate_argnums=0)

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny configs and models, built once per test session."""
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def tiny_config():
+  """A fresh, valid, fast config (tests mutate it freely)."""
+  from megajax.config import default_config
+  config = default_config()
+  config.model.num_layers = 2
+  config.model.hidden_dim = 32
+  config.model.num_heads = 4
+  config.model.seq_len = 16
+  config.model.vocab_size = 64
+  config.model.compute_dtype = "float32"
+  config.train.batch_size = 4
+  config.train.steps = 10
+  config.optimizer.warmup_steps = 2
+  return config
+
+
+def run_module(args, timeout=300, env=None):
+  """Runs `python -m ...` from the repo root; returns the CompletedProcess."""
+  import subprocess
+  full_env = {**os.environ, **(env or {})}
+  return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                        timeout=timeout, env=full_env)

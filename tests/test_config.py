@@ -1,0 +1,106 @@
+"""Config validation: every bad field is named in a one-line error with its fix."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megajax.config import ConfigError, check_runnable, default_config, load_config, validate
+from tests.conftest import REPO
+
+CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b"]
+
+# (field to set, value, field the message must name)
+INVALID = [
+    ("model.num_heads", 5, "model.num_heads"),              # 64 hidden not divisible by 5
+    ("model.num_heads", 0, "model.num_heads"),
+    ("model.num_kv_heads", 3, "model.num_kv_heads"),        # 4 heads not divisible by 3
+    ("model.hidden_dim", 36, "model.num_heads"),            # head dim 9 is odd (rotary)
+    ("model.window", 500, "model.window"),                  # larger than seq_len
+    ("model.window", -1, "model.window"),
+    ("model.window_pattern", "LXG", "model.window_pattern"),
+    ("model.block", "sandwich", "model.block"),
+    ("model.attention_impl", "flash3", "model.attention_impl"),
+    ("model.compute_dtype", "fp8", "model.compute_dtype"),
+    ("model.remat", "some", "model.remat"),
+    ("optimizer.name", "sgdm", "optimizer.name"),
+    ("optimizer.learning_rate", 0.0, "optimizer.learning_rate"),
+    ("optimizer.b2", 1.0, "optimizer.b2"),
+    ("optimizer.warmup_steps", 500, "optimizer.warmup_steps"),
+    ("train.microbatches", 3, "train.microbatches"),       # 16 not divisible by 3
+    ("train.batch_size", 0, "train.batch_size"),
+    ("train.steps", 0, "train.steps"),
+    ("data.source", "web", "data.source"),
+    ("model.mlp_dim", -8, "model.mlp_dim"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", INVALID, ids=[f"{f}={v}" for f, v, _ in INVALID])
+def test_invalid_config_names_the_field(field, value, named):
+  config = default_config()
+  group, name = field.split(".")
+  config[group][name] = value
+  with pytest.raises(ConfigError) as error:
+    validate(config)
+  message = str(error.value)
+  assert message.startswith(named + "="), message
+  assert "\n" not in message
+  assert ";" in message  # problem; fix
+
+
+def test_heads_must_split_over_tp():
+  config = default_config()
+  config.model.hidden_dim, config.parallel.tp = 96, 4
+  config.model.num_heads = 6
+  with pytest.raises(ConfigError, match=r"^model\.num_heads=6: not divisible by parallel\.tp=4"):
+    validate(config)
+
+
+def test_multi_device_meshes_are_refused_until_the_3d_step():
+  config = default_config()
+  config.parallel.tp = 2
+  validate(config)  # well-formed ...
+  with pytest.raises(ConfigError, match=r"^parallel\.tp=2: .*set --config\.parallel\.tp=1"):
+    check_runnable(config)  # ... but this build trains on one device
+
+
+def test_token_source_needs_an_existing_file(tmp_path):
+  config = default_config()
+  config.data.source = "tokens"
+  config.data.path = str(tmp_path / "missing.bin")
+  with pytest.raises(ConfigError, match=r"^data\.path=.*file not found"):
+    validate(config)
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_config_files_validate(name):
+  config = load_config(f"{REPO}/configs/{name}.py")
+  assert config.model.num_layers >= 1
+
+
+def test_paper_table1_shapes():
+  c175 = load_config(f"{REPO}/configs/gpt_175b.py")
+  assert (c175.model.num_layers, c175.model.hidden_dim, c175.model.num_heads) == (96, 12288, 128)
+  assert (c175.parallel.tp, c175.parallel.pp, c175.model.seq_len, c175.model.vocab_size) == (8, 8, 2048, 64000)
+  c530 = load_config(f"{REPO}/configs/gpt_530b.py")
+  assert (c530.model.num_layers, c530.model.hidden_dim, c530.model.num_heads) == (105, 20480, 160)
+  assert (c530.parallel.tp, c530.parallel.pp) == (8, 35)
+
+
+def test_load_config_overrides_and_rejects_unknown_fields():
+  config = load_config(f"{REPO}/configs/default.py", {"model.num_layers": 3})
+  assert config.model.num_layers == 3
+  with pytest.raises(ConfigError, match=r"^model\.num_layer="):
+    load_config(f"{REPO}/configs/default.py", {"model.num_layer": 3})
+
+
+def test_launcher_rejects_bad_config_in_one_line_before_compiling(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "megajax.launch.train", "--config=configs/default.py",
+       f"--workdir={tmp_path}/run", "--config.model.num_heads=5"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+  assert len(lines) == 1, lines
+  assert "model.num_heads" in lines[0] and "Traceback" not in lines[0]
+  assert not (tmp_path / "run").exists()  # nothing started
