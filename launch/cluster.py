@@ -1,15 +1,25 @@
 """Joining a multi-process JAX job: explicit flags, or what SLURM / Open MPI / Kubernetes set.
 
-jax.distributed.initialize() reads the cluster's environment itself; we only decide whether
-there is a cluster at all, so a plain `megajax-train` on a workstation stays single-process.
+jax.distributed.initialize() reads the cluster's environment itself; we decide whether this
+is such a job (with the variables jax's own detectors need), so a plain `megajax-train` on a
+workstation stays single-process and a half-configured job fails with one clear line.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from absl import logging
 import jax
+
+# The variables jax.distributed's detectors read (jax/_src/clusters/*.py).
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+OPENMPI_VARS = ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+
+
+class TopologyError(ValueError):
+  """The process topology is incomplete or cannot be detected; the message says what to pass."""
 
 
 def _int_env(name: str) -> int:
@@ -20,12 +30,16 @@ def _int_env(name: str) -> int:
 
 
 def detected_cluster() -> str | None:
-  """The multi-process launcher this process runs under, if any."""
-  if "SLURM_JOB_ID" in os.environ and _int_env("SLURM_NTASKS") > 1:
+  """The multi-process launcher this process runs under, if any (one-task jobs count as none)."""
+  if all(var in os.environ for var in SLURM_VARS) and _int_env("SLURM_NTASKS") > 1:
     return "slurm"
-  if _int_env("OMPI_COMM_WORLD_SIZE") > 1:
+  if all(var in os.environ for var in OPENMPI_VARS) and _int_env("OMPI_COMM_WORLD_SIZE") > 1:
     return "openmpi"
   if "KUBERNETES_SERVICE_HOST" in os.environ and "JOB_COMPLETION_INDEX" in os.environ:
+    if importlib.util.find_spec("kubernetes") is None:
+      raise TopologyError("a Kubernetes indexed job was detected but jax needs the `kubernetes` package to "
+                          "find its peers; pip install 'megajax[k8s]', or pass --coordinator_address, "
+                          "--num_processes and --process_id")
     return "kubernetes"
   return None
 
@@ -33,11 +47,13 @@ def detected_cluster() -> str | None:
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> str:
   """Starts jax.distributed when this is a multi-process job; returns how the job was formed."""
-  explicit = [coordinator_address, num_processes, process_id]
-  if any(value is not None for value in explicit):
-    if any(value is None for value in explicit):
-      raise ValueError("--coordinator_address, --num_processes and --process_id go together; "
-                       "pass all three, or none to auto-detect SLURM / Open MPI / Kubernetes")
+  explicit = {"--coordinator_address": coordinator_address, "--num_processes": num_processes,
+              "--process_id": process_id}
+  if any(value is not None for value in explicit.values()):
+    missing = [name for name, value in explicit.items() if value is None]
+    if missing:
+      raise TopologyError(f"{', '.join(missing)} missing; pass --coordinator_address, --num_processes and "
+                          "--process_id together, or none of them to auto-detect SLURM / Open MPI / Kubernetes")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     how = f"explicit ({num_processes} processes, coordinator {coordinator_address})"
   elif (cluster := detected_cluster()) is not None:

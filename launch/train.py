@@ -5,8 +5,11 @@ r"""megajax-train: train a model from a config file.
 
 Every knob is a config field (`--config.a.b=v`); the only other flags are the workdir and
 the process topology for jax.distributed (auto-detected on SLURM / Open MPI / Kubernetes).
+Mistakes in the config or flags end the run with one line on stderr and exit code 2,
+before anything is compiled.
 """
 
+import os
 import re
 import sys
 
@@ -15,7 +18,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from megajax.config import ConfigError, check_runnable, validate
+from megajax.config import ConfigError, check_runnable, default_config, validate
+from megajax.launch.cluster import TopologyError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -25,53 +29,67 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the j
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
 flags.mark_flags_as_required(["config", "workdir"])
 
+# megajax's own source folders (megajax/, layers/, launch/, ... install as one namespace).
+_OUR_DIRS = tuple(os.path.dirname(os.path.abspath(__import__(name, fromlist=["_"]).__file__)) + os.sep
+                  for name in ("megajax", "megajax.layers", "megajax.parallel", "megajax.checkpoint",
+                               "megajax.launch"))
+
 
 class _QuietLibraries(logging.logging.Filter):
   """Keeps megajax's own INFO lines and every library's warnings; drops libraries' INFO chatter."""
 
   def filter(self, record):
-    return record.levelno >= logging.logging.WARNING or "megajax" in record.pathname
+    return record.levelno >= logging.logging.WARNING or record.pathname.startswith(_OUR_DIRS)
+
+
+def _fail(kind: str, message) -> None:
+  print(f"megajax-train: {kind}: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
   # Validate before jax touches a device or compiles anything.
   try:
     validate(config)
     check_runnable(config)
   except ConfigError as error:
-    print(f"megajax-train: config error: {error}", file=sys.stderr)
-    sys.exit(2)
+    _fail("config error", error)
 
   from megajax import trainer  # Imported late: a bad config fails fast.
   from megajax.launch.cluster import initialize_distributed
 
-  initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  result = trainer.train(config, _WORKDIR.value)
+  try:
+    initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    # Data-dependent checks (token file, vocabulary, process count) run before the first compile.
+    result = trainer.train(config, _WORKDIR.value)
+  except TopologyError as error:
+    _fail("topology error", error)
+  except ConfigError as error:
+    _fail("config error", error)
   last = result.history[-1]
   logging.info("done: step %d, loss %.4f; metrics in %s/metrics.jsonl", last["step"], last["loss"],
                _WORKDIR.value)
 
 
 def parse_flags(argv):
-  """absl's parser, but a mistyped --config.a.b is one line naming it, not a traceback."""
+  """absl's parser, but a flag mistake is one line naming it, not a usage dump or a traceback."""
   try:
     return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as error:
+  except flags.Error as error:
+    _fail("flag error", " ".join(str(error).split()))
+  except (AttributeError, KeyError) as error:  # config_flags on an unknown --config.a.b
     field = next((arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")
                   and _not_a_field(arg.split("=")[0][len("--config."):])), "--config.?")
     suggestion = re.search(r'Did you mean "[^"]+"', str(error))
     hint = f" ({suggestion.group(0)}?)" if suggestion else ""
-    print(f"megajax-train: config error: {field[2:]}: no such config field{hint}; "
-          "see megajax/config.py for the fields", file=sys.stderr)
-    sys.exit(2)
+    _fail("config error", f"{field[2:]}: no such config field{hint}; see megajax/config.py for the fields")
 
 
 def _not_a_field(dotted: str) -> bool:
-  from megajax.config import default_config
   node = default_config()
   for name in dotted.split("."):
     if not hasattr(node, "keys") or name not in node:

@@ -75,16 +75,16 @@ class Attention(nn.Module):
     # x: [b, s, hidden]; positions: [b, s]
     hidden = x.shape[-1]
 
-    def projection(heads: int, name: str):
+    def projection(heads: int, heads_axis: str, name: str):
       return nn.DenseGeneral(
           features=(heads, self.head_dim), use_bias=self.use_bias, dtype=self.dtype,
           param_dtype=self.param_dtype, name=name,
-          kernel_init=initializers.normal(self.init_std, ("embed", "heads", "head_dim")),
-          bias_init=initializers.zeros(("heads", "head_dim")))
+          kernel_init=initializers.normal(self.init_std, ("embed", heads_axis, "head_dim")),
+          bias_init=initializers.zeros((heads_axis, "head_dim")))
 
-    q = projection(self.num_heads, "query")(x)                            # [b, s, h, d]
-    k = projection(self.num_kv_heads, "key")(x)                           # [b, s, kv_h, d]
-    v = projection(self.num_kv_heads, "value")(x)
+    q = projection(self.num_heads, "heads", "query")(x)                   # [b, s, h, d]
+    k = projection(self.num_kv_heads, "kv_heads", "key")(x)               # [b, s, kv_h, d]
+    v = projection(self.num_kv_heads, "kv_heads", "value")(x)
     q = rotary_embedding(q, positions, self.rope_theta)
     k = rotary_embedding(k, positions, self.rope_theta)
     out = ATTENTION_IMPLS[self.impl](q, k, v, self.window)                # [b, s, h, d]

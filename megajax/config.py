@@ -170,6 +170,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
            f"use a divisor of {m.num_heads}, e.g. {_nearest_divisor(m.num_heads, kv_heads)}")
   _require(m.num_heads % p.tp == 0, "model.num_heads", m.num_heads,
            f"not divisible by parallel.tp={p.tp}", "make the head count a multiple of parallel.tp")
+  _require(kv_heads % p.tp == 0, "model.num_kv_heads", m.num_kv_heads,
+           f"{kv_heads} KV heads do not split over parallel.tp={p.tp}",
+           "use a multiple of parallel.tp KV heads (or 0 for one per query head)")
   _require((m.mlp_dim or 0) >= 0, "model.mlp_dim", m.mlp_dim, "must be >= 0", "set 0 (4 * hidden_dim) or a positive width")
 
   # Sliding window.
@@ -223,8 +226,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
              "check the path, or make the file with megajax-prepare-data")
 
 
-def check_runnable(config: ml_collections.ConfigDict) -> None:
+def check_runnable(config: ml_collections.ConfigDict, process_count: int = 1) -> None:
   """What this build can run, beyond a well-formed config: today one device (a 1x1x1 mesh)."""
+  _require(process_count == 1, "process count", process_count,
+           "this version of megajax trains on one device in one process",
+           "run a single process (multi-host training needs the 3D step)")
   for field in ("parallel.dp", "parallel.pp", "parallel.tp"):
     group, name = field.split(".")
     value = config[group][name]

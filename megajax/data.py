@@ -233,7 +233,7 @@ def make_iterator(config, process_index: int | None = None, process_count: int |
   from the same config and process layout resumes at exactly the next batch.
   """
   if process_index is None or process_count is None:
-    import jax  # Only here, so that data preparation does not import jax.
+    import jax  # Only needed when the caller leaves the process layout to jax.
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   return iter(make_dataset(config, process_index, process_count))

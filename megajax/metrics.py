@@ -1,5 +1,7 @@
 """Where training metrics go: WORKDIR/metrics.jsonl, TensorBoard scalars, and the terminal.
 
+metrics.jsonl is rewritten by each run (there is no resume yet to continue it).
+
 Only process 0 writes. On a terminal the step shows as a progress bar; otherwise (a batch
 job's log file) each logged step is one plain log line.
 """
@@ -33,7 +35,7 @@ class MetricsWriter:
       return
     if workdir:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w", buffering=1)
       self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
     if progress if progress is not None else sys.stderr.isatty():
       from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -52,11 +54,18 @@ class MetricsWriter:
       for name, value in record.items():
         if name != "step" and isinstance(value, (int, float)):
           self._tensorboard.add_scalar(name, value, step)
-    summary = "  ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "step")
     if self._progress:
-      self._progress.update(self._task, completed=step, description=summary)
+      short = {k: record.get(k) for k in ("loss", "tokens_per_sec", "mfu") if record.get(k) is not None}
+      self._progress.update(self._task, completed=step,
+                            description="  ".join(f"{k}={_fmt(v)}" for k, v in short.items()))
     else:
+      summary = "  ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "step")
       logging.info("step %d/%d  %s", step, self.total_steps, summary)
+
+  def step_done(self, step: int) -> None:
+    """Moves the progress bar (a cheap call; rich redraws at its own pace)."""
+    if self.enabled and self._progress:
+      self._progress.update(self._task, completed=step)
 
   def close(self) -> None:
     if self._progress:

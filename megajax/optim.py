@@ -23,11 +23,16 @@ def matrix_mask(params):
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup to the peak, cosine decay to end_lr_ratio * peak at train.steps."""
+  """Linear warmup to the peak, cosine decay to end_lr_ratio * peak at the last step.
+
+  Indexed by optax's update count (0 for the first update); the curve is read at count + 1
+  so the first update is not spent at learning rate 0 and the last one lands on the end value.
+  """
   o = config.optimizer
-  return optax.warmup_cosine_decay_schedule(
+  curve = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
       decay_steps=config.train.steps, end_value=o.learning_rate * o.end_lr_ratio)
+  return lambda count: curve(count + 1)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:

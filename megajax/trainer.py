@@ -1,6 +1,6 @@
 """The training loop as a library: `train(config, workdir)` runs `config.train.steps` steps.
 
-Sections run in order: model and optimizer -> state -> data -> step -> loop -> export.
+Sections run in order: model and optimizer -> data -> state -> step -> loop -> export.
 The launcher (megajax.launch.train) and the Python API both call `train`.
 """
 
@@ -41,27 +41,12 @@ def should_log(step: int, config: ml_collections.ConfigDict) -> bool:
   return step == 1 or step % config.train.log_every == 0 or step == config.train.steps
 
 
-def train(config: ml_collections.ConfigDict, workdir: str | None = None,
-          progress: bool | None = None) -> TrainResult:
-  validate(config)
-  check_runnable(config)
-  is_chief = jax.process_index() == 0
-  if workdir and is_chief:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json(indent=2))
-
-  # --- Model and optimizer.
-  model = build_model(config)
-  optimizer = make_optimizer(config)
-
+def _run_loop(config, model, optimizer, batches, workdir, progress, is_chief):
+  """State -> step -> the loop; returns the final state and the logged metrics."""
   # --- State.
   state = init_train_state(model, optimizer, jax.random.key(config.train.seed))
   logging.info("model: %s block, %d layers, %.2fM parameters", config.model.block,
                config.model.num_layers, count_params(state.params) / 1e6)
-
-  # --- Data: one loader per process, batches prefetched onto the device during the step.
-  batches = data.DevicePrefetcher(data.make_iterator(config), put_fn=jax.device_put)
 
   # --- Step.
   train_step = make_train_step(model, optimizer, config)
@@ -77,6 +62,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
   try:
     for step in range(1, config.train.steps + 1):
       state, metrics = train_step(state, next(batches))
+      writer.step_done(step)
       if not should_log(step, config):
         continue
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
@@ -95,7 +81,28 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
       writer.write(step, record)
   finally:
     writer.close()
-    batches.close()
+  return state, history
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | None = None,
+          progress: bool | None = None) -> TrainResult:
+  validate(config)
+  check_runnable(config, jax.process_count())
+  is_chief = jax.process_index() == 0
+
+  # --- Model and optimizer.
+  model = build_model(config)
+  optimizer = make_optimizer(config)
+
+  # --- Data (before anything compiles: a bad token file fails fast). One loader per process;
+  # batches are prefetched onto the device while the step runs.
+  iterator = data.make_iterator(config)
+  if workdir and is_chief:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json(indent=2))
+  with data.DevicePrefetcher(iterator, put_fn=jax.device_put) as batches:
+    state, history = _run_loop(config, model, optimizer, batches, workdir, progress, is_chief)
 
   # --- Export.
   if workdir and config.checkpoint.save_params:

@@ -135,10 +135,17 @@ def test_grouped_attention_equals_repeated_kv_heads():
 
 
 def test_dtype_policy(tiny_config):
+  """fp32 params, bf16 matmuls in the blocks, fp32 logits."""
   tiny_config.model.compute_dtype = "bfloat16"
   model, params = build(tiny_config)
+  tokens = random_tokens(tiny_config)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-  assert model.apply({"params": params}, random_tokens(tiny_config)).dtype == jnp.float32
+  assert model.apply({"params": params}, tokens).dtype == jnp.float32
+  jaxpr = jax.make_jaxpr(model.apply)({"params": params}, tokens)
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+  operand_dtypes = {str(v.aval.dtype) for e in dots for v in e.invars}
+  assert operand_dtypes == {"bfloat16"}, operand_dtypes  # no matmul left in fp32
+  assert str(dots[-1].outvars[0].aval.dtype) == "float32"  # the logits accumulate in fp32
 
 
 def test_every_parameter_has_logical_axes(tiny_config):
@@ -163,3 +170,20 @@ def test_cross_entropy_mask_and_z_loss():
   # Masked positions do not matter.
   noisy = logits.at[0, 4].set(100.0)
   np.testing.assert_allclose(cross_entropy(noisy, targets, mask), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_changes_memory_not_math(tiny_config, remat):
+  model, params = build(tiny_config)
+  tokens = random_tokens(tiny_config)
+  batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1), "loss_mask": jnp.ones(tokens.shape)}
+  reference = jax.grad(lambda p: make_loss_fn(model)(p, batch)[0])(params)
+  tiny_config.model.remat = remat
+  remat_model = GPT(ModelConfig.from_config(tiny_config.model))
+  grads = jax.grad(lambda p: make_loss_fn(remat_model)(p, batch)[0])(params)
+  for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  # The recompute is really in the program: remat lowers to optimization barriers.
+  lowered = lambda m: jax.jit(jax.grad(lambda p: make_loss_fn(m)(p, batch)[0])).lower(params).as_text()
+  assert "optimization_barrier" in lowered(remat_model)
+  assert "optimization_barrier" not in lowered(model)

@@ -87,10 +87,10 @@ def test_warmup_cosine_schedule():
   config = default_config()
   config.train.steps, config.optimizer.warmup_steps = 100, 10
   config.optimizer.learning_rate, config.optimizer.end_lr_ratio = 1.0, 0.1
-  schedule = learning_rate_schedule(config)
-  assert float(schedule(0)) == 0.0
-  np.testing.assert_allclose(float(schedule(10)), 1.0, rtol=1e-6)
-  np.testing.assert_allclose(float(schedule(100)), 0.1, rtol=1e-6)
+  schedule = learning_rate_schedule(config)  # indexed by update count: 0 is the first update
+  np.testing.assert_allclose(float(schedule(0)), 0.1, rtol=1e-6)   # 1/10 of the warmup, not 0
+  np.testing.assert_allclose(float(schedule(9)), 1.0, rtol=1e-6)   # warmup done
+  np.testing.assert_allclose(float(schedule(99)), 0.1, rtol=1e-6)  # the last update: end value
   assert float(schedule(50)) > float(schedule(90))
 
 
