@@ -18,8 +18,9 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from megajax import trainer
 from megajax.config import ConfigError, check_runnable, default_config, validate
-from megajax.launch.cluster import TopologyError
+from megajax.launch.cluster import TopologyError, initialize_distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -52,15 +53,12 @@ def main(argv):
   if len(argv) > 1:
     _fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
-  # Validate before jax touches a device or compiles anything.
+  # Validate before jax.distributed (which can wait minutes for peers) or any compile.
   try:
     validate(config)
     check_runnable(config)
   except ConfigError as error:
     _fail("config error", error)
-
-  from megajax import trainer  # Imported late: a bad config fails fast.
-  from megajax.launch.cluster import initialize_distributed
 
   try:
     initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)

@@ -23,6 +23,13 @@ def one_line_failure(result, *expected):
   return lines[0]
 
 
+def test_bad_config_is_one_line_before_anything_starts(tmp_path):
+  line = one_line_failure(run_module([*TRAIN, f"--workdir={tmp_path}/run", "--config.model.num_heads=5"]),
+                          "config error", "model.num_heads")
+  assert line.startswith("megajax-train: config error: model.num_heads=5:")
+  assert not (tmp_path / "run").exists()  # nothing started
+
+
 def test_bad_flag_value_is_one_line(tmp_path):
   one_line_failure(run_module([*TRAIN, f"--workdir={tmp_path}", "--config.model.num_heads=abc"]),
                    "flag error", "config.model.num_heads")
