@@ -44,6 +44,18 @@ def detected_cluster() -> str | None:
   return None
 
 
+def request_host_devices(count: int) -> None:
+  """Asks XLA for `count` CPU devices in this process, unless XLA_FLAGS already says how many.
+
+  Must run before jax starts its backend. Only the CPU platform reads the flag, so on a GPU
+  machine it changes nothing; on a CPU-only one it lets a dp x tp mesh run on one host.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if count > 1 and "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    logging.info("XLA_FLAGS: %s CPU devices per process (used only when there is no GPU)", count)
+
+
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> str:
   """Starts jax.distributed when this is a multi-process job; returns how the job was formed."""
@@ -54,9 +66,11 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if missing:
       raise TopologyError(f"{', '.join(missing)} missing; pass --coordinator_address, --num_processes and "
                           "--process_id together, or none of them to auto-detect SLURM / Open MPI / Kubernetes")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over gloo
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     how = f"explicit ({num_processes} processes, coordinator {coordinator_address})"
   elif (cluster := detected_cluster()) is not None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize()
     how = f"{cluster} ({jax.process_count()} processes)"
   else:

@@ -21,6 +21,7 @@ OPTIMIZERS = ("lamb", "adamw")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("synthetic", "tokens")
+TP_OVERLAP_MODES = ("none", "collective_matmul", "xla")
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")
 
 
@@ -61,6 +62,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.parallel.dp = 1
   c.parallel.pp = 1
   c.parallel.tp = 1
+  # How tensor-parallel collectives meet the matmuls: "none" (all-gather, then matmul),
+  # "collective_matmul" (ppermute rings fused with the matmul chunks, MegaScale Fig. 3c) or
+  # "xla" (plain collectives + XLA's windowed-einsum rewrite on GPU).
+  c.parallel.tp_overlap = "collective_matmul"
+  c.parallel.tp_overlap_chunks = 2  # Sequence chunks per ring step (2: one per ring direction).
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200
@@ -143,7 +149,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   m, p, t, o, d = config.model, config.parallel, config.train, config.optimizer, config.data
 
   for field in ("model.vocab_size", "model.seq_len", "model.num_layers", "model.hidden_dim",
-                "model.num_heads", "parallel.dp", "parallel.pp", "parallel.tp", "train.steps",
+                "model.num_heads", "parallel.dp", "parallel.pp", "parallel.tp", "parallel.tp_overlap_chunks",
+                "train.steps",
                 "train.batch_size", "train.microbatches", "train.log_every"):
     _positive_int(config, field)
   _choice(config, "model.block", BLOCKS)
@@ -153,6 +160,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _choice(config, "model.remat", REMAT_POLICIES)
   _choice(config, "optimizer.name", OPTIMIZERS)
   _choice(config, "data.source", DATA_SOURCES)
+  _choice(config, "parallel.tp_overlap", TP_OVERLAP_MODES)
 
   # Attention heads.
   _require(m.hidden_dim % m.num_heads == 0, "model.num_heads", m.num_heads,
@@ -174,6 +182,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
            f"{kv_heads} KV heads do not split over parallel.tp={p.tp}",
            "use a multiple of parallel.tp KV heads (or 0 for one per query head)")
   _require((m.mlp_dim or 0) >= 0, "model.mlp_dim", m.mlp_dim, "must be >= 0", "set 0 (4 * hidden_dim) or a positive width")
+
+  # Tensor + sequence parallelism: heads (above), MLP units, vocabulary and sequence split over tp.
+  mlp_dim = m.mlp_dim or 4 * m.hidden_dim
+  _require(mlp_dim % p.tp == 0, "model.mlp_dim", m.mlp_dim, f"{mlp_dim} MLP units do not split over parallel.tp={p.tp}",
+           "use a multiple of parallel.tp")
+  _require(m.vocab_size % p.tp == 0, "model.vocab_size", m.vocab_size,
+           f"the vocabulary does not split over parallel.tp={p.tp}",
+           f"pad it to a multiple of parallel.tp, e.g. {-(-m.vocab_size // p.tp) * p.tp} (extra ids are never seen)")
+  _require(m.seq_len % p.tp == 0, "model.seq_len", m.seq_len,
+           f"sequence parallelism splits it over parallel.tp={p.tp}", "use a multiple of parallel.tp")
+  if p.tp_overlap == "collective_matmul":
+    _require(m.seq_len % (p.tp * p.tp_overlap_chunks) == 0, "parallel.tp_overlap_chunks", p.tp_overlap_chunks,
+             f"each device's {m.seq_len // p.tp}-token sequence shard must split into this many chunks",
+             f"use a divisor of {m.seq_len // p.tp}, e.g. {_nearest_divisor(m.seq_len // p.tp, p.tp_overlap_chunks)}")
 
   # Sliding window.
   window = m.window or 0  # None (from Python) and 0 (from the command line) both mean full causal.
@@ -226,16 +248,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
              "check the path, or make the file with megajax-prepare-data")
 
 
-def check_runnable(config: ml_collections.ConfigDict, process_count: int = 1) -> None:
-  """What this build can run, beyond a well-formed config: today one device (a 1x1x1 mesh)."""
-  _require(process_count == 1, "process count", process_count,
-           "this version of megajax trains on one device in one process",
-           "run a single process (multi-host training needs the 3D step)")
-  for field in ("parallel.dp", "parallel.pp", "parallel.tp"):
-    group, name = field.split(".")
-    value = config[group][name]
-    _require(value == 1, field, value, "this version of megajax trains on one device (a 1x1x1 mesh)",
-             f"set --config.{field}=1")
+def check_runnable(config: ml_collections.ConfigDict) -> None:
+  """What this build can run, beyond a well-formed config: every (dp, 1, tp) mesh."""
+  _require(config.parallel.pp == 1, "parallel.pp", config.parallel.pp,
+           "pipeline parallelism is not in this version of megajax (the (dp, pp, tp) step runs pp=1)",
+           "set --config.parallel.pp=1 and use dp and tp")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

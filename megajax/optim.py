@@ -3,11 +3,19 @@
 LAMB = clip -> Adam moments -> + weight decay -> x trust ratio ||w|| / ||u|| -> x -lr.
 Weight decay and the trust ratio apply to matrices (kernels, embeddings) only: biases and
 LayerNorm scales keep plain Adam steps (optax.lamb's `mask` covers only the decay).
+
+The two steps that need norms (global-norm clipping, the trust ratio) take a `squared_norms`
+function when the tensors are sharded: the 3D step passes one that sums each leaf's local
+squares over the mesh axes the leaf is split on, so LAMB sees the norms of the whole tensors
+and the sharded update equals the single-device one. Without it they are optax's own.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -35,16 +43,55 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   return lambda count: curve(count + 1)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+# squared_norms(tree) -> a tree of scalars, each leaf's squared L2 norm over the whole tensor.
+SquaredNorms = Callable[[optax.Updates], optax.Updates]
+
+
+def global_norm(tree, squared_norms: SquaredNorms) -> jax.Array:
+  return jnp.sqrt(sum(jax.tree.leaves(squared_norms(tree))))
+
+
+def clip_by_global_norm(max_norm: float, squared_norms: SquaredNorms) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm, with the norm taken by `squared_norms`."""
+  def update_fn(updates, state, params=None):
+    del params
+    norm = global_norm(updates, squared_norms)
+    keep = norm < max_norm
+    return jax.tree.map(lambda t: jnp.where(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def scale_by_trust_ratio(mask_fn, squared_norms: SquaredNorms) -> optax.GradientTransformation:
+  """optax.masked(optax.scale_by_trust_ratio(), mask_fn), with the norms taken by `squared_norms`."""
+  def update_fn(updates, state, params):
+    param_norms = jax.tree.map(jnp.sqrt, squared_norms(params))
+    update_norms = jax.tree.map(jnp.sqrt, squared_norms(updates))
+
+    def scale(update, param_norm, update_norm, masked):
+      ratio = jnp.where((param_norm == 0.0) | (update_norm == 0.0), 1.0, param_norm / update_norm)
+      return update * ratio.astype(update.dtype) if masked else update
+    return jax.tree.map(scale, updates, param_norms, update_norms, mask_fn(params)), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def make_optimizer(config: ml_collections.ConfigDict,
+                   squared_norms: SquaredNorms | None = None) -> optax.GradientTransformation:
+  """LAMB or AdamW. `squared_norms`: the whole-tensor norms of sharded leaves (see above)."""
   o = config.optimizer
   schedule = learning_rate_schedule(config)
-  clip = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
+  if squared_norms is None:
+    clip = optax.clip_by_global_norm(o.grad_clip_norm)
+    trust_ratio = optax.masked(optax.scale_by_trust_ratio(), matrix_mask)
+  else:
+    clip = clip_by_global_norm(o.grad_clip_norm, squared_norms)
+    trust_ratio = scale_by_trust_ratio(matrix_mask, squared_norms)
+  clip = [clip] if o.grad_clip_norm > 0 else []
   if o.name == "lamb":
     return optax.chain(
         *clip,
         optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
         optax.add_decayed_weights(o.weight_decay, mask=matrix_mask),
-        optax.masked(optax.scale_by_trust_ratio(), matrix_mask),
+        trust_ratio,
         optax.scale_by_learning_rate(schedule))
   if o.name == "adamw":
     return optax.chain(

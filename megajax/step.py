@@ -66,10 +66,12 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
     (_, stats), grads = grad_fn(params, microbatch)
     return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, stats_sum, stats)), None
 
+  microbatches = split_microbatches(batch, microbatches)
   zero_grads = jax.tree.map(jnp.zeros_like, params)
-  zero_stats = {"nll_sum": jnp.zeros(()), "z_sum": jnp.zeros(()), "tokens": jnp.zeros(())}
-  (grads, stats), _ = jax.lax.scan(one_microbatch, (zero_grads, zero_stats),
-                                   split_microbatches(batch, microbatches))
+  # Typed like the batch: inside a shard_map the stats vary over dp as the batch does.
+  zero = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)
+  zero_stats = {"nll_sum": zero, "z_sum": zero, "tokens": zero}
+  (grads, stats), _ = jax.lax.scan(one_microbatch, (zero_grads, zero_stats), microbatches)
   return grads, stats
 
 

@@ -1,13 +1,13 @@
 """The training loop as a library: `train(config, workdir)` runs `config.train.steps` steps.
 
-Sections run in order: model and optimizer -> data -> state -> step -> loop -> export.
-The launcher (megajax.launch.train) and the Python API both call `train`.
+Sections run in order: model, mesh and plan -> data -> state -> step -> loop -> export.
+The launcher (megajax.launch.train) and the Python API both call `train`. Every run, one
+device or many, goes through the 3D-parallel step (megajax.parallel.step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 
@@ -21,9 +21,8 @@ from megajax.config import check_runnable, validate
 from megajax.flops import mfu, training_flops_per_token
 from megajax.metrics import MetricsWriter
 from megajax.model import GPT, ModelConfig, count_params
-from megajax.optim import make_optimizer
-from megajax.parallel import mesh_shape
-from megajax.step import TrainState, init_train_state, make_train_step
+from megajax.parallel import ParallelPlan, local_batch_slice, make_mesh
+from megajax.step import TrainState
 
 
 @dataclasses.dataclass
@@ -41,19 +40,20 @@ def should_log(step: int, config: ml_collections.ConfigDict) -> bool:
   return step == 1 or step % config.train.log_every == 0 or step == config.train.steps
 
 
-def _run_loop(config, model, optimizer, batches, workdir, progress, is_chief):
+def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief):
   """State -> step -> the loop; returns the final state and the logged metrics."""
-  # --- State.
-  state = init_train_state(model, optimizer, jax.random.key(config.train.seed))
-  logging.info("model: %s block, %d layers, %.2fM parameters", config.model.block,
-               config.model.num_layers, count_params(state.params) / 1e6)
+  # --- State: each device initializes only its own shards.
+  state = plan.init_state(jax.random.key(config.train.seed))
+  logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
+               config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
+               *plan.mesh.devices.shape, config.parallel.tp_overlap)
 
   # --- Step.
-  train_step = make_train_step(model, optimizer, config)
+  train_step = plan.train_step()
   tokens_per_step = config.train.batch_size * config.model.seq_len
-  flops_per_token = training_flops_per_token(model.config)
-  device_kind = jax.devices()[0].device_kind
-  num_devices = math.prod(mesh_shape(config))
+  flops_per_token = training_flops_per_token(plan.model.config)
+  device_kind = plan.mesh.devices.flat[0].device_kind
+  num_devices = plan.mesh.size
 
   # --- Loop.
   writer = MetricsWriter(workdir, config.train.steps, enabled=is_chief, progress=progress)
@@ -85,24 +85,27 @@ def _run_loop(config, model, optimizer, batches, workdir, progress, is_chief):
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | None = None,
-          progress: bool | None = None) -> TrainResult:
+          progress: bool | None = None, devices=None) -> TrainResult:
+  """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
   validate(config)
-  check_runnable(config, jax.process_count())
+  check_runnable(config)
   is_chief = jax.process_index() == 0
 
-  # --- Model and optimizer.
+  # --- Model, mesh, and the plan: each parameter's sharding and the optimizer over the shards.
   model = build_model(config)
-  optimizer = make_optimizer(config)
+  mesh = make_mesh(config, devices)
+  plan = ParallelPlan.build(config, model, mesh)
 
-  # --- Data (before anything compiles: a bad token file fails fast). One loader per process;
-  # batches are prefetched onto the device while the step runs.
-  iterator = data.make_iterator(config)
+  # --- Data (before anything compiles: a bad token file fails fast). One loader per process,
+  # reading only the rows of each global batch its devices hold; batches are prefetched onto
+  # the devices while the step runs.
+  iterator = data.make_iterator(config, *local_batch_slice(mesh, config.train.batch_size))
   if workdir and is_chief:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
-  with data.DevicePrefetcher(iterator, put_fn=jax.device_put) as batches:
-    state, history = _run_loop(config, model, optimizer, batches, workdir, progress, is_chief)
+  with data.DevicePrefetcher(iterator, put_fn=plan.put_batch) as batches:
+    state, history = _run_loop(config, plan, batches, workdir, progress, is_chief)
 
   # --- Export.
   if workdir and config.checkpoint.save_params:

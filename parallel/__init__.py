@@ -1,5 +1,16 @@
-"""Parallelism over the (dp, pp, tp) mesh. Today: the axis names every later piece shares."""
+"""Parallelism over the (dp, pp, tp) mesh: the mesh, tensor + sequence parallel layers,
+collective matmul, ZeRO sharding and the one-shard_map training step."""
 
-from megajax.parallel.mesh import DP, MESH_AXES, PP, TP, mesh_shape
+from megajax.parallel.collective_matmul import (OVERLAP_MODES, all_gather_matmul, column_parallel_linear,
+                                                matmul_reduce_scatter, row_parallel_linear)
+from megajax.parallel.mesh import (DP, MESH_AXES, PP, TP, batch_sharding, local_batch_slice, make_mesh,
+                                   mesh_shape)
+from megajax.parallel.sharding import Layout, param_layouts
+from megajax.parallel.step import ParallelPlan
+from megajax.parallel.tensor_parallel import Overlap, loss_sums
 
-__all__ = ["DP", "MESH_AXES", "PP", "TP", "mesh_shape"]
+__all__ = [
+    "DP", "Layout", "MESH_AXES", "OVERLAP_MODES", "Overlap", "PP", "ParallelPlan", "TP", "all_gather_matmul",
+    "batch_sharding", "column_parallel_linear", "local_batch_slice", "loss_sums", "make_mesh",
+    "matmul_reduce_scatter", "mesh_shape", "param_layouts", "row_parallel_linear",
+]

@@ -1,14 +1,106 @@
-"""Mesh axis names, shared by every sharding spec and collective in megajax.
+"""The (dp, pp, tp) device mesh, and the axis names every spec and collective in megajax uses.
 
-The mesh is (dp, pp, tp) with tp innermost so a tensor-parallel group stays on one host.
+Placement follows MegaScale section 2: tensor parallelism is the innermost axis, so a TP
+group is a set of devices on one host (NVLink); across hosts data-parallel groups are
+built before pipeline groups, so DP traffic crosses the fewest network tiers. The
+devices are laid out physically as (pp, dp, tp), outermost first, then viewed as
+(dp, pp, tp) - the order every spec in megajax is written in.
 """
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+
+from megajax.config import ConfigError
 
 DP = "dp"  # data parallel (ZeRO-2 shards optimizer state and gradients along it)
 PP = "pp"  # pipeline stages
 TP = "tp"  # tensor + sequence parallel
 MESH_AXES = (DP, PP, TP)
 
+# The whole step is one shard_map (manual on every axis), so the axes' type only matters for
+# the jitted code around it (initialization, batch placement): Auto lets XLA propagate the
+# shardings we hand to jit there, instead of jax 0.10's default of Explicit sharding-in-types.
+AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes a value inside shard_map varies over (its type's manual-axis info)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; older/newer lines keep `vma`
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
+
+
+def to_varying(x, axes: tuple[str, ...]):
+  """Marks a value equal on every device of `axes` as per-device there (no data moves), so
+  its gradient stays per-device too and the caller reduces it explicitly."""
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  if not missing:
+    return x
+  pcast = getattr(jax.lax, "pcast", None)
+  return pcast(x, missing, to="varying") if pcast is not None else jax.lax.pvary(x, missing)
+
 
 def mesh_shape(config) -> tuple[int, int, int]:
   """The (dp, pp, tp) sizes a config asks for."""
   return (config.parallel.dp, config.parallel.pp, config.parallel.tp)
+
+
+def _host_split(dp: int, pp: int, tp: int, per_host: int):
+  """(in-host, across-host) sizes in physical (pp, dp, tp) order; TP first, then DP, in a host."""
+  if per_host % tp:
+    raise ConfigError("parallel.tp", tp, f"a tensor-parallel group must fit on one host of {per_host} devices",
+                      f"use a divisor of {per_host}")
+  rest = per_host // tp
+  dp_in = math.gcd(dp, rest)
+  pp_in = math.gcd(pp, rest // dp_in)
+  if dp_in * pp_in * tp != per_host:
+    raise ConfigError("parallel", f"dp={dp} pp={pp} tp={tp}",
+                      f"hosts of {per_host} devices cannot be filled by whole dp/pp groups",
+                      "make dp * pp * tp a multiple of the devices per host with tp dividing it")
+  return (pp_in, dp_in, tp), (pp // pp_in, dp // dp_in, 1)
+
+
+def make_mesh(config, devices=None) -> Mesh:
+  """The (dp, pp, tp) mesh over `devices` (default: every device of the job)."""
+  dp, pp, tp = mesh_shape(config)
+  devices = list(jax.devices() if devices is None else devices)
+  if dp * pp * tp != len(devices):
+    raise ConfigError("parallel", f"dp={dp} pp={pp} tp={tp}",
+                      f"the mesh has {dp * pp * tp} devices but the job has {len(devices)}",
+                      f"choose dp * pp * tp = {len(devices)} (or run on {dp * pp * tp} devices; on CPU set "
+                      f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * pp * tp})")
+  processes = {d.process_index for d in devices}
+  if len(processes) == 1:
+    physical = mesh_utils.create_device_mesh((pp, dp, tp), devices, allow_split_physical_axes=True)
+  else:
+    in_host, across_hosts = _host_split(dp, pp, tp, len(devices) // len(processes))
+    physical = mesh_utils.create_hybrid_device_mesh(in_host, across_hosts, devices, process_is_granule=True,
+                                                    allow_split_physical_axes=True)
+  return Mesh(np.transpose(physical, (1, 0, 2)), MESH_AXES, axis_types=AXIS_TYPES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Global batches [B, ...]: rows split over dp, replicated over pp and tp."""
+  return NamedSharding(mesh, P(DP))
+
+
+def local_batch_slice(mesh: Mesh, global_batch: int) -> tuple[int, int]:
+  """(index, count): this process holds rows index*B/count .. (index+1)*B/count - 1 of each batch.
+
+  The data loader reads exactly these rows, so a process never loads data it does not hold.
+  """
+  indices = batch_sharding(mesh).addressable_devices_indices_map((global_batch,))
+  starts = sorted({s[0].start or 0 for s in indices.values()})
+  stops = sorted({s[0].stop if s[0].stop is not None else global_batch for s in indices.values()})
+  lo, hi = starts[0], stops[-1]
+  rows = hi - lo
+  if global_batch % rows or lo % rows or sum(stop - start for start, stop in zip(starts, stops)) != rows:
+    raise ConfigError("parallel", f"dp={mesh.shape[DP]}", "this process's batch rows are not one contiguous slice",
+                      "use a dp that is a multiple of the process count")
+  return lo // rows, global_batch // rows

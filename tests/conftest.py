@@ -7,6 +7,13 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Eight CPU devices in every test process (set before jax starts its backend), so every mesh
+# shape of the 3D step is testable; single-device tests pass devices=jax.devices()[:1].
+TEST_DEVICES = 8
+_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
+  os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS} --xla_force_host_platform_device_count={TEST_DEVICES}".strip()
+
 
 @pytest.fixture
 def tiny_config():
@@ -26,8 +33,13 @@ def tiny_config():
 
 
 def run_module(args, timeout=300, env=None):
-  """Runs `python -m ...` from the repo root; returns the CompletedProcess."""
+  """Runs `python -m ...` from the repo root; returns the CompletedProcess.
+
+  The child starts without the tests' XLA_FLAGS: the launcher asks for the devices its
+  mesh needs itself.
+  """
   import subprocess
-  full_env = {**os.environ, **(env or {})}
+  full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  full_env.update(env or {})
   return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
                         timeout=timeout, env=full_env)

@@ -29,6 +29,18 @@ INVALID = [
     ("train.steps", 0, "train.steps"),
     ("data.source", "web", "data.source"),
     ("model.mlp_dim", -8, "model.mlp_dim"),
+    ("parallel.tp_overlap", "async", "parallel.tp_overlap"),
+    ("parallel.tp_overlap_chunks", 0, "parallel.tp_overlap_chunks"),
+    ("parallel.tp_overlap_chunks", 3, "parallel.tp_overlap_chunks"),  # 128-token sequence: 3 does not divide
+]
+
+# Tensor + sequence parallelism over tp=4 with one dimension that does not split.
+INVALID_FOR_TP = [
+    ("model.vocab_size", 257, "model.vocab_size"),
+    ("model.seq_len", 130, "model.seq_len"),
+    ("model.mlp_dim", 250, "model.mlp_dim"),
+    ("model.num_kv_heads", 2, "model.num_kv_heads"),
+    ("parallel.tp_overlap_chunks", 64, "parallel.tp_overlap_chunks"),  # 32-token shards
 ]
 
 
@@ -45,6 +57,19 @@ def test_invalid_config_names_the_field(field, value, named):
   assert ";" in message  # problem; fix
 
 
+@pytest.mark.parametrize("field,value,named", INVALID_FOR_TP, ids=[f"{f}={v}" for f, v, _ in INVALID_FOR_TP])
+def test_tensor_parallel_splits_are_checked(field, value, named):
+  config = default_config()
+  config.parallel.tp = 4
+  validate(config)
+  group, name = field.split(".")
+  config[group][name] = value
+  with pytest.raises(ConfigError) as error:
+    validate(config)
+  message = str(error.value)
+  assert message.startswith(named + "=") and "parallel.tp" in message and "\n" not in message, message
+
+
 def test_heads_must_split_over_tp():
   config = default_config()
   config.model.hidden_dim, config.parallel.tp = 96, 4
@@ -53,12 +78,14 @@ def test_heads_must_split_over_tp():
     validate(config)
 
 
-def test_multi_device_meshes_are_refused_until_the_3d_step():
+def test_pipeline_meshes_are_refused_until_the_pipeline_schedule():
   config = default_config()
-  config.parallel.tp = 2
+  config.parallel.dp, config.parallel.tp = 2, 4
+  check_runnable(config)  # any (dp, 1, tp) mesh runs
+  config.parallel.pp = 2
   validate(config)  # well-formed ...
-  with pytest.raises(ConfigError, match=r"^parallel\.tp=2: .*set --config\.parallel\.tp=1"):
-    check_runnable(config)  # ... but this build trains on one device
+  with pytest.raises(ConfigError, match=r"^parallel\.pp=2: .*set --config\.parallel\.pp=1"):
+    check_runnable(config)  # ... but the pipeline schedule is not in this build
 
 
 def test_token_source_needs_an_existing_file(tmp_path):

@@ -1,7 +1,11 @@
 """Training end to end: accumulation, the default job via the launcher, the README's API example."""
 
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +49,7 @@ def test_default_job_through_the_launcher(tmp_path):
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   for key in ("step", "loss", "tokens_per_sec", "tflops_per_device", "mfu"):
     assert all(key in r for r in records), key
-  assert records[0]["step"] == 1 and records[-1]["step"] == 300
+  assert records[0]["step"] == 1 and records[-1]["step"] == 200
   assert records[-1]["loss"] <= 0.6 * records[0]["loss"], (records[0]["loss"], records[-1]["loss"])
   assert records[-1]["tokens_per_sec"] > 0 and records[-1]["tflops_per_device"] > 0
   if jax.default_backend() == "cpu":
@@ -54,7 +58,53 @@ def test_default_job_through_the_launcher(tmp_path):
     assert 0 < records[-1]["mfu"] < 1
   assert list((workdir / "tensorboard").iterdir()), "no TensorBoard events"
   params = load_params(str(workdir / "params"))
-  assert params["layer_0"]["attention"]["query"]["kernel"].shape == (128, 4, 32)
+  assert params["layer_0"]["attention"]["query"]["kernel"].shape == (128, 8, 16)  # whole, from a 2x1x4 mesh
+  assert "mesh dp=2 pp=1 tp=4" in result.stderr
+
+
+SHORT_RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=12",
+             "--config.optimizer.warmup_steps=3", "--config.train.log_every=1",
+             "--config.model.compute_dtype=float32", "--config.checkpoint.save_params=false"]
+
+
+def _losses(workdir):
+  return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _launcher_losses(workdir, *overrides):
+  result = run_module([*SHORT_RUN, f"--workdir={workdir}", *overrides], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return _losses(workdir)
+
+
+def _two_process_losses(workdir, *overrides):
+  """The same run as a 2-process jax.distributed job on localhost (4 CPU devices each)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, *SHORT_RUN, f"--workdir={workdir}", *overrides,
+                             f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  return _losses(workdir)
+
+
+def test_launcher_losses_are_the_same_on_any_mesh(tmp_path):
+  """Same data, same init, same math: a 2x1x4 mesh, in one process or two, logs the 1x1x1 losses."""
+  single = _launcher_losses(tmp_path / "single", "--config.parallel.dp=1", "--config.parallel.tp=1")
+  meshed = _launcher_losses(tmp_path / "meshed", "--config.parallel.dp=2", "--config.parallel.tp=4")
+  two_hosts = _two_process_losses(tmp_path / "two_hosts", "--config.parallel.dp=2", "--config.parallel.tp=4")
+  assert len(single) == len(meshed) == len(two_hosts) == 12
+  np.testing.assert_allclose(meshed, single, rtol=2e-3)
+  np.testing.assert_allclose(two_hosts, single, rtol=2e-3)
+  assert single[-1] < single[0]
 
 
 def test_readme_api_example(tmp_path, monkeypatch):

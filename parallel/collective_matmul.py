@@ -1,0 +1,154 @@
+"""The parallel linears of tensor + sequence parallelism, with or without collective matmul.
+
+Inside the step's shard_map, activations between blocks are split along the sequence
+over `tp` (sequence parallelism) and weights are split along their feature dimension:
+
+  column_parallel_linear:  x [b, s/tp, k] -> all-gather(seq) -> @ w [k, f/tp] -> [b, s, f/tp]
+  row_parallel_linear:     x [b, s, k/tp] -> @ w [k/tp, f] -> reduce-scatter(seq) -> [b, s/tp, f]
+
+`mode="none"` issues the collective and then the matmul (the baseline). In
+`mode="collective_matmul"` (MegaScale Fig. 3c) the collective is decomposed into
+`ppermute` steps around the tp ring and fused with the matmul: each device works on
+the sequence chunk it already holds while the next chunk is in flight, in both ring
+directions at once (even chunks travel to rank+1, odd chunks to rank-1). The backward
+pass is overlapped the same way through a custom VJP: the input gradient of an
+all-gather-matmul is a matmul-reduce-scatter and vice versa.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from megajax.parallel.mesh import TP, varying_axes
+
+from megajax.config import TP_OVERLAP_MODES as OVERLAP_MODES  # noqa: E402  (one list of modes)
+
+
+def _ring_perm(n: int, shift: int):
+  return [(i, (i + shift) % n) for i in range(n)]
+
+
+def _direction(chunk: int, chunks: int) -> int:
+  """+1: the chunk travels to rank+1; -1: to rank-1 (a single chunk goes one way)."""
+  return 1 if chunks == 1 or chunk % 2 == 0 else -1
+
+
+def _weight_cotangent(d_w, w):
+  """A weight equal across some mesh axes (e.g. tp=1) gets its cotangent summed over them,
+  as autodiff would do for a weight broadcast into per-device compute."""
+  extra = tuple(sorted(varying_axes(d_w) - varying_axes(w)))
+  return lax.psum(d_w, extra) if extra else d_w
+
+
+def _matmul(x, w, out_dtype):
+  return jnp.einsum("bsk,kf->bsf", x, w, preferred_element_type=out_dtype)
+
+
+def _ring_all_gather_matmul(x, w, chunks: int, out_dtype):
+  """(all_gather(x, seq) @ w, all_gather(x, seq)) with each transfer hidden behind a matmul.
+
+  x: [b, s_local, k] this rank's sequence shard; w: [k, f]. Step t computes on the chunks
+  that started t ranks away while `ppermute` moves them one rank further.
+  """
+  n = lax.axis_size(TP)
+  rank = lax.axis_index(TP)
+  b, s_local, k = x.shape
+  piece = s_local // chunks
+  held = [x[:, c * piece:(c + 1) * piece] for c in range(chunks)]
+  out = jnp.zeros((b, n * s_local, w.shape[1]), out_dtype or jnp.result_type(x, w))
+  gathered = jnp.zeros((b, n * s_local, k), x.dtype)
+  for step in range(n):
+    # Issue the next transfer first: it depends only on what we hold, not on this step's matmul.
+    moving = ([lax.ppermute(h, TP, _ring_perm(n, _direction(c, chunks))) for c, h in enumerate(held)]
+              if step < n - 1 else None)
+    for c, h in enumerate(held):
+      source = (rank - _direction(c, chunks) * step) % n
+      start = source * s_local + c * piece
+      out = lax.dynamic_update_slice_in_dim(out, _matmul(h, w, out_dtype).astype(out.dtype), start, axis=1)
+      gathered = lax.dynamic_update_slice_in_dim(gathered, h, start, axis=1)
+    held = moving
+  return out, gathered
+
+
+def _ring_matmul_reduce_scatter(x, w, chunks: int, out_dtype):
+  """reduce_scatter(x @ w, seq) with each partial sum's transfer hidden behind the next matmul.
+
+  x: [b, s, k] (full sequence, this rank's slice of k); w: [k, f]. A running sum for
+  destination rank d starts one ring-length away and collects one partial product per hop.
+  """
+  n = lax.axis_size(TP)
+  rank = lax.axis_index(TP)
+  s_local = x.shape[1] // n
+  piece = s_local // chunks
+  results = []
+  for c in range(chunks):
+    direction = _direction(c, chunks)
+    total = None
+    for step in range(n):
+      destination = (rank + direction * (n - 1 - step)) % n
+      rows = lax.dynamic_slice_in_dim(x, destination * s_local + c * piece, piece, axis=1)
+      partial = _matmul(rows, w, out_dtype)
+      total = partial if total is None else partial + lax.ppermute(total, TP, _ring_perm(n, direction))
+    results.append(total)
+  return jnp.concatenate(results, axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def all_gather_matmul(x, w, chunks: int, out_dtype=None):
+  """all_gather(x, seq over tp) @ w, as a bidirectional collective matmul."""
+  return _ring_all_gather_matmul(x, w, chunks, out_dtype)[0]
+
+
+def _all_gather_matmul_fwd(x, w, chunks, out_dtype):
+  out, gathered = _ring_all_gather_matmul(x, w, chunks, out_dtype)
+  return out, (gathered, w)
+
+
+def _all_gather_matmul_bwd(chunks, out_dtype, residuals, d_out):
+  gathered, w = residuals
+  d_out = d_out.astype(gathered.dtype)
+  d_x = _ring_matmul_reduce_scatter(d_out, w.T, chunks, None).astype(gathered.dtype)
+  d_w = jnp.einsum("bsk,bsf->kf", gathered, d_out).astype(w.dtype)
+  return d_x, _weight_cotangent(d_w, w)
+
+
+all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def matmul_reduce_scatter(x, w, chunks: int, out_dtype=None):
+  """reduce_scatter(x @ w, seq over tp), as a bidirectional collective matmul."""
+  return _ring_matmul_reduce_scatter(x, w, chunks, out_dtype)
+
+
+def _matmul_reduce_scatter_fwd(x, w, chunks, out_dtype):
+  return _ring_matmul_reduce_scatter(x, w, chunks, out_dtype), (x, w)
+
+
+def _matmul_reduce_scatter_bwd(chunks, out_dtype, residuals, d_out):
+  x, w = residuals
+  d_out = d_out.astype(x.dtype)
+  d_x, d_out_gathered = _ring_all_gather_matmul(d_out, w.T, chunks, None)
+  d_w = jnp.einsum("bsk,bsf->kf", x, d_out_gathered).astype(w.dtype)
+  return d_x.astype(x.dtype), _weight_cotangent(d_w, w)
+
+
+matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+
+
+def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None):
+  """x [b, s/tp, k] (sequence shard) @ w [k, f/tp] -> [b, s, f/tp]; one all-gather on tp."""
+  if mode == "collective_matmul" and lax.axis_size(TP) > 1:
+    return all_gather_matmul(x, w, chunks, out_dtype)
+  return _matmul(lax.all_gather(x, TP, axis=1, tiled=True), w, out_dtype)
+
+
+def row_parallel_linear(x, w, mode: str, chunks: int):
+  """x [b, s, k/tp] @ w [k/tp, f] -> [b, s/tp, f] summed over tp; one reduce-scatter on tp."""
+  if mode == "collective_matmul" and lax.axis_size(TP) > 1:
+    return matmul_reduce_scatter(x, w, chunks, None)
+  return lax.psum_scatter(_matmul(x, w, None), TP, scatter_dimension=1, tiled=True)

@@ -1,0 +1,111 @@
+"""How each parameter (and its optimizer state) is split over the mesh.
+
+Tensor parallelism splits the dimension named heads / kv_heads / mlp / vocab over `tp`
+(the logical axes the model declares). ZeRO then splits the fp32 master copy, its
+gradient and its optimizer state 1/dp over `dp` along the largest dimension that divides
+(if that is the tp dimension too, it is split (tp, dp): each tp shard cut in dp pieces).
+A leaf with no dimension divisible by dp stays whole on every dp rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+
+from megajax.model import GPT, logical_axes
+from megajax.parallel.mesh import DP, TP, to_varying
+
+# Logical axis -> mesh axis for tensor parallelism; other axes are not split by tp.
+TENSOR_PARALLEL_AXES = ("heads", "kv_heads", "mlp", "vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One parameter's split: the dimension split over tp and the one ZeRO splits over dp."""
+  tp_dim: int | None
+  dp_dim: int | None
+
+  def spec(self, ndim: int) -> P:
+    entries = [None] * ndim
+    if self.tp_dim is not None:
+      entries[self.tp_dim] = TP
+    if self.dp_dim is not None:
+      entries[self.dp_dim] = (TP, DP) if self.dp_dim == self.tp_dim else DP
+    return P(*entries)
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """The mesh axes this leaf is split over (the axes its norm is summed over)."""
+    return ((DP,) if self.dp_dim is not None else ()) + ((TP,) if self.tp_dim is not None else ())
+
+
+def _layout(names: P, shape: tuple[int, ...], dp: int, tp: int) -> Layout:
+  tp_dims = [i for i, name in enumerate(names) if name in TENSOR_PARALLEL_AXES]
+  tp_dim = tp_dims[0] if tp_dims and tp > 1 else None
+  local = [size // tp if i == tp_dim else size for i, size in enumerate(shape)]
+  candidates = [i for i, size in enumerate(local) if size % dp == 0]
+  dp_dim = max(candidates, key=lambda i: (local[i], -i)) if dp > 1 and candidates else None
+  return Layout(tp_dim, dp_dim)
+
+
+def param_layouts(model: GPT, dp: int, tp: int):
+  """A pytree like the params with a Layout at each leaf."""
+  tokens = jax.ShapeDtypeStruct((1, model.config.seq_len), jnp.int32)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+  shapes = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, shapes,
+                        is_leaf=lambda x: hasattr(x, "value"))
+  names = logical_axes(model)
+  return jax.tree.map(lambda n, s: _layout(n, s.shape, dp, tp), names, shapes,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def param_specs(layouts, params_like):
+  return jax.tree.map(lambda layout, p: layout.spec(len(p.shape)), layouts, params_like)
+
+
+def optimizer_specs(optimizer: optax.GradientTransformation, params_like, specs):
+  """The optimizer state's specs: parameter-shaped leaves as their parameter, the rest replicated."""
+  state = jax.eval_shape(optimizer.init, params_like)
+  return optax.tree_map_params(optimizer, lambda _, spec: spec, state, specs,
+                               transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+
+def named(mesh, specs):
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# Inside the shard_map: ZeRO's gather of the parameters and scatter of the gradients.
+
+def gather_params(params, layouts):
+  """dp shards -> this tp rank's full parameters, one all-gather over dp per leaf.
+
+  Leaves ZeRO could not split are marked per-device on dp, like the gathered ones: every
+  gradient then comes back per device and reduce_scatter_grads does the one dp reduction.
+  """
+  return jax.tree.map(
+      lambda p, layout: to_varying(p, (DP,)) if layout.dp_dim is None
+      else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True),
+      params, layouts)
+
+
+def reduce_scatter_grads(grads, layouts):
+  """Per-device gradients -> their dp sum, each dp rank keeping its shard (no all-reduce)."""
+  return jax.tree.map(
+      lambda g, layout: lax.psum(g, DP) if layout.dp_dim is None
+      else lax.psum_scatter(g, DP, scatter_dimension=layout.dp_dim, tiled=True),
+      grads, layouts)
+
+
+def squared_norms_fn(layouts):
+  """For megajax.optim: each leaf's squared norm over the whole tensor, from its local shard."""
+  def squared_norms(tree):
+    def leaf(x, layout):
+      local = jnp.sum(jnp.square(x.astype(jnp.float32)))
+      return lax.psum(local, layout.axes) if layout.axes else local
+    return jax.tree.map(leaf, tree, layouts)
+  return squared_norms

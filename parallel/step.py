@@ -1,0 +1,133 @@
+"""The 3D-parallel training step: one jitted shard_map over the (dp, pp, tp) mesh.
+
+Per device, one step is:
+
+  1. ZeRO gather:  fp32 master shards --all-gather(dp)--> this tp rank's parameters,
+                   issued at the top of the step in layer order (embedding, layer 0, ...)
+                   so the first layer's weights arrive first and the rest overlap compute.
+  2. Forward/backward per microbatch (lax.scan): tensor + sequence parallel model
+                   (megajax.parallel.tensor_parallel), gradients summed locally.
+  3. ZeRO scatter: gradients --reduce-scatter(dp)--> each rank's 1/dp shard (no all-reduce),
+                   divided by the global token count.
+  4. LAMB on the shards, with whole-tensor norms (psum of squared norms over the axes a
+     leaf is split on), so the update equals the single-device optax one.
+
+State crossing the step boundary is a TrainState of global arrays: params and optimizer
+state sharded 1/dp (ZeRO) and 1/tp where tensor-parallel. The same step runs every mesh,
+1x1x1 included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import ml_collections
+import numpy as np
+import optax
+
+from megajax.model import GPT, init_params
+from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
+from megajax.parallel import sharding
+from megajax.parallel.mesh import DP, batch_sharding
+from megajax.parallel.tensor_parallel import Overlap, loss_sums
+from megajax.step import TrainState, accumulate_gradients
+
+# tp_overlap="xla": plain collectives, and XLA's own windowed-einsum rewrite of them (GPU).
+XLA_WINDOWED_EINSUM_OPTIONS = {
+    "xla_gpu_threshold_for_windowed_einsum_mib": 0,
+    "xla_gpu_multi_streamed_windowed_einsum": True,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+  """The mesh, each parameter's layout and the optimizer that goes with them."""
+
+  config: ml_collections.ConfigDict
+  mesh: Mesh
+  model: GPT
+  layouts: object                           # pytree of sharding.Layout, like the params
+  optimizer: optax.GradientTransformation   # LAMB / AdamW with whole-tensor norms
+  state_specs: TrainState                   # PartitionSpecs of the TrainState
+
+  @classmethod
+  def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh) -> "ParallelPlan":
+    layouts = sharding.param_layouts(model, mesh.shape["dp"], mesh.shape["tp"])
+    optimizer = make_optimizer(config, sharding.squared_norms_fn(layouts))
+    params_like = _abstract_params(model)
+    param_specs = sharding.param_specs(layouts, params_like)
+    state_specs = TrainState(step=P(), params=param_specs,
+                             opt_state=sharding.optimizer_specs(optimizer, params_like, param_specs))
+    return cls(config, mesh, model, layouts, optimizer, state_specs)
+
+  @property
+  def overlap(self) -> Overlap:
+    return Overlap(self.config.parallel.tp_overlap, self.config.parallel.tp_overlap_chunks)
+
+  @property
+  def state_shardings(self):
+    return sharding.named(self.mesh, self.state_specs)
+
+  # --- State.
+
+  def init_state(self, rng: jax.Array) -> TrainState:
+    """A fresh state, each device initializing only its own shards."""
+    def init(rng):
+      params = init_params(self.model, rng)
+      return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    return jax.jit(init, out_shardings=self.state_shardings)(rng)
+
+  def shard_state(self, state: TrainState) -> TrainState:
+    """Places a host / single-device state onto the mesh (restore, tests)."""
+    return jax.device_put(state, self.state_shardings)
+
+  def put_batch(self, local_batch: dict) -> dict:
+    """This process's rows of a global batch (numpy) -> global arrays split over dp."""
+    batch_size = self.config.train.batch_size
+    placement = batch_sharding(self.mesh)
+    return {k: jax.make_array_from_process_local_data(placement, np.asarray(v), (batch_size, *v.shape[1:]))
+            for k, v in local_batch.items()}
+
+  # --- Inside the shard_map.
+
+  def _gradients(self, params, batch):
+    """ZeRO gather -> accumulate over microbatches -> ZeRO reduce-scatter; per device."""
+    c = self.config
+    full_params = sharding.gather_params(params, self.layouts)
+    loss = functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss)
+    grads, stats = accumulate_gradients(loss, full_params, batch, c.train.microbatches)
+    grads = sharding.reduce_scatter_grads(grads, self.layouts)
+    stats = {k: lax.psum(v, DP) for k, v in stats.items()}
+    tokens = jnp.maximum(stats["tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)   # the mean over every token of the global batch
+    metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
+               "grad_norm": global_norm(grads, sharding.squared_norms_fn(self.layouts))}
+    return grads, metrics
+
+  def _train_step(self, state: TrainState, batch: dict, with_gradients: bool = False):
+    grads, metrics = self._gradients(state.params, batch)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["learning_rate"] = learning_rate_schedule(self.config)(state.step)
+    new_state = TrainState(state.step + 1, params, opt_state)
+    return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
+
+  # --- The jitted step.
+
+  def train_step(self, with_gradients: bool = False):
+    """(state, batch) -> (state, metrics), the state donated; with_gradients=True also returns
+    the step's gradients (mean over the batch's tokens, sharded like the params)."""
+    out_specs = (self.state_specs, P()) + ((self.state_specs.params,) if with_gradients else ())
+    mapped = jax.shard_map(functools.partial(self._train_step, with_gradients=with_gradients), mesh=self.mesh,
+                           in_specs=(self.state_specs, P(DP)), out_specs=out_specs)
+    options = XLA_WINDOWED_EINSUM_OPTIONS if self.config.parallel.tp_overlap == "xla" else None
+    return jax.jit(mapped, donate_argnums=0, compiler_options=options)
+
+
+def _abstract_params(model: GPT):
+  return jax.eval_shape(lambda: init_params(model, jax.random.key(0)))

@@ -1,0 +1,179 @@
+"""The GPT forward pass with tensor + sequence parallelism, written for one device of the shard_map.
+
+Layout on a device of a tp group of size n (Megatron-SP):
+  residual stream x     [b, s/n, hidden]   sequence shard: LayerNorm and residual adds local
+  attention, MLP        [b, s, heads/n, d], [b, s, mlp/n]   head / hidden-unit shard
+  embedding, head       [vocab/n, hidden], [hidden, vocab/n]  vocab shard
+
+Parallel block (MegaScale Fig. 3b): LN(x) is all-gathered once and feeds one fused
+column-parallel matmul [Q|K|V|MLP-in]; the attention output and the MLP activation are
+concatenated into one fused row-parallel matmul [Out; MLP-out] + reduce-scatter. One
+all-gather and one reduce-scatter on tp per layer; the serial block needs two of each.
+
+The parameters are the model's own pytree (megajax.model), each leaf this device's tp shard.
+The math and dtypes follow the Flax modules (LayerNorm is the Flax module itself), so the
+single-device model is the reference this path is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from megajax.layers import ATTENTION_IMPLS, layer_norm, rotary_embedding
+from megajax.model import REMAT_POLICIES, ModelConfig
+from megajax.parallel.collective_matmul import column_parallel_linear, row_parallel_linear
+from megajax.parallel.mesh import TP
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+  """How the tp collectives run: `mode` in OVERLAP_MODES, `chunks` per ring step."""
+  mode: str = "none"
+  chunks: int = 2
+
+  def column(self, x, w, out_dtype=None):
+    return column_parallel_linear(x, w, self.mode, self.chunks, out_dtype)
+
+  def row(self, x, w):
+    return row_parallel_linear(x, w, self.mode, self.chunks)
+
+
+def _norm(params, x, c: ModelConfig):
+  return layer_norm(c.layernorm_epsilon, c.compute_dtype, c.param_dtype, "norm").apply({"params": params}, x)
+
+
+def _columns(leaf):
+  """A kernel [hidden, ...features] as a matrix [hidden, features]."""
+  return leaf.reshape(leaf.shape[0], -1)
+
+
+def _fused_input(parts: list[dict], c: ModelConfig):
+  """The column-parallel [W1 | W2 | ...] matrix and bias, and each part's width."""
+  kernels = [_columns(p["kernel"]) for p in parts]
+  widths = [k.shape[1] for k in kernels]
+  kernel = jnp.concatenate(kernels, axis=1).astype(c.compute_dtype)
+  bias = jnp.concatenate([p["bias"].reshape(-1) for p in parts]).astype(c.compute_dtype) if c.use_bias else None
+  return kernel, bias, widths
+
+
+def _split(x, widths):
+  offsets = [sum(widths[:i]) for i in range(1, len(widths))]
+  return jnp.split(x, offsets, axis=-1)
+
+
+def _attention(q, k, v, positions, window, c: ModelConfig):
+  """Local heads: q [b, s, h/n * d], k, v [b, s, kv/n * d] -> [b, s, h/n * d]."""
+  b, s, _ = q.shape
+  d = c.head_dim
+  q = rotary_embedding(q.reshape(b, s, -1, d), positions, c.rope_theta)
+  k = rotary_embedding(k.reshape(b, s, -1, d), positions, c.rope_theta)
+  out = ATTENTION_IMPLS[c.attention_impl](q, k, v.reshape(b, s, -1, d), window)
+  return out.reshape(b, s, -1)
+
+
+def _out_kernel(attention: dict):
+  """Attention out kernel [h/n, d, hidden] -> [h/n * d, hidden]."""
+  kernel = attention["out"]["kernel"]
+  return kernel.reshape(-1, kernel.shape[-1])
+
+
+def _bias_sum(biases, c: ModelConfig):
+  return sum(b.astype(c.compute_dtype) for b in biases) if c.use_bias else 0
+
+
+def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
+  """y = x + Attn(LN(x)) + MLP(LN(x)): one all-gather, one reduce-scatter on tp."""
+  attention, mlp = p["attention"], p["mlp"]
+  y = _norm(p["norm"], x, c)                                              # [b, s/n, hidden]
+  kernel, bias, widths = _fused_input([attention["query"], attention["key"], attention["value"], mlp["wi"]], c)
+  fused = overlap.column(y, kernel)                                       # [b, s, (q+k+v+mlp)/n]
+  if bias is not None:
+    fused = fused + bias
+  q, k, v, hidden = _split(fused, widths)
+  activations = jnp.concatenate(
+      [_attention(q, k, v, positions, window, c), nn.gelu(hidden, approximate=True)], axis=-1)
+  out_kernel = jnp.concatenate([_out_kernel(attention), mlp["wo"]["kernel"]], axis=0).astype(c.compute_dtype)
+  out = overlap.row(activations, out_kernel)                              # [b, s/n, hidden]
+  return x + out + _bias_sum([attention["out"].get("bias"), mlp["wo"].get("bias")], c)
+
+
+def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
+  """z = x + Attn(LN1(x)); y = z + MLP(LN2(z)): two all-gathers, two reduce-scatters on tp."""
+  attention, mlp = p["attention"], p["mlp"]
+  kernel, bias, widths = _fused_input([attention["query"], attention["key"], attention["value"]], c)
+  qkv = overlap.column(_norm(p["attention_norm"], x, c), kernel)
+  if bias is not None:
+    qkv = qkv + bias
+  q, k, v = _split(qkv, widths)
+  attended = _attention(q, k, v, positions, window, c)
+  z = x + overlap.row(attended, _out_kernel(attention).astype(c.compute_dtype)) \
+      + _bias_sum([attention["out"].get("bias")], c)
+  kernel, bias, _ = _fused_input([mlp["wi"]], c)
+  hidden = overlap.column(_norm(p["mlp_norm"], z, c), kernel)
+  if bias is not None:
+    hidden = hidden + bias
+  out = overlap.row(nn.gelu(hidden, approximate=True), mlp["wo"]["kernel"].astype(c.compute_dtype))
+  return z + out + _bias_sum([mlp["wo"].get("bias")], c)
+
+
+BLOCKS = {"parallel": parallel_block, "serial": serial_block}
+
+
+def vocab_parallel_embed(table, tokens, c: ModelConfig):
+  """table [vocab/n, hidden] (this rank's rows), tokens [b, s] -> x [b, s/n, hidden].
+
+  Each rank looks up the tokens in its vocab slice (zeros elsewhere); the reduce-scatter
+  sums the slices and leaves each rank its sequence shard.
+  """
+  rows = table.shape[0]
+  local = tokens - lax.axis_index(TP) * rows
+  mine = (local >= 0) & (local < rows)
+  x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
+  return lax.psum_scatter(x.astype(c.compute_dtype), TP, scatter_dimension=1, tiled=True)
+
+
+def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float):
+  """megajax.loss.cross_entropy_sums on logits split over vocab: [b, s, vocab/n] fp32.
+
+  The max and the sum of exponentials are reduced over tp, so the full logits never meet
+  on one device. Returns the same (objective sum, stats) on every rank of the tp group.
+  """
+  columns = logits.shape[-1]
+  # The shift cancels in the value and the gradient of logsumexp; it only keeps exp() finite.
+  shift = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), TP)        # [b, s]
+  sum_exp = lax.psum(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1), TP)
+  log_normalizer = jnp.log(sum_exp) + shift
+  local = targets - lax.axis_index(TP) * columns
+  mine = (local >= 0) & (local < columns)
+  picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
+  target_logits = lax.psum(jnp.where(mine, picked, 0.0), TP)
+  mask = loss_mask.astype(jnp.float32)
+  nll_sum = jnp.sum((log_normalizer - target_logits) * mask)
+  z_sum = jnp.sum(jnp.square(log_normalizer) * mask)
+  stats = {"nll_sum": nll_sum, "z_sum": z_sum, "tokens": jnp.sum(mask)}
+  return nll_sum + z_loss * z_sum, stats
+
+
+def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0):
+  """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
+
+  The pipeline schedule splits this same sequence into stages.
+  """
+  tokens = batch["inputs"]                                                # [b, s], every tp rank
+  batch_size, seq = tokens.shape
+  x = vocab_parallel_embed(params["embedding"], tokens, c)                # [b, s/n, hidden]
+  positions = jnp.broadcast_to(jnp.arange(seq), (batch_size, seq))
+  for layer in range(c.num_layers):
+    block = lambda p, x, window=c.layer_window(layer): BLOCKS[c.block](p, x, positions, window, c, overlap)
+    if c.remat != "none":
+      block = jax.checkpoint(block, policy=REMAT_POLICIES[c.remat])
+    x = block(params[f"layer_{layer}"], x)
+  y = _norm(params["final_norm"], x, c)
+  head = params["embedding"].T if c.tie_embeddings else params["head"]   # [hidden, vocab/n]
+  logits = overlap.column(y, head.astype(c.compute_dtype), out_dtype=jnp.float32)  # [b, s, vocab/n]
+  return vocab_parallel_cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
