@@ -44,6 +44,19 @@ def detected_cluster() -> str | None:
   return None
 
 
+def expected_process_count(num_processes: int | None) -> int:
+  """The job's process count before jax.distributed starts: the flag, else SLURM's or Open MPI's
+  task count, else 1 (a Kubernetes indexed job does not say; pass --num_processes there)."""
+  if num_processes:
+    return num_processes
+  cluster = detected_cluster()
+  if cluster == "slurm":
+    return _int_env("SLURM_NTASKS")
+  if cluster == "openmpi":
+    return _int_env("OMPI_COMM_WORLD_SIZE")
+  return 1
+
+
 def request_host_devices(count: int) -> None:
   """Asks XLA for `count` CPU devices in this process, unless XLA_FLAGS already says how many.
 

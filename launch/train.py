@@ -21,7 +21,8 @@ from ml_collections import config_flags
 
 from megajax import trainer
 from megajax.config import ConfigError, check_runnable, default_config, validate
-from megajax.launch.cluster import TopologyError, initialize_distributed, request_host_devices
+from megajax.launch.cluster import (TopologyError, expected_process_count, initialize_distributed,
+                                   request_host_devices)
 from megajax.parallel import mesh_shape
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -62,9 +63,9 @@ def main(argv):
   except ConfigError as error:
     _fail("config error", error)
 
-  # A CPU-only machine gets as many host devices as this process's share of the mesh.
-  request_host_devices(math.prod(mesh_shape(config)) // (_NUM_PROCESSES.value or 1))
   try:
+    # A CPU-only machine gets as many host devices as this process's share of the mesh.
+    request_host_devices(math.prod(mesh_shape(config)) // expected_process_count(_NUM_PROCESSES.value))
     initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     # Data-dependent checks (token file, vocabulary, process count) run before the first compile.
     result = trainer.train(config, _WORKDIR.value)

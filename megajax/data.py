@@ -206,7 +206,7 @@ def make_dataset(config, process_index: int, process_count: int) -> grain.IterDa
   """
   global_batch = config.train.batch_size
   if global_batch % process_count:
-    raise ConfigError("train.batch_size", global_batch, f"not divisible by the {process_count} processes",
+    raise ConfigError("train.batch_size", global_batch, f"not divisible into {process_count} per-process slices",
                       f"use a multiple of {process_count}")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} not in [0, {process_count})")

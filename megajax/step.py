@@ -1,7 +1,8 @@
 """The training step: (state, batch) -> (state, metrics), with gradient accumulation.
 
-The step boundary carries plain pytrees (params, optax state); the 3D-parallel step
-replaces `make_train_step` behind the same signature.
+The step boundary carries plain pytrees (params, optax state). This is the single-device
+reference: the trainer runs megajax.parallel.step (the 3D step, same (state, batch) ->
+(state, metrics) shape), which is tested against it.
 """
 
 from __future__ import annotations
@@ -54,20 +55,28 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
   return jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
 
 
-def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int):
-  """Summed gradients and stats over microbatches; one microbatch's activations live at a time."""
+def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int,
+                         reduce_grads: Callable | None = None, zero_grads=None):
+  """Summed gradients and stats over microbatches; one microbatch's activations live at a time.
+
+  `reduce_grads` maps each microbatch's gradients to what is summed (ZeRO-2: their dp
+  reduce-scatter, so only this device's shard is carried); `zero_grads` is then the zero
+  of that shape (default: zeros like `params`).
+  """
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  reduce_grads = reduce_grads or (lambda grads: grads)
   if microbatches == 1:
     (_, stats), grads = grad_fn(params, batch)
-    return grads, stats
+    return reduce_grads(grads), stats
 
   def one_microbatch(carry, microbatch):
     grads_sum, stats_sum = carry
     (_, stats), grads = grad_fn(params, microbatch)
-    return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, stats_sum, stats)), None
+    return (jax.tree.map(jnp.add, grads_sum, reduce_grads(grads)), jax.tree.map(jnp.add, stats_sum, stats)), None
 
   microbatches = split_microbatches(batch, microbatches)
-  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  if zero_grads is None:
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
   # Typed like the batch: inside a shard_map the stats vary over dp as the batch does.
   zero = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)
   zero_stats = {"nll_sum": zero, "z_sum": zero, "tokens": zero}

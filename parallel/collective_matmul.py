@@ -23,9 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from megajax.config import TP_OVERLAP_MODES as OVERLAP_MODES
 from megajax.parallel.mesh import TP, varying_axes
 
-from megajax.config import TP_OVERLAP_MODES as OVERLAP_MODES  # noqa: E402  (one list of modes)
+__all__ = ["OVERLAP_MODES", "all_gather_matmul", "column_parallel_linear", "matmul_reduce_scatter",
+           "row_parallel_linear"]
+
 
 
 def _ring_perm(n: int, shift: int):
@@ -44,6 +47,13 @@ def _weight_cotangent(d_w, w):
   return lax.psum(d_w, extra) if extra else d_w
 
 
+def _chunk(s_local: int, chunks: int) -> int:
+  if chunks < 1 or s_local % chunks:
+    raise ValueError(f"chunks={chunks} does not divide the {s_local}-token sequence shard "
+                     "(parallel.tp_overlap_chunks must divide seq_len / tp)")
+  return s_local // chunks
+
+
 def _matmul(x, w, out_dtype):
   return jnp.einsum("bsk,kf->bsf", x, w, preferred_element_type=out_dtype)
 
@@ -57,7 +67,7 @@ def _ring_all_gather_matmul(x, w, chunks: int, out_dtype):
   n = lax.axis_size(TP)
   rank = lax.axis_index(TP)
   b, s_local, k = x.shape
-  piece = s_local // chunks
+  piece = _chunk(s_local, chunks)
   held = [x[:, c * piece:(c + 1) * piece] for c in range(chunks)]
   out = jnp.zeros((b, n * s_local, w.shape[1]), out_dtype or jnp.result_type(x, w))
   gathered = jnp.zeros((b, n * s_local, k), x.dtype)
@@ -83,7 +93,7 @@ def _ring_matmul_reduce_scatter(x, w, chunks: int, out_dtype):
   n = lax.axis_size(TP)
   rank = lax.axis_index(TP)
   s_local = x.shape[1] // n
-  piece = s_local // chunks
+  piece = _chunk(s_local, chunks)
   results = []
   for c in range(chunks):
     direction = _direction(c, chunks)
@@ -109,10 +119,10 @@ def _all_gather_matmul_fwd(x, w, chunks, out_dtype):
 
 
 def _all_gather_matmul_bwd(chunks, out_dtype, residuals, d_out):
+  # In the cotangent's dtype, as autodiff of the plain matmul would (fp32 for the head's logits).
   gathered, w = residuals
-  d_out = d_out.astype(gathered.dtype)
-  d_x = _ring_matmul_reduce_scatter(d_out, w.T, chunks, None).astype(gathered.dtype)
-  d_w = jnp.einsum("bsk,bsf->kf", gathered, d_out).astype(w.dtype)
+  d_x = _ring_matmul_reduce_scatter(d_out, w.T.astype(d_out.dtype), chunks, None).astype(gathered.dtype)
+  d_w = jnp.einsum("bsk,bsf->kf", gathered.astype(d_out.dtype), d_out).astype(w.dtype)
   return d_x, _weight_cotangent(d_w, w)
 
 
@@ -131,9 +141,8 @@ def _matmul_reduce_scatter_fwd(x, w, chunks, out_dtype):
 
 def _matmul_reduce_scatter_bwd(chunks, out_dtype, residuals, d_out):
   x, w = residuals
-  d_out = d_out.astype(x.dtype)
-  d_x, d_out_gathered = _ring_all_gather_matmul(d_out, w.T, chunks, None)
-  d_w = jnp.einsum("bsk,bsf->kf", x, d_out_gathered).astype(w.dtype)
+  d_x, d_out_gathered = _ring_all_gather_matmul(d_out, w.T.astype(d_out.dtype), chunks, None)
+  d_w = jnp.einsum("bsk,bsf->kf", x.astype(d_out.dtype), d_out_gathered).astype(w.dtype)
   return d_x.astype(x.dtype), _weight_cotangent(d_w, w)
 
 

@@ -20,7 +20,7 @@ import optax
 from megajax.model import GPT, logical_axes
 from megajax.parallel.mesh import DP, TP, to_varying
 
-# Logical axis -> mesh axis for tensor parallelism; other axes are not split by tp.
+# The logical axes tensor parallelism splits over the tp mesh axis; other axes stay whole.
 TENSOR_PARALLEL_AXES = ("heads", "kv_heads", "mlp", "vocab")
 
 
@@ -87,10 +87,18 @@ def gather_params(params, layouts):
   Leaves ZeRO could not split are marked per-device on dp, like the gathered ones: every
   gradient then comes back per device and reduce_scatter_grads does the one dp reduction.
   """
-  return jax.tree.map(
-      lambda p, layout: to_varying(p, (DP,)) if layout.dp_dim is None
-      else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True),
-      params, layouts)
+  def gather(p, layout):
+    return to_varying(p, (DP,)) if layout.dp_dim is None else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True)
+  # Traced in the order the forward pass needs them (a dict would be walked alphabetically).
+  ordered = sorted(params, key=_forward_order)
+  return {name: jax.tree.map(gather, params[name], layouts[name]) for name in ordered}
+
+
+def _forward_order(name: str):
+  """embedding, layer_0, layer_1, ..., layer_10, ..., final_norm, head."""
+  if name.startswith("layer_"):
+    return (1, int(name.split("_")[1]))
+  return (0 if name == "embedding" else 2 if name == "final_norm" else 3, 0)
 
 
 def reduce_scatter_grads(grads, layouts):

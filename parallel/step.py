@@ -3,12 +3,14 @@
 Per device, one step is:
 
   1. ZeRO gather:  fp32 master shards --all-gather(dp)--> this tp rank's parameters,
-                   issued at the top of the step in layer order (embedding, layer 0, ...)
-                   so the first layer's weights arrive first and the rest overlap compute.
+                   traced at the top of the step in layer order (embedding, layer 0, ...,
+                   head); XLA's scheduler places them, free to overlap later layers' gathers
+                   with the first layers' compute.
   2. Forward/backward per microbatch (lax.scan): tensor + sequence parallel model
-                   (megajax.parallel.tensor_parallel), gradients summed locally.
-  3. ZeRO scatter: gradients --reduce-scatter(dp)--> each rank's 1/dp shard (no all-reduce),
-                   divided by the global token count.
+                   (megajax.parallel.tensor_parallel).
+  3. ZeRO scatter: each microbatch's gradients --reduce-scatter(dp)--> this rank's 1/dp
+                   shard, summed over microbatches (never an all-reduce, except for a leaf
+                   with no dimension divisible by dp), divided by the global token count.
   4. LAMB on the shards, with whole-tensor norms (psum of squared norms over the axes a
      leaf is split on), so the update equals the single-device optax one.
 
@@ -30,10 +32,11 @@ import ml_collections
 import numpy as np
 import optax
 
+from megajax.config import check_runnable
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import sharding
-from megajax.parallel.mesh import DP, batch_sharding
+from megajax.parallel.mesh import DP, TP, batch_sharding
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 from megajax.step import TrainState, accumulate_gradients
 
@@ -57,7 +60,8 @@ class ParallelPlan:
 
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh) -> "ParallelPlan":
-    layouts = sharding.param_layouts(model, mesh.shape["dp"], mesh.shape["tp"])
+    check_runnable(config)
+    layouts = sharding.param_layouts(model, mesh.shape[DP], mesh.shape[TP])
     optimizer = make_optimizer(config, sharding.squared_norms_fn(layouts))
     params_like = _abstract_params(model)
     param_specs = sharding.param_specs(layouts, params_like)
@@ -82,10 +86,6 @@ class ParallelPlan:
       return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
     return jax.jit(init, out_shardings=self.state_shardings)(rng)
 
-  def shard_state(self, state: TrainState) -> TrainState:
-    """Places a host / single-device state onto the mesh (restore, tests)."""
-    return jax.device_put(state, self.state_shardings)
-
   def put_batch(self, local_batch: dict) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays split over dp."""
     batch_size = self.config.train.batch_size
@@ -100,8 +100,12 @@ class ParallelPlan:
     c = self.config
     full_params = sharding.gather_params(params, self.layouts)
     loss = functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss)
-    grads, stats = accumulate_gradients(loss, full_params, batch, c.train.microbatches)
-    grads = sharding.reduce_scatter_grads(grads, self.layouts)
+    # Each microbatch's gradients are reduce-scattered as they come (ZeRO-2): the scan carries
+    # only this device's 1/dp shard, shaped like the master shard.
+    grads, stats = accumulate_gradients(
+        loss, full_params, batch, c.train.microbatches,
+        reduce_grads=functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts),
+        zero_grads=jax.tree.map(jnp.zeros_like, params))
     stats = {k: lax.psum(v, DP) for k, v in stats.items()}
     tokens = jnp.maximum(stats["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)   # the mean over every token of the global batch
@@ -125,8 +129,12 @@ class ParallelPlan:
     out_specs = (self.state_specs, P()) + ((self.state_specs.params,) if with_gradients else ())
     mapped = jax.shard_map(functools.partial(self._train_step, with_gradients=with_gradients), mesh=self.mesh,
                            in_specs=(self.state_specs, P(DP)), out_specs=out_specs)
-    options = XLA_WINDOWED_EINSUM_OPTIONS if self.config.parallel.tp_overlap == "xla" else None
-    return jax.jit(mapped, donate_argnums=0, compiler_options=options)
+    return jax.jit(mapped, donate_argnums=0, compiler_options=self.compiler_options)
+
+  @property
+  def compiler_options(self) -> dict | None:
+    """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"."""
+    return XLA_WINDOWED_EINSUM_OPTIONS if self.config.parallel.tp_overlap == "xla" else None
 
 
 def _abstract_params(model: GPT):

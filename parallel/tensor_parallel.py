@@ -33,8 +33,8 @@ from megajax.parallel.mesh import TP
 @dataclasses.dataclass(frozen=True)
 class Overlap:
   """How the tp collectives run: `mode` in OVERLAP_MODES, `chunks` per ring step."""
-  mode: str = "none"
-  chunks: int = 2
+  mode: str
+  chunks: int
 
   def column(self, x, w, out_dtype=None):
     return column_parallel_linear(x, w, self.mode, self.chunks, out_dtype)

@@ -42,6 +42,14 @@ def test_multi_host_placement(shape, per_host, in_host, across):
   assert _host_split(*shape, per_host) == (in_host, across)
 
 
+def test_chunks_must_divide_the_sequence_shard():
+  mesh = make_mesh(mesh_config(2, 1, 4))
+  ring = jax.shard_map(lambda x, w: all_gather_matmul(x, w, 3), mesh=mesh, in_specs=(P(None, TP), P(None, TP)),
+                       out_specs=P(None, None, TP))
+  with pytest.raises(ValueError, match="chunks=3 does not divide the 8-token sequence shard"):
+    ring(jnp.ones((1, 32, 8)), jnp.ones((8, 8)))
+
+
 def test_tp_must_stay_inside_a_host():
   with pytest.raises(ConfigError, match=r"^parallel\.tp=16: a tensor-parallel group must fit on one host"):
     _host_split(1, 1, 16, 8)

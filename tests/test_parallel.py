@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-from megajax.config import default_config
+from megajax.config import ConfigError, default_config
 from megajax.model import GPT, ModelConfig
 from megajax.optim import make_optimizer
 from megajax.parallel import ParallelPlan, make_mesh
@@ -45,6 +45,7 @@ def parallel_config(dp=1, tp=1, block="parallel", mode="none", microbatches=1, l
   c.train.steps = 10
   c.train.z_loss = 1e-3
   c.optimizer.warmup_steps = 2
+  c.optimizer.grad_clip_norm = 0.5   # clips the first steps (norms ~0.9, 0.6), not the third (~0.4)
   c.parallel.dp, c.parallel.tp, c.parallel.tp_overlap = dp, tp, mode
   return c
 
@@ -78,36 +79,43 @@ def reference(block, microbatches, kv_heads, overrides=()):
         state.params, fixed_batch())
     grads = jax.device_get(jax.tree.map(lambda g: g / stats["tokens"], grads))
     step = make_train_step(model, optimizer, config)
-    losses = []
+    losses, grad_norms = [], []
     for _ in range(STEPS):
       state, metrics = step(state, fixed_batch())
       losses.append(float(metrics["loss"]))
-  return initial, grads, losses, jax.device_get(state.params)
+      grad_norms.append(float(metrics["grad_norm"]))
+  return initial, grads, (losses, grad_norms), jax.device_get(state.params)
 
 
-def assert_matches_reference(config, overrides=()):
-  """Sharded init, first gradients, 3 LAMB steps' losses and final params vs the reference."""
+def assert_matches_reference(config, overrides=(), rtol=1e-5):
+  """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the reference."""
   microbatches = config.train.microbatches
-  initial, ref_grads, ref_losses, ref_params = reference(config.model.block, microbatches,
-                                                         config.model.num_kv_heads, overrides)
+  initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
+      config.model.block, microbatches, config.model.num_kv_heads, overrides)
   plan = build_plan(config)
   state = plan.init_state(jax.random.key(0))
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(initial)):  # sharded init = reference init
     np.testing.assert_array_equal(got, want)
 
   step = plan.train_step(with_gradients=True)
-  losses = []
+  losses, grad_norms = [], []
   for i in range(STEPS):
     state, metrics, grads = step(state, plan.put_batch(fixed_batch()))
     losses.append(float(metrics["loss"]))
+    grad_norms.append(float(metrics["grad_norm"]))
     if i == 0:  # the first step's gradients, from the same parameters as the reference's
       errors = jax.tree.map(relative_error, grads, ref_grads)
       worst = max(jax.tree_util.tree_flatten_with_path(errors)[0], key=lambda kv: kv[1])
-      assert worst[1] < 1e-5, f"gradient {jax.tree_util.keystr(worst[0])}: relative error {worst[1]:.2e}"
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  errors = jax.tree.map(relative_error, state.params, ref_params)
-  worst = max(jax.tree_util.tree_flatten_with_path(errors)[0], key=lambda kv: kv[1])
-  assert worst[1] < 1e-5, f"param {jax.tree_util.keystr(worst[0])} after {STEPS} steps: {worst[1]:.2e}"
+      assert worst[1] < rtol, f"gradient {jax.tree_util.keystr(worst[0])}: relative error {worst[1]:.2e}"
+  np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+  np.testing.assert_allclose(grad_norms, ref_grad_norms, rtol=rtol)  # the clipped steps' norm too
+  if rtol <= 1e-5:
+    errors = jax.tree.map(relative_error, state.params, ref_params)
+    worst = max(jax.tree_util.tree_flatten_with_path(errors)[0], key=lambda kv: kv[1])
+    assert worst[1] < rtol, f"param {jax.tree_util.keystr(worst[0])} after {STEPS} steps: {worst[1]:.2e}"
+  else:  # rounding-level agreement: biases start at 0 and Adam amplifies sign noise, so compare the whole model
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+    assert relative_error(flat(state.params), flat(ref_params)) < rtol
   assert int(state.step) == STEPS
 
 
@@ -124,14 +132,32 @@ def test_matches_the_single_device_reference(mesh, block, mode, microbatches):
   assert_matches_reference(parallel_config(dp, tp, block, mode, microbatches))
 
 
-@pytest.mark.parametrize("overrides", [(("remat", "full"),), (("tie_embeddings", True), ("use_bias", False))],
-                         ids=["remat", "tied_no_bias"])
-def test_model_variants_match_the_reference(overrides):
-  """Recomputation around the ring matmuls' custom VJPs; the tied head on the vocab shard."""
+@pytest.mark.parametrize("overrides,rtol", [
+    ((("remat", "full"),), 1e-5),
+    ((("tie_embeddings", True), ("use_bias", False)), 1e-5),
+    ((("compute_dtype", "bfloat16"),), 3e-2),   # the default dtype: bf16 matmuls on both sides
+], ids=["remat", "tied_no_bias", "bf16"])
+def test_model_variants_match_the_reference(overrides, rtol):
+  """Recomputation around the ring matmuls' custom VJPs; the tied head on the vocab shard;
+  bf16 compute, where only rounding (not math) may differ."""
   config = parallel_config(2, 4, "parallel", "collective_matmul", 2)
   for field, value in overrides:
     config.model[field] = value
-  assert_matches_reference(config, overrides)
+  assert_matches_reference(config, overrides, rtol)
+
+
+def test_xla_mode_compiles_with_windowed_einsum_options():
+  plans = {mode: build_plan(parallel_config(2, 4, mode=mode)) for mode in MODES}
+  assert plans["xla"].compiler_options == {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
+                                           "xla_gpu_multi_streamed_windowed_einsum": True}
+  assert plans["none"].compiler_options is None and plans["collective_matmul"].compiler_options is None
+
+
+def test_the_plan_refuses_pipeline_meshes():
+  config = parallel_config(2, 2)
+  config.parallel.pp = 2
+  with pytest.raises(ConfigError, match=r"^parallel\.pp=2"):
+    build_plan(config)
 
 
 # --- The compiled program.
@@ -151,6 +177,18 @@ def _groups(line: str):
   return None
 
 
+def _permute_groups(line: str, mesh):
+  """A collective-permute's axis, as the groups of that axis if every pair stays inside one."""
+  pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=", 1)[-1].split("}}", 1)[0] + "}")
+  if "source_target_pairs=" not in line or not pairs:
+    return None
+  for axis in mesh.axis_names:
+    groups = mesh_groups(mesh, axis)
+    if all(any({int(a), int(b)} <= g for g in groups) for a, b in pairs):
+      return groups
+  return None
+
+
 def mesh_groups(mesh, axis):
   """The device-id groups of one mesh axis, in the logical ids the HLO uses."""
   ids = np.arange(mesh.size).reshape(mesh.devices.shape)
@@ -167,7 +205,7 @@ def collective_counts(text: str, mesh) -> collections.Counter:
     if not op:
       continue
     phase = "backward" if "transpose(" in line else "forward" if "jvp(" in line else "other"
-    groups = _groups(line)
+    groups = _groups(line) or _permute_groups(line, mesh)
     axis = axes.get(frozenset(groups), "other") if groups else "other"
     counts[op.group(1), axis, phase] += 1
   return counts
@@ -213,7 +251,8 @@ def test_collective_matmul_leaves_only_permutes_in_the_blocks(block):
   for phase, (gathers, scatters) in {"forward": (0, 1), "backward": (1, 0)}.items():
     assert three["all-gather", "tp", phase] == two["all-gather", "tp", phase] == gathers, three
     assert three["reduce-scatter", "tp", phase] == two["reduce-scatter", "tp", phase] == scatters, three
-    assert three["collective-permute", "other", phase] > two["collective-permute", "other", phase] > 0
+    assert three["collective-permute", "tp", phase] > two["collective-permute", "tp", phase] > 0
+    assert three["collective-permute", "other", phase] == three["collective-permute", "dp", phase] == 0
 
 
 def test_zero_reduce_scatters_gradients_and_never_all_reduces_them():

@@ -102,8 +102,9 @@ def test_launcher_losses_are_the_same_on_any_mesh(tmp_path):
   meshed = _launcher_losses(tmp_path / "meshed", "--config.parallel.dp=2", "--config.parallel.tp=4")
   two_hosts = _two_process_losses(tmp_path / "two_hosts", "--config.parallel.dp=2", "--config.parallel.tp=4")
   assert len(single) == len(meshed) == len(two_hosts) == 12
-  np.testing.assert_allclose(meshed, single, rtol=2e-3)
-  np.testing.assert_allclose(two_hosts, single, rtol=2e-3)
+  # fp32: the meshes differ from one device only by the order of sums (the issue allows 2e-3).
+  np.testing.assert_allclose(meshed, single, rtol=1e-5)
+  np.testing.assert_allclose(two_hosts, single, rtol=1e-5)
   assert single[-1] < single[0]
 
 
