@@ -1,0 +1,44 @@
+r"""Draw a pipeline schedule: an ASCII timeline in the log and, with --out, a PNG.
+
+  python -m megajax.launch.schedule --pp 4 --vpp 2 --microbatches 8 --out s.png
+  python -m megajax.launch.schedule --pp 4 --microbatches 8 --schedule=gpipe
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+
+from megajax.parallel import schedule as pipeline
+
+_PP = flags.DEFINE_integer("pp", 4, "Pipeline stages p.")
+_VPP = flags.DEFINE_integer("vpp", 1, "Virtual stages (model chunks) per stage v.")
+_MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m per step.")
+_SCHEDULE = flags.DEFINE_enum("schedule", None, pipeline.SCHEDULES,
+                              "Default: interleaved_1f1b when --vpp > 1, else 1f1b.")
+_TRAVERSAL = flags.DEFINE_enum("traversal", "depth_first", pipeline.TRAVERSALS, "MegaDPP traversal policy.")
+_OUT = flags.DEFINE_string("out", None, "PNG file to write.")
+
+
+def main(argv):
+  del argv
+  name = _SCHEDULE.value or ("interleaved_1f1b" if _VPP.value > 1 else "1f1b")
+  try:
+    timeline = pipeline.simulate(name, _PP.value, _VPP.value, _MICROBATCHES.value, _TRAVERSAL.value)
+  except ValueError as error:
+    print(f"megajax-schedule: {error}", file=sys.stderr)
+    sys.exit(2)
+  print(pipeline.ascii_timeline(timeline))
+  print(f"bubble: {timeline.bubble_ticks} idle ticks per stage = {timeline.bubble_fraction:.4f} of ideal; "
+        f"microbatch-chunks in flight per stage: {pipeline.in_flight(timeline)}")
+  if _OUT.value:
+    pipeline.render_png(timeline, _OUT.value)
+    print(f"picture written to {_OUT.value}")
+
+
+def run():
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
