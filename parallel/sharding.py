@@ -53,14 +53,9 @@ def _layout(names: P, shape: tuple[int, ...], dp: int, tp: int) -> Layout:
   return Layout(tp_dim, dp_dim)
 
 
-def param_layouts(model: GPT, dp: int, tp: int):
-  """A pytree like the params with a Layout at each leaf."""
-  tokens = jax.ShapeDtypeStruct((1, model.config.seq_len), jnp.int32)
-  shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-  shapes = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, shapes,
-                        is_leaf=lambda x: hasattr(x, "value"))
-  names = logical_axes(model)
-  return jax.tree.map(lambda n, s: _layout(n, s.shape, dp, tp), names, shapes,
+def param_layouts(model: GPT, params_like, dp: int, tp: int):
+  """A pytree like the params with a Layout at each leaf; `params_like` gives the shapes."""
+  return jax.tree.map(lambda names, p: _layout(names, p.shape, dp, tp), logical_axes(model), params_like,
                       is_leaf=lambda x: isinstance(x, P))
 
 

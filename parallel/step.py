@@ -61,9 +61,9 @@ class ParallelPlan:
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh) -> "ParallelPlan":
     check_runnable(config)
-    layouts = sharding.param_layouts(model, mesh.shape[DP], mesh.shape[TP])
+    params_like = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    layouts = sharding.param_layouts(model, params_like, mesh.shape[DP], mesh.shape[TP])
     optimizer = make_optimizer(config, sharding.squared_norms_fn(layouts))
-    params_like = _abstract_params(model)
     param_specs = sharding.param_specs(layouts, params_like)
     state_specs = TrainState(step=P(), params=param_specs,
                              opt_state=sharding.optimizer_specs(optimizer, params_like, param_specs))
@@ -135,7 +135,3 @@ class ParallelPlan:
   def compiler_options(self) -> dict | None:
     """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"."""
     return XLA_WINDOWED_EINSUM_OPTIONS if self.config.parallel.tp_overlap == "xla" else None
-
-
-def _abstract_params(model: GPT):
-  return jax.eval_shape(lambda: init_params(model, jax.random.key(0)))

@@ -39,7 +39,12 @@ def run_module(args, timeout=300, env=None):
   mesh needs itself.
   """
   import subprocess
-  full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  full_env.update(env or {})
   return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                        timeout=timeout, env=full_env)
+                        timeout=timeout, env=child_env(env))
+
+
+def child_env(extra=None) -> dict:
+  """The environment for a child process: the tests' XLA_FLAGS removed, `extra` added."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(extra or {})
+  return env

@@ -1,7 +1,6 @@
 """Training end to end: accumulation, the default job via the launcher, the README's API example."""
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from megajax.checkpoint import load_params
 from megajax.model import GPT, ModelConfig
 from megajax.optim import make_optimizer
 from megajax.step import init_train_state, make_train_step
-from tests.conftest import REPO, run_module
+from tests.conftest import REPO, child_env, run_module
 
 
 def test_gradient_accumulation_equals_the_full_batch(tiny_config):
@@ -82,10 +81,9 @@ def _two_process_losses(workdir, *overrides):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen([sys.executable, *SHORT_RUN, f"--workdir={workdir}", *overrides,
                              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
   try:
     errors = [p.communicate(timeout=300)[1] for p in procs]
