@@ -29,6 +29,7 @@ def main(argv):
     print(f"megajax-schedule: {error}", file=sys.stderr)
     sys.exit(2)
   print(pipeline.ascii_timeline(timeline))
+  print(pipeline.ascii_paired_timeline(timeline))
   print(f"bubble: {timeline.bubble_ticks} idle ticks per stage = {timeline.bubble_fraction:.4f} of ideal; "
         f"microbatch-chunks in flight per stage: {pipeline.in_flight(timeline)}")
   if _OUT.value:

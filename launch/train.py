@@ -20,7 +20,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from megajax import trainer
-from megajax.config import ConfigError, check_runnable, default_config, validate
+from megajax.config import ConfigError, default_config, validate
 from megajax.launch.cluster import (TopologyError, expected_process_count, initialize_distributed,
                                    request_host_devices)
 from megajax.parallel import mesh_shape
@@ -59,7 +59,6 @@ def main(argv):
   # Validate before jax.distributed (which can wait minutes for peers) or any compile.
   try:
     validate(config)
-    check_runnable(config)
   except ConfigError as error:
     _fail("config error", error)
 

@@ -23,6 +23,9 @@ REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("synthetic", "tokens")
 TP_OVERLAP_MODES = ("none", "collective_matmul", "xla")
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")
+# Kept equal to megajax.parallel.schedule's (tested): config must not import the parallel package.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_TRAVERSALS = ("depth_first", "breadth_first")
 
 
 class ConfigError(ValueError):
@@ -67,6 +70,11 @@ def default_config() -> ml_collections.ConfigDict:
   # "xla" (plain collectives + XLA's windowed-einsum rewrite on GPU).
   c.parallel.tp_overlap = "collective_matmul"
   c.parallel.tp_overlap_chunks = 2  # Sequence chunks per ring step (2: one per ring direction).
+  # Pipeline (pp > 1): the layers are cut into pp * virtual_stages chunks, stage s holding
+  # chunks s, s + pp, ...; train.microbatches microbatches flow through them in this order.
+  c.parallel.virtual_stages = 1     # Model chunks per stage (Megatron's interleaving, v).
+  c.parallel.schedule = "interleaved_1f1b"  # "gpipe", "1f1b" (v=1) or "interleaved_1f1b".
+  c.parallel.traversal = "depth_first"      # Or "breadth_first": more in flight, fewer switches.
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200
@@ -150,7 +158,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
   for field in ("model.vocab_size", "model.seq_len", "model.num_layers", "model.hidden_dim",
                 "model.num_heads", "parallel.dp", "parallel.pp", "parallel.tp", "parallel.tp_overlap_chunks",
-                "train.steps",
+                "parallel.virtual_stages", "train.steps",
                 "train.batch_size", "train.microbatches", "train.log_every"):
     _positive_int(config, field)
   _choice(config, "model.block", BLOCKS)
@@ -161,6 +169,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _choice(config, "optimizer.name", OPTIMIZERS)
   _choice(config, "data.source", DATA_SOURCES)
   _choice(config, "parallel.tp_overlap", TP_OVERLAP_MODES)
+  _choice(config, "parallel.schedule", PIPELINE_SCHEDULES)
+  _choice(config, "parallel.traversal", PIPELINE_TRAVERSALS)
 
   # Attention heads.
   _require(m.hidden_dim % m.num_heads == 0, "model.num_heads", m.num_heads,
@@ -234,6 +244,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
            f"a microbatch of {t.batch_size // t.microbatches} sequences does not split over parallel.dp={p.dp}",
            "make batch_size a multiple of microbatches * parallel.dp")
 
+  # Pipeline.
+  chunks = p.pp * p.virtual_stages
+  _require(p.pp == 1 or m.num_layers % chunks == 0, "model.num_layers", m.num_layers,
+           f"the pipeline cuts the layers into parallel.pp * parallel.virtual_stages = {chunks} equal chunks",
+           f"use a multiple of {chunks} layers, or fewer stages / virtual stages")
+  _require(p.schedule != "1f1b" or p.virtual_stages == 1, "parallel.virtual_stages", p.virtual_stages,
+           "the 1f1b schedule has one chunk per stage", "set parallel.schedule=interleaved_1f1b for more")
+  if p.pp > 1 and p.schedule == "interleaved_1f1b" and p.virtual_stages > 1:
+    _require(t.microbatches % p.pp == 0, "train.microbatches", t.microbatches,
+             f"interleaved 1F1B sends microbatches through the chunks in groups of parallel.pp={p.pp}",
+             f"use a multiple of {p.pp}, e.g. {-(-t.microbatches // p.pp) * p.pp}")
+
   # Data.
   _require(d.read_threads >= 1, "data.read_threads", d.read_threads, "must be >= 1", "e.g. 2")
   _require(d.prefetch >= 0, "data.prefetch", d.prefetch, "must be >= 0", "e.g. 4")
@@ -246,13 +268,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
              "make one with megajax-prepare-data and pass --config.data.path=FILE")
     _require(os.path.isfile(d.path), "data.path", d.path, "file not found",
              "check the path, or make the file with megajax-prepare-data")
-
-
-def check_runnable(config: ml_collections.ConfigDict) -> None:
-  """What this build can run, beyond a well-formed config: every (dp, 1, tp) mesh."""
-  _require(config.parallel.pp == 1, "parallel.pp", config.parallel.pp,
-           "pipeline parallelism is not in this version of megajax (the (dp, pp, tp) step runs pp=1)",
-           "set --config.parallel.pp=1 and use dp and tp")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

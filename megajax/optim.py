@@ -4,15 +4,15 @@ LAMB = clip -> Adam moments -> + weight decay -> x trust ratio ||w|| / ||u|| -> 
 Weight decay and the trust ratio apply to matrices (kernels, embeddings) only: biases and
 LayerNorm scales keep plain Adam steps (optax.lamb's `mask` covers only the decay).
 
-The two steps that need norms (global-norm clipping, the trust ratio) take a `squared_norms`
-function when the tensors are sharded: the 3D step passes one that sums each leaf's local
-squares over the mesh axes the leaf is split on, so LAMB sees the norms of the whole tensors
-and the sharded update equals the single-device one. Without it they are optax's own.
+The two steps that need norms (global-norm clipping, the trust ratio) take `TensorNorms`
+when the tensors are sharded: the 3D step passes ones that sum each leaf's local squares
+over the mesh axes the leaf is split on, so LAMB sees the norms of the whole tensors and
+the sharded update equals the single-device one. Without them they are optax's own.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,29 +43,32 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   return lambda count: curve(count + 1)
 
 
-# squared_norms(tree) -> a tree of scalars, each leaf's squared L2 norm over the whole tensor.
-SquaredNorms = Callable[[optax.Updates], optax.Updates]
+class TensorNorms(NamedTuple):
+  """Squared L2 norms of whole tensors, computed from whatever shards a device holds."""
+  per_tensor: Callable[[optax.Updates], optax.Updates]  # tree -> each tensor's squared norm,
+                                                         # broadcastable against its leaf
+  total: Callable[[optax.Updates], jax.Array]           # tree -> the squared global norm
 
 
-def global_norm(tree, squared_norms: SquaredNorms) -> jax.Array:
-  return jnp.sqrt(sum(jax.tree.leaves(squared_norms(tree))))
+def global_norm(tree, norms: TensorNorms) -> jax.Array:
+  return jnp.sqrt(norms.total(tree))
 
 
-def clip_by_global_norm(max_norm: float, squared_norms: SquaredNorms) -> optax.GradientTransformation:
-  """optax.clip_by_global_norm, with the norm taken by `squared_norms`."""
+def clip_by_global_norm(max_norm: float, norms: TensorNorms) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm, with the norm taken by `norms`."""
   def update_fn(updates, state, params=None):
     del params
-    norm = global_norm(updates, squared_norms)
+    norm = global_norm(updates, norms)
     keep = norm < max_norm
     return jax.tree.map(lambda t: jnp.where(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def scale_by_trust_ratio(mask_fn, squared_norms: SquaredNorms) -> optax.GradientTransformation:
-  """optax.masked(optax.scale_by_trust_ratio(), mask_fn), with the norms taken by `squared_norms`."""
+def scale_by_trust_ratio(mask_fn, norms: TensorNorms) -> optax.GradientTransformation:
+  """optax.masked(optax.scale_by_trust_ratio(), mask_fn), with the norms taken by `norms`."""
   def update_fn(updates, state, params):
-    param_norms = jax.tree.map(jnp.sqrt, squared_norms(params))
-    update_norms = jax.tree.map(jnp.sqrt, squared_norms(updates))
+    param_norms = jax.tree.map(jnp.sqrt, norms.per_tensor(params))
+    update_norms = jax.tree.map(jnp.sqrt, norms.per_tensor(updates))
 
     def scale(update, param_norm, update_norm, masked):
       ratio = jnp.where((param_norm == 0.0) | (update_norm == 0.0), 1.0, param_norm / update_norm)
@@ -75,16 +78,16 @@ def scale_by_trust_ratio(mask_fn, squared_norms: SquaredNorms) -> optax.Gradient
 
 
 def make_optimizer(config: ml_collections.ConfigDict,
-                   squared_norms: SquaredNorms | None = None) -> optax.GradientTransformation:
-  """LAMB or AdamW. `squared_norms`: the whole-tensor norms of sharded leaves (see above)."""
+                   norms: TensorNorms | None = None) -> optax.GradientTransformation:
+  """LAMB or AdamW. `norms`: the whole-tensor norms of sharded leaves (see above)."""
   o = config.optimizer
   schedule = learning_rate_schedule(config)
-  if squared_norms is None:
+  if norms is None:
     clip = optax.clip_by_global_norm(o.grad_clip_norm)
     trust_ratio = optax.masked(optax.scale_by_trust_ratio(), matrix_mask)
   else:
-    clip = clip_by_global_norm(o.grad_clip_norm, squared_norms)
-    trust_ratio = scale_by_trust_ratio(matrix_mask, squared_norms)
+    clip = clip_by_global_norm(o.grad_clip_norm, norms)
+    trust_ratio = scale_by_trust_ratio(matrix_mask, norms)
   clip = [clip] if o.grad_clip_norm > 0 else []
   if o.name == "lamb":
     return optax.chain(

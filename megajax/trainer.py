@@ -22,6 +22,7 @@ from megajax.flops import mfu, training_flops_per_token
 from megajax.metrics import MetricsWriter
 from megajax.model import GPT, ModelConfig, count_params
 from megajax.parallel import ParallelPlan, local_batch_slice, make_mesh
+from megajax.parallel.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.step import TrainState
 
 
@@ -47,6 +48,12 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief):
   logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
                config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
                *plan.mesh.devices.shape, config.parallel.tp_overlap)
+  if plan.pipeline is not None:
+    schedule = plan.pipeline.schedule
+    logging.info("pipeline: %s, %d virtual stages, %s, %d microbatches: bubble %.3f of ideal, stash of %d "
+                 "activations per stage\n%s\n%s", schedule.name, schedule.virtual_stages, config.parallel.traversal,
+                 schedule.microbatches, schedule.bubble_fraction, plan.pipeline.stash_slots,
+                 ascii_timeline(schedule), ascii_paired_timeline(schedule))
 
   # --- Step.
   train_step = plan.train_step()
@@ -109,6 +116,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
 
   # --- Export.
   if workdir and config.checkpoint.save_params:
-    path = save_params(os.path.join(workdir, "params"), state.params)
+    # The model's own pytree whatever the mesh (the pipeline's stacked layers unstacked).
+    path = save_params(os.path.join(workdir, "params"), plan.model_params(state.params))
     logging.info("parameters written to %s", path)
   return TrainResult(state=state, history=history)

@@ -13,6 +13,12 @@ the sequence chunk it already holds while the next chunk is in flight, in both r
 directions at once (even chunks travel to rank+1, odd chunks to rank-1). The backward
 pass is overlapped the same way through a custom VJP: the input gradient of an
 all-gather-matmul is a matmul-reduce-scatter and vice versa.
+
+`ring=False` keeps the chunking but not the ring: each sequence chunk is one all-gather
+(or reduce-scatter) over the tp group, multiplied while the next chunk's collective is in
+flight; autodiff chunks the backward the same way. The pipeline uses it inside its
+per-stage branches, where a ppermute cannot go: a collective-permute is one operation over
+every device of the program, and a branch runs on one stage's devices only.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from jax import lax
 from megajax.config import TP_OVERLAP_MODES as OVERLAP_MODES
 from megajax.parallel.mesh import TP, varying_axes
 
-__all__ = ["OVERLAP_MODES", "all_gather_matmul", "column_parallel_linear", "matmul_reduce_scatter",
-           "row_parallel_linear"]
+__all__ = ["OVERLAP_MODES", "all_gather_matmul", "chunked_all_gather_matmul", "chunked_matmul_reduce_scatter",
+           "column_parallel_linear", "matmul_reduce_scatter", "row_parallel_linear"]
 
 
 
@@ -149,15 +155,41 @@ def _matmul_reduce_scatter_bwd(chunks, out_dtype, residuals, d_out):
 matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
 
 
-def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None):
+def chunked_all_gather_matmul(x, w, chunks: int, out_dtype=None):
+  """all_gather(x, seq over tp) @ w, one all-gather per sequence chunk (no ring)."""
+  b, s_local, k = x.shape
+  size, n = _chunk(s_local, chunks), lax.axis_size(TP)
+  outs = []
+  for c in range(chunks):
+    piece = lax.all_gather(x[:, c * size:(c + 1) * size], TP, axis=1)        # [b, n, size, k]
+    outs.append(_matmul(piece.reshape(b, n * size, k), w, out_dtype).reshape(b, n, size, -1))
+  return jnp.stack(outs, axis=2).reshape(b, n * s_local, -1)               # rows (rank, chunk, i)
+
+
+def chunked_matmul_reduce_scatter(x, w, chunks: int):
+  """reduce_scatter(x @ w, seq over tp), one reduce-scatter per chunk of the sequence shard."""
+  b, s, k = x.shape
+  n = lax.axis_size(TP)
+  size = _chunk(s // n, chunks)
+  rows = x.reshape(b, n, chunks, size, k)
+  outs = []
+  for c in range(chunks):   # chunk c of every rank's shard: its sum lands on that rank
+    part = _matmul(rows[:, :, c].reshape(b, n * size, k), w, None)
+    outs.append(lax.psum_scatter(part, TP, scatter_dimension=1, tiled=True))   # [b, size, f]
+  return jnp.concatenate(outs, axis=1)
+
+
+def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None, ring: bool = True):
   """x [b, s/tp, k] (sequence shard) @ w [k, f/tp] -> [b, s, f/tp]; one all-gather on tp."""
   if mode == "collective_matmul" and lax.axis_size(TP) > 1:
-    return all_gather_matmul(x, w, chunks, out_dtype)
+    if ring:
+      return all_gather_matmul(x, w, chunks, out_dtype)
+    return chunked_all_gather_matmul(x, w, chunks, out_dtype)
   return _matmul(lax.all_gather(x, TP, axis=1, tiled=True), w, out_dtype)
 
 
-def row_parallel_linear(x, w, mode: str, chunks: int):
+def row_parallel_linear(x, w, mode: str, chunks: int, ring: bool = True):
   """x [b, s, k/tp] @ w [k/tp, f] -> [b, s/tp, f] summed over tp; one reduce-scatter on tp."""
   if mode == "collective_matmul" and lax.axis_size(TP) > 1:
-    return matmul_reduce_scatter(x, w, chunks, None)
+    return matmul_reduce_scatter(x, w, chunks, None) if ring else chunked_matmul_reduce_scatter(x, w, chunks)
   return lax.psum_scatter(_matmul(x, w, None), TP, scatter_dimension=1, tiled=True)

@@ -7,6 +7,13 @@ s+2p, ... (Megatron's round-robin), so local chunk c of stage s is global chunk 
   1f1b              v = 1: warm-up forwards, then one forward / one backward, then cool-down
   interleaved_1f1b  Megatron's interleaved order over v chunks per stage
 
+Stage s warms up with 2(p - s - 1) + (v - 1) * group forwards: Megatron's interleaved depth,
+used for v = 1 too (classic 1F1B warms up with p - s - 1). The executor runs one forward
+and one backward per tick (`paired_timeline`), and a message takes a whole tick to hop a
+stage; with the classic depth its ticks would idle (p=4, m=8, backward = 3 forwards:
+lockstep time 64 instead of 44). The price: stage s holds up to 2(p - s) - 1 stashed
+inputs instead of p - s, still independent of m. The bubble is the same.
+
 Traversal (MegaDPP): the order in which a stage walks (microbatch, chunk) pairs.
   depth_first    groups of p microbatches go through chunk 0, then chunk 1, ... (Megatron):
                  the fewest microbatches in flight.
@@ -93,7 +100,7 @@ def stage_orders(name: str, stages: int, virtual_stages: int, microbatches: int,
       orders.append(tuple(forwards + backwards))
       continue
     # Warm-up: enough forwards that the first backward (microbatch 0, last chunk) can arrive.
-    warmup = min((p - s - 1) * 2 + (v - 1) * group, m * v) if v > 1 else min(p - s - 1, m)
+    warmup = min((p - s - 1) * 2 + (v - 1) * group, m * v)
     order = forwards[:warmup]
     for i in range(m * v - warmup):          # steady state: one forward, one backward
       order += [forwards[warmup + i], backwards[i]]
@@ -186,12 +193,89 @@ def in_flight(schedule: Schedule) -> list[int]:
   return peaks
 
 
+def paired_timeline(schedule: Schedule) -> np.ndarray:
+  """The executor's ticks: object [stages, ticks, 2], each tick one forward slot then one
+  backward slot per stage, every stage's order kept.
+
+  A stage runs its next op in the forward slot if it is a forward whose input was sent in
+  an earlier tick, then its next op in the backward slot if it is a backward whose
+  cotangent was sent in an earlier tick. Messages move at the end of a tick, so a
+  forward's send overlaps the backward that follows it (decoupled send/recv), and in the
+  steady state of 1F1B every tick holds one forward and one backward on every stage.
+  """
+  p, v = schedule.stages, schedule.virtual_stages
+  done, position, columns = {}, [0] * p, []
+  while any(position[s] < len(order) for s, order in enumerate(schedule.orders)):
+    tick = len(columns)
+    column = [[None, None] for _ in range(p)]
+    for slot, kind in enumerate((FORWARD, BACKWARD)):
+      for s, order in enumerate(schedule.orders):
+        if position[s] == len(order):
+          continue
+        op = order[position[s]]
+        ready = all(done.get(dep, tick) < tick or dep[0] == s for dep in _dependencies(op, s, p, v))
+        if op.kind == kind and ready:
+          column[s][slot] = op
+          done[s, op] = tick
+          position[s] += 1
+    if not any(any(cell) for cell in column):
+      raise AssertionError(f"{schedule.name}: deadlock at tick {tick}")
+    columns.append(column)
+  pairs = np.empty((p, len(columns), 2), dtype=object)
+  for t, column in enumerate(columns):
+    for s, cell in enumerate(column):
+      pairs[s, t] = cell
+  return pairs
+
+
+def makespans(schedule: Schedule, forward: float, backward: float) -> tuple[float, float]:
+  """(lockstep, asynchronous) time of one step when a forward takes `forward` and a backward
+  `backward` (communication free).
+
+  lockstep:      the executor's paired ticks: every stage moves through the same ticks, so
+                 a tick lasts its slowest forward plus its slowest backward.
+  asynchronous:  each stage runs its order back to back, an op starting as soon as its
+                 inputs exist (a multi-program runtime such as Megatron's).
+  """
+  cost = lambda op: forward if op.kind == FORWARD else backward
+  pairs = paired_timeline(schedule)
+  lockstep = sum(max((cost(op) for op in pairs[:, t, slot] if op is not None), default=0.0)
+                 for t in range(pairs.shape[1]) for slot in range(2))
+  p, v = schedule.stages, schedule.virtual_stages
+  finish, free, position = {}, [0.0] * p, [0] * p
+  moved = True
+  while moved:
+    moved = False
+    for s, order in enumerate(schedule.orders):
+      while position[s] < len(order):
+        op = order[position[s]]
+        deps = _dependencies(op, s, p, v)
+        if not all(dep in finish for dep in deps):
+          break
+        start = max([free[s]] + [finish[dep] for dep in deps])
+        finish[s, op] = free[s] = start + cost(op)
+        position[s] += 1
+        moved = True
+  assert all(position[s] == len(order) for s, order in enumerate(schedule.orders)), "deadlocked order"
+  return lockstep, max(free)
+
+
 def ascii_timeline(schedule: Schedule) -> str:
   """Stages as rows, ticks as columns: F3a = forward of microbatch 3 on local chunk a; . idle."""
   lines = [f"{schedule.name}: p={schedule.stages} v={schedule.virtual_stages} m={schedule.microbatches}, "
            f"{schedule.ticks} ticks, bubble {schedule.bubble_fraction:.3f} of ideal"]
   for s, row in enumerate(schedule.timeline):
     lines.append(f"stage {s}: " + " ".join(f"{str(op) if op else '.':>4}" for op in row))
+  return "\n".join(lines)
+
+
+def ascii_paired_timeline(schedule: Schedule) -> str:
+  """The executor's ticks (`paired_timeline`): each cell is forward slot|backward slot."""
+  pairs = paired_timeline(schedule)
+  lines = [f"executor: {pairs.shape[1]} ticks of one forward slot | one backward slot"]
+  for s in range(schedule.stages):
+    cells = [f"{str(f) if f else '.':>4}|{str(b) if b else '.':<4}" for f, b in pairs[s]]
+    lines.append(f"stage {s}: " + " ".join(cells))
   return "\n".join(lines)
 
 

@@ -5,6 +5,10 @@ Tensor parallelism splits the dimension named heads / kv_heads / mlp / vocab ove
 gradient and its optimizer state 1/dp over `dp` along the largest dimension that divides
 (if that is the tp dimension too, it is split (tp, dp): each tp shard cut in dp pieces).
 A leaf with no dimension divisible by dp stays whole on every dp rank.
+
+With pipeline parallelism the blocks' parameters are stacked (megajax.parallel.pipeline):
+one leaf per parameter with a leading layer axis split over `pp`; LAMB still takes one
+trust ratio per layer, as on the single-device model.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import optax
 
 from megajax.model import GPT, logical_axes
-from megajax.parallel.mesh import DP, TP, to_varying
+from megajax.optim import TensorNorms
+from megajax.parallel.mesh import DP, PP, TP, to_varying
 
 # The logical axes tensor parallelism splits over the tp mesh axis; other axes stay whole.
 TENSOR_PARALLEL_AXES = ("heads", "kv_heads", "mlp", "vocab")
@@ -26,12 +31,16 @@ TENSOR_PARALLEL_AXES = ("heads", "kv_heads", "mlp", "vocab")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """One parameter's split: the dimension split over tp and the one ZeRO splits over dp."""
+  """One parameter's split: the dimension split over tp, the one ZeRO splits over dp, and
+  (stacked block parameters) the leading layer axis split over pp."""
   tp_dim: int | None
   dp_dim: int | None
+  pp_dim: int | None = None
 
   def spec(self, ndim: int) -> P:
     entries = [None] * ndim
+    if self.pp_dim is not None:
+      entries[self.pp_dim] = PP
     if self.tp_dim is not None:
       entries[self.tp_dim] = TP
     if self.dp_dim is not None:
@@ -40,7 +49,8 @@ class Layout:
 
   @property
   def axes(self) -> tuple[str, ...]:
-    """The mesh axes this leaf is split over (the axes its norm is summed over)."""
+    """The mesh axes one tensor is split over (the axes its norm is summed over); a stacked
+    leaf's layers are whole on their pp stage."""
     return ((DP,) if self.dp_dim is not None else ()) + ((TP,) if self.tp_dim is not None else ())
 
 
@@ -57,6 +67,13 @@ def param_layouts(model: GPT, params_like, dp: int, tp: int):
   """A pytree like the params with a Layout at each leaf; `params_like` gives the shapes."""
   return jax.tree.map(lambda names, p: _layout(names, p.shape, dp, tp), logical_axes(model), params_like,
                       is_leaf=lambda x: isinstance(x, P))
+
+
+def stacked_layouts(layer_layouts):
+  """The layouts of stacked block parameters [layers, ...] from one layer's: the layer axis
+  goes to pp, the per-layer splits move one dimension up."""
+  shift = lambda d: None if d is None else d + 1
+  return jax.tree.map(lambda l: Layout(shift(l.tp_dim), shift(l.dp_dim), pp_dim=0), layer_layouts)
 
 
 def param_specs(layouts, params_like):
@@ -90,9 +107,11 @@ def gather_params(params, layouts):
 
 
 def _forward_order(name: str):
-  """embedding, layer_0, layer_1, ..., layer_10, ..., final_norm, head."""
+  """embedding, layer_0, layer_1, ..., layer_10, ... (or the stacked layers), final_norm, head."""
   if name.startswith("layer_"):
     return (1, int(name.split("_")[1]))
+  if name == "layers":
+    return (1, 0)
   return (0 if name == "embedding" else 2 if name == "final_norm" else 3, 0)
 
 
@@ -104,11 +123,24 @@ def reduce_scatter_grads(grads, layouts):
       grads, layouts)
 
 
-def squared_norms_fn(layouts):
-  """For megajax.optim: each leaf's squared norm over the whole tensor, from its local shard."""
-  def squared_norms(tree):
-    def leaf(x, layout):
-      local = jnp.sum(jnp.square(x.astype(jnp.float32)))
-      return lax.psum(local, layout.axes) if layout.axes else local
-    return jax.tree.map(leaf, tree, layouts)
-  return squared_norms
+def tensor_norms(layouts) -> TensorNorms:
+  """For megajax.optim: whole-tensor squared norms from local shards.
+
+  Per tensor: the local sum of squares, summed over the axes the leaf is split on; a
+  stacked leaf gives one norm per layer ([layers, 1, ...], broadcasting against the leaf).
+  Total: the sum over every tensor of the model; stacked layers are summed over pp too.
+  """
+  def leaf_norms(x, layout):
+    x = jnp.square(x.astype(jnp.float32))
+    local = jnp.sum(x) if layout.pp_dim is None else jnp.sum(x, axis=tuple(range(1, x.ndim)), keepdims=True)
+    return lax.psum(local, layout.axes) if layout.axes else local
+
+  def per_tensor(tree):
+    return jax.tree.map(leaf_norms, tree, layouts)
+
+  def total(tree):
+    norms, stacked = jax.tree.leaves(per_tensor(tree)), jax.tree.leaves(jax.tree.map(lambda l: l.pp_dim is not None, layouts))
+    whole = sum(jnp.sum(n) for n, s in zip(norms, stacked) if not s)
+    split = [jnp.sum(n) for n, s in zip(norms, stacked) if s]
+    return whole + (lax.psum(sum(split), PP) if split else 0.0)
+  return TensorNorms(per_tensor, total)

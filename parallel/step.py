@@ -6,8 +6,9 @@ Per device, one step is:
                    traced at the top of the step in layer order (embedding, layer 0, ...,
                    head); XLA's scheduler places them, free to overlap later layers' gathers
                    with the first layers' compute.
-  2. Forward/backward per microbatch (lax.scan): tensor + sequence parallel model
-                   (megajax.parallel.tensor_parallel).
+  2. Forward/backward per microbatch: with pp = 1 a lax.scan over microbatches of the
+                   tensor + sequence parallel model (megajax.parallel.tensor_parallel); with
+                   pp > 1 the pipeline schedule's ticks (megajax.parallel.pipeline).
   3. ZeRO scatter: each microbatch's gradients --reduce-scatter(dp)--> this rank's 1/dp
                    shard, summed over microbatches (never an all-reduce, except for a leaf
                    with no dimension divisible by dp), divided by the global token count.
@@ -32,11 +33,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import check_runnable
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
-from megajax.parallel import sharding
-from megajax.parallel.mesh import DP, TP, batch_sharding
+from megajax.parallel import pipeline, sharding
+from megajax.parallel.mesh import DP, PP, TP, batch_sharding
+from megajax.parallel.schedule import simulate
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 from megajax.step import TrainState, accumulate_gradients
 
@@ -57,17 +58,25 @@ class ParallelPlan:
   layouts: object                           # pytree of sharding.Layout, like the params
   optimizer: optax.GradientTransformation   # LAMB / AdamW with whole-tensor norms
   state_specs: TrainState                   # PartitionSpecs of the TrainState
+  pipeline: pipeline.Tables | None          # the schedule's tables when pp > 1
 
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh) -> "ParallelPlan":
-    check_runnable(config)
     params_like = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     layouts = sharding.param_layouts(model, params_like, mesh.shape[DP], mesh.shape[TP])
-    optimizer = make_optimizer(config, sharding.squared_norms_fn(layouts))
+    tables = None
+    if mesh.shape[PP] > 1:
+      p = config.parallel
+      schedule = simulate(p.schedule, p.pp, p.virtual_stages, config.train.microbatches, p.traversal)
+      tables = pipeline.Tables.build(schedule, model.config)
+      params_like = jax.eval_shape(functools.partial(pipeline.to_pipeline_params, stages=p.pp,
+                                                     virtual_stages=p.virtual_stages), params_like)
+      layouts = pipeline.pipeline_layouts(layouts)
+    optimizer = make_optimizer(config, sharding.tensor_norms(layouts))
     param_specs = sharding.param_specs(layouts, params_like)
     state_specs = TrainState(step=P(), params=param_specs,
                              opt_state=sharding.optimizer_specs(optimizer, params_like, param_specs))
-    return cls(config, mesh, model, layouts, optimizer, state_specs)
+    return cls(config, mesh, model, layouts, optimizer, state_specs, tables)
 
   @property
   def overlap(self) -> Overlap:
@@ -82,9 +91,21 @@ class ParallelPlan:
   def init_state(self, rng: jax.Array) -> TrainState:
     """A fresh state, each device initializing only its own shards."""
     def init(rng):
-      params = init_params(self.model, rng)
+      params = self.from_model_params(init_params(self.model, rng))
       return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
     return jax.jit(init, out_shardings=self.state_shardings)(rng)
+
+  def from_model_params(self, params: dict) -> dict:
+    """The model's parameter pytree -> the state's (the pipeline layout when pp > 1)."""
+    if self.pipeline is None:
+      return params
+    return pipeline.to_pipeline_params(params, self.config.parallel.pp, self.config.parallel.virtual_stages)
+
+  def model_params(self, params: dict) -> dict:
+    """The state's parameters (or gradients) -> the model's pytree, whatever the mesh."""
+    if self.pipeline is None:
+      return params
+    return pipeline.to_model_params(params, self.config.parallel.pp, self.config.parallel.virtual_stages)
 
   def put_batch(self, local_batch: dict) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays split over dp."""
@@ -95,9 +116,13 @@ class ParallelPlan:
 
   # --- Inside the shard_map.
 
-  def _gradients(self, params, batch):
-    """ZeRO gather -> accumulate over microbatches -> ZeRO reduce-scatter; per device."""
+  def _summed_gradients(self, params, batch):
+    """ZeRO gather -> forward/backward of every microbatch -> ZeRO reduce-scatter, per device:
+    (gradient shards summed over the batch, loss stats summed over the batch)."""
     c = self.config
+    if self.pipeline is not None:
+      return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
+                                         self.overlap, c.train.z_loss, self.mesh.shape[TP])
     full_params = sharding.gather_params(params, self.layouts)
     loss = functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss)
     # Each microbatch's gradients are reduce-scattered as they come (ZeRO-2): the scan carries
@@ -106,11 +131,15 @@ class ParallelPlan:
         loss, full_params, batch, c.train.microbatches,
         reduce_grads=functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts),
         zero_grads=jax.tree.map(jnp.zeros_like, params))
-    stats = {k: lax.psum(v, DP) for k, v in stats.items()}
+    return grads, {k: lax.psum(v, DP) for k, v in stats.items()}
+
+  def _gradients(self, params, batch):
+    """The step's gradients (mean over the global batch's tokens) and loss metrics."""
+    grads, stats = self._summed_gradients(params, batch)
     tokens = jnp.maximum(stats["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)   # the mean over every token of the global batch
     metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
-               "grad_norm": global_norm(grads, sharding.squared_norms_fn(self.layouts))}
+               "grad_norm": global_norm(grads, sharding.tensor_norms(self.layouts))}
     return grads, metrics
 
   def _train_step(self, state: TrainState, batch: dict, with_gradients: bool = False):
@@ -122,6 +151,14 @@ class ParallelPlan:
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
 
   # --- The jitted step.
+
+  def summed_gradients(self, gradients_fn=None):
+    """(params, batch) -> (gradient shards, loss stats), both summed over the batch: the step
+    without its optimizer (benchmarks, memory checks). `gradients_fn` replaces the plan's
+    own (params, batch) -> ... per-device function, e.g. the pipeline baseline."""
+    return jax.jit(jax.shard_map(gradients_fn or self._summed_gradients, mesh=self.mesh,
+                                 in_specs=(self.state_specs.params, P(DP)),
+                                 out_specs=(self.state_specs.params, P())))
 
   def train_step(self, with_gradients: bool = False):
     """(state, batch) -> (state, metrics), the state donated; with_gradients=True also returns

@@ -32,15 +32,17 @@ from megajax.parallel.mesh import TP
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-  """How the tp collectives run: `mode` in OVERLAP_MODES, `chunks` per ring step."""
+  """How the tp collectives run: `mode` in OVERLAP_MODES, `chunks` per ring step; ring=False
+  (inside pipeline branches) runs collective matmul as chunked all-gathers / reduce-scatters."""
   mode: str
   chunks: int
+  ring: bool = True
 
   def column(self, x, w, out_dtype=None):
-    return column_parallel_linear(x, w, self.mode, self.chunks, out_dtype)
+    return column_parallel_linear(x, w, self.mode, self.chunks, out_dtype, self.ring)
 
   def row(self, x, w):
-    return row_parallel_linear(x, w, self.mode, self.chunks)
+    return row_parallel_linear(x, w, self.mode, self.chunks, self.ring)
 
 
 def _norm(params, x, c: ModelConfig):
@@ -159,21 +161,35 @@ def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float)
   return nll_sum + z_loss * z_sum, stats
 
 
-def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0):
-  """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
+def apply_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
+  """One transformer block on this device's shards, recomputed in the backward if c.remat says so."""
+  block = lambda p, x: BLOCKS[c.block](p, x, positions, window, c, overlap)
+  if c.remat != "none":
+    block = jax.checkpoint(block, policy=REMAT_POLICIES[c.remat])
+  return block(p, x)
 
-  The pipeline schedule splits this same sequence into stages.
-  """
-  tokens = batch["inputs"]                                                # [b, s], every tp rank
+
+def positions_of(tokens):
   batch_size, seq = tokens.shape
-  x = vocab_parallel_embed(params["embedding"], tokens, c)                # [b, s/n, hidden]
-  positions = jnp.broadcast_to(jnp.arange(seq), (batch_size, seq))
-  for layer in range(c.num_layers):
-    block = lambda p, x, window=c.layer_window(layer): BLOCKS[c.block](p, x, positions, window, c, overlap)
-    if c.remat != "none":
-      block = jax.checkpoint(block, policy=REMAT_POLICIES[c.remat])
-    x = block(params[f"layer_{layer}"], x)
+  return jnp.broadcast_to(jnp.arange(seq), (batch_size, seq))
+
+
+def head_loss_sums(params, x, batch, c: ModelConfig, overlap: Overlap, z_loss: float):
+  """Final LayerNorm -> vocab-parallel head -> cross-entropy sums; `params` has final_norm and the head."""
   y = _norm(params["final_norm"], x, c)
   head = params["embedding"].T if c.tie_embeddings else params["head"]   # [hidden, vocab/n]
   logits = overlap.column(y, head.astype(c.compute_dtype), out_dtype=jnp.float32)  # [b, s, vocab/n]
   return vocab_parallel_cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
+
+
+def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0):
+  """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
+
+  The pipeline (megajax.parallel.pipeline) runs the same pieces split into stages.
+  """
+  tokens = batch["inputs"]                                                # [b, s], every tp rank
+  x = vocab_parallel_embed(params["embedding"], tokens, c)                # [b, s/n, hidden]
+  positions = positions_of(tokens)
+  for layer in range(c.num_layers):
+    x = apply_block(params[f"layer_{layer}"], x, positions, c.layer_window(layer), c, overlap)
+  return head_loss_sums(params, x, batch, c, overlap, z_loss)

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -13,6 +14,14 @@ TEST_DEVICES = 8
 _XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
   os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS} --xla_force_host_platform_device_count={TEST_DEVICES}".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+
+# Tests compile many identical programs (a mesh's state initialization for every schedule,
+# the reference steps): JAX's persistent compilation cache, shared by the xdist workers,
+# compiles each once. Keys are the program, the options and the jax version.
+jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "megajax-tests-jax-cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture

@@ -25,8 +25,9 @@ def test_gpipe_bubble_is_p_minus_1_over_m(p, m):
   assert Fraction(timeline.bubble_ticks, 2 * m) == Fraction(p - 1, m)
 
 
-def test_1f1b_holds_at_most_p_microbatches_gpipe_all_of_them():
-  assert pipeline.in_flight(pipeline.simulate("1f1b", 4, 1, 32)) == [4, 3, 2, 1]
+def test_1f1b_holds_a_bounded_number_of_microbatches_gpipe_all_of_them():
+  # 2(p - s) - 1 on stage s: the interleaved warm-up depth the paired executor needs.
+  assert pipeline.in_flight(pipeline.simulate("1f1b", 4, 1, 32)) == [7, 5, 3, 1]
   assert pipeline.in_flight(pipeline.simulate("gpipe", 4, 1, 32)) == [32] * 4
   depth = pipeline.in_flight(pipeline.simulate("interleaved_1f1b", 4, 2, 32, "depth_first"))
   breadth = pipeline.in_flight(pipeline.simulate("interleaved_1f1b", 4, 2, 32, "breadth_first"))
@@ -65,3 +66,35 @@ def test_the_picture_command(tmp_path):
   assert "stage 0:  F0a  F1a  F2a  F3a  F0b" in result.stdout
   assert "bubble: 6 idle ticks per stage = 0.1875 of ideal" in result.stdout
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name,p,v,m", [("1f1b", 4, 1, 8), ("1f1b", 8, 1, 32), ("interleaved_1f1b", 4, 2, 8),
+                                        ("interleaved_1f1b", 2, 4, 4), ("gpipe", 4, 2, 8)])
+def test_paired_ticks_keep_orders_and_cost_no_more_than_an_asynchronous_runtime(name, p, v, m):
+  """The executor's ticks (one forward slot, one backward slot) keep each stage's order, and
+  for uniform chunks their lockstep time equals an asynchronous runtime's."""
+  schedule = pipeline.simulate(name, p, v, m)
+  pairs = pipeline.paired_timeline(schedule)
+  for s in range(p):
+    ran = [op for tick in pairs[s] for op in tick if op is not None]
+    assert tuple(ran) == schedule.orders[s]
+    assert all(f is None or f.kind == pipeline.FORWARD for f, _ in pairs[s])
+    assert all(b is None or b.kind == pipeline.BACKWARD for _, b in pairs[s])
+  for forward, backward in ((1, 2), (1, 3)):
+    lockstep, asynchronous = pipeline.makespans(schedule, forward, backward)
+    assert lockstep == asynchronous
+
+
+def test_classic_1f1b_warmup_would_leave_the_paired_ticks_idle():
+  """Why 1f1b warms up 2(p-s-1) deep: with p-s-1 the lockstep ticks cost 64 vs 44."""
+  p, m = 4, 8
+  forwards = [pipeline.Op(pipeline.FORWARD, i, 0) for i in range(m)]
+  backwards = [pipeline.Op(pipeline.BACKWARD, i, 0) for i in range(m)]
+  orders = []
+  for s in range(p):
+    warmup = p - s - 1
+    steady = [op for i in range(m - warmup) for op in (forwards[warmup + i], backwards[i])]
+    orders.append(tuple(forwards[:warmup] + steady + backwards[m - warmup:]))
+  classic = pipeline.simulate_orders("1f1b", p, 1, m, tuple(orders))
+  assert pipeline.makespans(classic, 1, 3) == (64, 44)
+  assert pipeline.makespans(pipeline.simulate("1f1b", p, 1, m), 1, 3) == (44, 44)

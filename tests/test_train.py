@@ -57,8 +57,10 @@ def test_default_job_through_the_launcher(tmp_path):
     assert 0 < records[-1]["mfu"] < 1
   assert list((workdir / "tensorboard").iterdir()), "no TensorBoard events"
   params = load_params(str(workdir / "params"))
-  assert params["layer_0"]["attention"]["query"]["kernel"].shape == (128, 8, 16)  # whole, from a 2x1x4 mesh
-  assert "mesh dp=2 pp=1 tp=4" in result.stderr
+  # The model's own pytree, whole: exported from the 2x2x2 mesh's stacked, sharded stages.
+  assert params["layer_3"]["attention"]["query"]["kernel"].shape == (128, 8, 16)
+  assert "mesh dp=2 pp=2 tp=2" in result.stderr
+  assert "pipeline: interleaved_1f1b, 2 virtual stages, depth_first, 4 microbatches" in result.stderr
 
 
 SHORT_RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=12",
@@ -95,10 +97,12 @@ def _two_process_losses(workdir, *overrides):
 
 
 def test_launcher_losses_are_the_same_on_any_mesh(tmp_path):
-  """Same data, same init, same math: a 2x1x4 mesh, in one process or two, logs the 1x1x1 losses."""
-  single = _launcher_losses(tmp_path / "single", "--config.parallel.dp=1", "--config.parallel.tp=1")
-  meshed = _launcher_losses(tmp_path / "meshed", "--config.parallel.dp=2", "--config.parallel.tp=4")
-  two_hosts = _two_process_losses(tmp_path / "two_hosts", "--config.parallel.dp=2", "--config.parallel.tp=4")
+  """Same data, same init, same math: the default 2x2x2 pipelined mesh, in one process or two
+  (the pipeline stages across the processes), logs the 1x1x1 losses."""
+  single = _launcher_losses(tmp_path / "single", "--config.parallel.dp=1", "--config.parallel.pp=1",
+                            "--config.parallel.tp=1")
+  meshed = _launcher_losses(tmp_path / "meshed")
+  two_hosts = _two_process_losses(tmp_path / "two_hosts")
   assert len(single) == len(meshed) == len(two_hosts) == 12
   # fp32: the meshes differ from one device only by the order of sums (the issue allows 2e-3).
   np.testing.assert_allclose(meshed, single, rtol=1e-5)
