@@ -18,6 +18,7 @@ from megajax.config import ConfigError, PIPELINE_SCHEDULES, PIPELINE_TRAVERSALS,
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import pipeline, schedule as schedules
 from megajax.parallel.pipeline_baseline import gpipe_autodiff_gradients
+from tests.conftest import run_module
 from tests.test_parallel import (assert_matches_reference, build_plan, fixed_batch, parallel_config,
                                  relative_error)
 
@@ -218,3 +219,15 @@ def test_1f1b_with_virtual_stages_is_refused():
   config.parallel.schedule = "1f1b"
   with pytest.raises(ConfigError, match=r"^parallel\.virtual_stages=2: the 1f1b schedule has one chunk"):
     validate(config)
+
+
+def test_pipeline_benchmark_prints_its_ratios():
+  """`python -m megajax.launch.bench pipeline` (small: p=2, few repeats) runs and prints the
+  memory, LAMB and lockstep figures side by side."""
+  result = run_module(["-m", "megajax.launch.bench", "pipeline", "--stages=2", "--repeats=2"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "bubble ticks cut by 75.0%, bubble fraction by 75.0%" in out
+  ours, baseline = re.search(r"m=16p over m=4p: ours ([\d.]+)x, GPipe by autodiff ([\d.]+)x", out).groups()
+  assert abs(float(ours) - 1) <= 0.1 and float(baseline) > 2
+  assert re.search(r"interleaved_1f1b p=2 v=2 m=4 .* 1\.000x", out)
