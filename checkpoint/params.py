@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import orbax.checkpoint as ocp
 
 
@@ -20,6 +21,15 @@ def save_params(directory: str, params) -> str:
 
 
 def load_params(directory: str, like=None):
-  """Reads params; `like` (a pytree of arrays or ShapeDtypeStructs) fixes shapes and shardings."""
+  """Reads params; `like` (a pytree of arrays or ShapeDtypeStructs) fixes shapes and shardings.
+
+  Without `like`, every array lands whole on this process's first device, whatever mesh and
+  process count wrote it.
+  """
+  path = os.path.abspath(directory)
   with ocp.StandardCheckpointer() as checkpointer:
-    return checkpointer.restore(os.path.abspath(directory), like)
+    if like is None:
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      like = jax.tree.map(lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=device),
+                          checkpointer.metadata(path).item_metadata)
+    return checkpointer.restore(path, like)

@@ -39,8 +39,8 @@ def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int
   return c
 
 
-def _gradient_temp_bytes(config, baseline: bool) -> int:
-  """Temp bytes of the compiled (params, batch) -> summed gradients program."""
+def _gradient_temp_bytes(config, baseline: bool) -> tuple[int, int]:
+  """(temp bytes of the compiled (params, batch) -> summed gradients program, stash slots)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -51,8 +51,8 @@ def _gradient_temp_bytes(config, baseline: bool) -> int:
   devices = jax.devices()[:config.parallel.pp]
   plan = ParallelPlan.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config, devices))
   fn = functools.partial(gpipe_autodiff_gradients, layouts=plan.layouts, stages=config.parallel.pp,
-                         microbatches=config.train.microbatches, c=plan.model.config, overlap=plan.overlap,
-                         z_loss=0.0) if baseline else None
+                         virtual_stages=config.parallel.virtual_stages, microbatches=config.train.microbatches,
+                         c=plan.model.config, overlap=plan.overlap, z_loss=0.0) if baseline else None
   params = jax.eval_shape(plan.init_state, jax.random.key(0)).params
   params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params,
                         plan.state_shardings.params)

@@ -2,6 +2,7 @@ r"""Draw a pipeline schedule: an ASCII timeline in the log and, with --out, a PN
 
   python -m megajax.launch.schedule --pp 4 --vpp 2 --microbatches 8 --out s.png
   python -m megajax.launch.schedule --pp 4 --microbatches 8 --schedule=gpipe
+  python -m megajax.launch.schedule --pp 4 --vpp 2 --microbatches 8 --paired --out e.png
 """
 
 import sys
@@ -18,6 +19,7 @@ _SCHEDULE = flags.DEFINE_enum("schedule", None, pipeline.SCHEDULES,
                               "Default: interleaved_1f1b when --vpp > 1, else 1f1b.")
 _TRAVERSAL = flags.DEFINE_enum("traversal", "depth_first", pipeline.TRAVERSALS, "MegaDPP traversal policy.")
 _OUT = flags.DEFINE_string("out", None, "PNG file to write.")
+_PAIRED = flags.DEFINE_bool("paired", False, "Draw the executor's ticks (forward slot | backward slot).")
 
 
 def main(argv):
@@ -33,7 +35,7 @@ def main(argv):
   print(f"bubble: {timeline.bubble_ticks} idle ticks per stage = {timeline.bubble_fraction:.4f} of ideal; "
         f"microbatch-chunks in flight per stage: {pipeline.in_flight(timeline)}")
   if _OUT.value:
-    pipeline.render_png(timeline, _OUT.value)
+    pipeline.render_png(timeline, _OUT.value, paired=_PAIRED.value)
     print(f"picture written to {_OUT.value}")
 
 

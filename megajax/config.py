@@ -249,7 +249,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _require(p.pp == 1 or m.num_layers % chunks == 0, "model.num_layers", m.num_layers,
            f"the pipeline cuts the layers into parallel.pp * parallel.virtual_stages = {chunks} equal chunks",
            f"use a multiple of {chunks} layers, or fewer stages / virtual stages")
-  _require(p.schedule != "1f1b" or p.virtual_stages == 1, "parallel.virtual_stages", p.virtual_stages,
+  _require(p.pp == 1 or p.schedule != "1f1b" or p.virtual_stages == 1, "parallel.virtual_stages", p.virtual_stages,
            "the 1f1b schedule has one chunk per stage", "set parallel.schedule=interleaved_1f1b for more")
   if p.pp > 1 and p.schedule == "interleaved_1f1b" and p.virtual_stages > 1:
     _require(t.microbatches % p.pp == 0, "train.microbatches", t.microbatches,

@@ -50,8 +50,8 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief):
                *plan.mesh.devices.shape, config.parallel.tp_overlap)
   if plan.pipeline is not None:
     schedule = plan.pipeline.schedule
-    logging.info("pipeline: %s, %d virtual stages, %s, %d microbatches: bubble %.3f of ideal, stash of %d "
-                 "activations per stage\n%s\n%s", schedule.name, schedule.virtual_stages, config.parallel.traversal,
+    logging.info("pipeline: %s, %d virtual stages, %s, %d microbatches: bubble %.3f of ideal (one op per "
+                 "tick), stash of up to %d activations per stage\n%s\n%s", schedule.name, schedule.virtual_stages, config.parallel.traversal,
                  schedule.microbatches, schedule.bubble_fraction, plan.pipeline.stash_slots,
                  ascii_timeline(schedule), ascii_paired_timeline(schedule))
 
@@ -116,7 +116,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
 
   # --- Export.
   if workdir and config.checkpoint.save_params:
-    # The model's own pytree whatever the mesh (the pipeline's stacked layers unstacked).
-    path = save_params(os.path.join(workdir, "params"), plan.model_params(state.params))
+    # The model's own pytree whatever the mesh (the pipeline's stacked layers unstacked),
+    # under jit: with several processes no process holds every stage's rows.
+    path = save_params(os.path.join(workdir, "params"), jax.jit(plan.model_params)(state.params))
     logging.info("parameters written to %s", path)
   return TrainResult(state=state, history=history)

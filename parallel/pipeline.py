@@ -12,9 +12,12 @@ each tick a forward slot, then a backward slot, each a lax.switch over
 chosen by the stage's row of static tables. A chunk program is (first?, last?, the windows
 of its k layers): one compiled body per distinct program, so every window stays static.
 Two separate ppermute rings over pp carry the tick's messages: the forward slot's
-activation to stage s+1, sent before the backward slot runs and depending on the forward
-alone (MegaScale's decoupled send/recv: XLA overlaps it with the backward), and the
-backward slot's input cotangent to stage s-1. A tick where no stage sends skips its ring.
+activation to stage s+1, issued before the backward slot and depending on the forward
+alone, with nothing in the backward slot depending on it (MegaScale's decoupled
+send/recv: the scheduler may run it during the backward), and the backward slot's input
+cotangent to stage s-1. The rings run every tick (a collective cannot sit in a branch);
+idle slots send zeros. The last chunk's forward slot idles: its backward recomputes the
+loss and counts the statistics.
 
   backward = jax.vjp of the chunk program on its stashed input (the forward is recomputed:
              the stash holds one activation per microbatch-chunk in flight, not residuals).
@@ -59,6 +62,9 @@ def stacked_layer_order(num_layers: int, stages: int, virtual_stages: int) -> li
   """The model layer at each row of the stacked leaves: row s*v*k + c*k + j (stage s, local
   chunk c, layer j of the chunk) holds layer (c*p + s)*k + j."""
   p, v = stages, virtual_stages
+  if num_layers % (p * v):
+    raise ValueError(f"{num_layers} layers do not cut into pp * virtual_stages = {p * v} equal chunks "
+                     "(model.num_layers must be a multiple of it)")
   k = num_layers // (p * v)
   return [(c * p + s) * k + j for s in range(p) for c in range(v) for j in range(k)]
 
@@ -106,18 +112,16 @@ class Tables:
   stash_slots: int                 # activation slots (plus one trash slot)
   cotangent_slots: int             # cotangent slots (plus one trash slot)
   per_stage: dict                  # f_/b_ branch, microbatch, chunk, in_slot; b_ct_slot; recv_fwd, recv_bwd
-  forward_sends: np.ndarray        # bool [ticks]: some stage sends an activation this tick
-  backward_sends: np.ndarray       # bool [ticks]: some stage sends a cotangent this tick
 
   @property
   def ticks(self) -> int:
-    return len(self.forward_sends)
+    return self.per_stage["f_branch"].shape[0]
 
   @classmethod
   def build(cls, schedule: Schedule, c: ModelConfig) -> "Tables":
     p, v = schedule.stages, schedule.virtual_stages
     chunks = p * v
-    k = c.num_layers // chunks
+    k = len(stacked_layer_order(c.num_layers, p, v)) // chunks   # (checks the cut)
     program_of = {g: Program(g == 0, g == chunks - 1, tuple(c.layer_window(g * k + j) for j in range(k)))
                   for g in range(chunks)}
     programs = tuple(sorted(set(program_of.values()), key=lambda pr: (not pr.first, pr.last, str(pr.windows))))
@@ -128,7 +132,6 @@ class Tables:
     names = ("f_branch", "f_microbatch", "f_chunk", "f_in_slot", "b_branch", "b_microbatch", "b_chunk",
              "b_in_slot", "b_ct_slot", "recv_fwd", "recv_bwd")
     tables = {name: np.zeros((ticks, p), np.int32) for name in names}
-    forward_sends, backward_sends = np.zeros(ticks, bool), np.zeros(ticks, bool)
     stash_slots = cotangent_slots = 1
     for s in range(p):
       # Per tick: the slots its ops read, the slots freed after them, the arrival at its end.
@@ -140,17 +143,17 @@ class Tables:
             continue
           g = op.chunk * p + s
           key = (op.microbatch, op.chunk)
-          tables[prefix + "branch"][t, s] = 1 + programs.index(program_of[g])
+          # The last chunk's forward slot idles: its backward recomputes the loss anyway and
+          # counts the statistics there.
+          if not (op.kind == FORWARD and g == chunks - 1):
+            tables[prefix + "branch"][t, s] = 1 + programs.index(program_of[g])
           tables[prefix + "microbatch"][t, s], tables[prefix + "chunk"][t, s] = key
           if g > 0:                                          # reads its stashed input
             stash.reads[t].append((prefix + "in_slot", key))
           if op.kind == FORWARD and g > 0:                   # the input arrives from stage s-1
             stash.arrivals[when[(s - 1) % p, dataclasses.replace(op, chunk=(g - 1) // p)]] = key
-          if op.kind == FORWARD and g < chunks - 1:
-            forward_sends[t] = True
           if op.kind == BACKWARD and g > 0:
             stash.frees[t].append(key)
-            backward_sends[t] = True
           if op.kind == BACKWARD and g < chunks - 1:         # its cotangent arrives from stage s+1
             cotangents.reads[t].append(("b_ct_slot", key))
             cotangents.frees[t].append(key)
@@ -160,7 +163,7 @@ class Tables:
     # Ticks with no arrival write to the trash slot, one past the last real one.
     for name, trash in (("recv_fwd", stash_slots), ("recv_bwd", cotangent_slots)):
       tables[name][tables[name] < 0] = trash
-    return cls(schedule, k, programs, stash_slots, cotangent_slots, tables, forward_sends, backward_sends)
+    return cls(schedule, k, programs, stash_slots, cotangent_slots, tables)
 
 
 class _SlotEvents:
@@ -206,7 +209,7 @@ def _shared_names(program: Program, c: ModelConfig) -> tuple:
 
 
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
-                       z_loss: float, tp: int):
+                       z_loss: float):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
   whole batch (summed over dp and pp)."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
@@ -218,10 +221,10 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   stage = lax.axis_index(PP)
   microbatches = split_microbatches(batch, tables.schedule.microbatches)   # [m, b, S]
   b, seq = microbatches["inputs"].shape[1:]
-  act_dtype = c.compute_dtype
 
   def activation_buffer(slots):
-    return to_varying(jnp.zeros((slots, b, seq // tp, c.hidden_dim), act_dtype), (DP, PP, TP))
+    shape = (slots, b, seq // lax.axis_size(TP), c.hidden_dim)
+    return to_varying(jnp.zeros(shape, c.compute_dtype), (DP, PP, TP))
 
   zero_stat = to_varying(jnp.zeros((), jnp.float32), (DP, PP))
   carry = dict(
@@ -261,60 +264,57 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
 
   def forward(program: Program):
     run = chunk_function(program)
-    def branch(stash, stats, op, mb):
+    def branch(stash, op, mb):
       shared = {name: full[name] for name in _shared_names(program, c)}
-      out, new_stats = run(chunk_params(op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
-      if program.last:     # the loss: its statistics, nothing to send
-        return _matching(jax.tree.map(jnp.add, stats, new_stats), stats), empty_message
-      return stats, _matching(out, empty_message)
+      out, _ = run(chunk_params(op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
+      return _matching(out, empty_message)
     return branch
 
   def backward(program: Program):
     run = chunk_function(program)
-    def branch(stash, cotangents, grads, op, mb):
+    def branch(stash, cotangents, grads, stats, op, mb):
       shared = {name: full[name] for name in _shared_names(program, c)}
       loss_fn = lambda layers, shared, x: run(layers, shared, x, mb)
       # Recompute the chunk's forward from its stashed input, then its backward.
-      out, vjp_fn, _ = jax.vjp(loss_fn, chunk_params(op["b_chunk"]), shared, stash[op["b_in_slot"]], has_aux=True)
-      if program.last:
+      out, vjp_fn, new_stats = jax.vjp(loss_fn, chunk_params(op["b_chunk"]), shared, stash[op["b_in_slot"]],
+                                       has_aux=True)
+      if program.last:     # the loss: seed its backward with 1, count its statistics
         cotangent = to_varying(jnp.ones((), out.dtype), tuple(varying_axes(out)))
+        stats = _matching(jax.tree.map(jnp.add, stats, new_stats), stats)
       else:
         cotangent = cotangents[op["b_ct_slot"]]
       layer_grads, shared_grads, x_grad = vjp_fn(cotangent)
       grads = _matching(add_chunk_grads(grads, layer_grads, shared_grads, op["b_chunk"]), grads)
-      return grads, empty_message if program.first else _matching(x_grad, empty_message)
+      return grads, stats, empty_message if program.first else _matching(x_grad, empty_message)
     return branch
 
-  forwards = [lambda stash, stats, op, mb: (stats, empty_message)]
-  backwards = [lambda stash, cotangents, grads, op, mb: (grads, empty_message)]
+  # Branch 0 idles; a last program's forward branch is never selected (see Tables.build).
+  forwards = [lambda stash, op, mb: empty_message]
+  backwards = [lambda stash, cotangents, grads, stats, op, mb: (grads, stats, empty_message)]
   for program in tables.programs:
-    forwards.append(forward(program))
+    forwards.append(forward(program) if not program.last else forwards[0])
     backwards.append(backward(program))
 
   def microbatch(index):
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), microbatches)
 
-  def tick(carry, xs):
-    rows, send_forward, send_backward = xs
+  def tick(carry, rows):
     op = {name: table[stage] for name, table in rows.items()}
     stash, cotangents = carry["stash"], carry["cotangents"]
-    # Forward slot, then its send: the activation ring depends on the forward alone, so it
-    # runs while the backward slot computes (decoupled send/recv).
-    stats, activation = lax.switch(op["f_branch"], forwards, stash, carry["stats"], op, microbatch(op["f_microbatch"]))
-    activation = lax.cond(send_forward, lambda a: lax.ppermute(a, PP, [(i, (i + 1) % p) for i in range(p)]),
-                          lambda a: a, activation)
-    grads, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents, carry["grads"], op,
-                                  microbatch(op["b_microbatch"]))
-    cotangent = lax.cond(send_backward, lambda g: lax.ppermute(g, PP, [(i, (i - 1) % p) for i in range(p)]),
-                         lambda g: g, cotangent)
+    # Forward slot, then its send. Nothing the backward slot reads depends on the send (the
+    # arrival is written at the tick's end), so the collective can run during the backward:
+    # decoupled send/recv. Unconditional, so it stays outside any branch (idle ticks send zeros).
+    activation = lax.switch(op["f_branch"], forwards, stash, op, microbatch(op["f_microbatch"]))
+    activation = lax.ppermute(activation, PP, [(i, (i + 1) % p) for i in range(p)])
+    grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents, carry["grads"],
+                                         carry["stats"], op, microbatch(op["b_microbatch"]))
+    cotangent = lax.ppermute(cotangent, PP, [(i, (i - 1) % p) for i in range(p)])
     # Arrivals are written at the tick's end, after every read of the tick.
     return dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),
                 cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),
                 grads=grads, stats=stats), None
 
-  xs = ({name: jnp.asarray(table) for name, table in tables.per_stage.items()},
-        jnp.asarray(tables.forward_sends), jnp.asarray(tables.backward_sends))
-  carry, _ = lax.scan(tick, carry, xs)
+  carry, _ = lax.scan(tick, carry, {name: jnp.asarray(table) for name, table in tables.per_stage.items()})
 
   grads = dict(carry["grads"])
   for name in grads:

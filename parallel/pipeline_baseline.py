@@ -22,9 +22,12 @@ from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_su
 from megajax.step import split_microbatches
 
 
-def gpipe_autodiff_gradients(params, batch, layouts, stages: int, microbatches: int, c: ModelConfig,
-                             overlap: Overlap, z_loss: float):
-  """Same contract as megajax.parallel.pipeline.pipeline_gradients (v = 1)."""
+def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages: int, microbatches: int,
+                             c: ModelConfig, overlap: Overlap, z_loss: float):
+  """Same contract as megajax.parallel.pipeline.pipeline_gradients, for a plan with one chunk
+  per stage (with more, a stage's rows are not consecutive layers)."""
+  if virtual_stages != 1:
+    raise ValueError(f"virtual_stages={virtual_stages}: the GPipe-by-autodiff baseline runs one chunk per stage")
   p, m = stages, microbatches
   rows = c.num_layers // p
   if rows % len(c.window_pattern):

@@ -279,30 +279,39 @@ def ascii_paired_timeline(schedule: Schedule) -> str:
   return "\n".join(lines)
 
 
-def render_png(schedule: Schedule, path: str) -> None:
-  """A timeline picture: forwards blue, backwards orange (darker per chunk), microbatch numbers."""
+def render_png(schedule: Schedule, path: str, paired: bool = False) -> None:
+  """A timeline picture: forwards blue, backwards orange (darker per chunk), microbatch numbers.
+  paired=True draws the executor's ticks: each stage row split into its forward slot (top)
+  and backward slot (bottom)."""
   import matplotlib  # Only the picture needs it.
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  p, ticks = schedule.timeline.shape
+  if paired:   # cells: (tick, row bottom, height, op)
+    grid = paired_timeline(schedule)
+    cells = [(t, schedule.stages - 1 - s + 0.5 * (1 - slot), 0.5, grid[s, t, slot])
+             for s in range(schedule.stages) for t in range(grid.shape[1]) for slot in range(2)]
+    ticks, what = grid.shape[1], "executor: forward slot over backward slot"
+  else:
+    cells = [(t, schedule.stages - 1 - s, 1.0, schedule.timeline[s, t])
+             for s in range(schedule.stages) for t in range(schedule.ticks)]
+    ticks, what = schedule.ticks, f"bubble {schedule.bubble_fraction:.3f} of ideal"
+  p = schedule.stages
   fig, ax = plt.subplots(figsize=(max(6, ticks * 0.35), 0.6 * p + 1.2))
   blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
-  for s in range(p):
-    for t in range(ticks):
-      op = schedule.timeline[s, t]
-      if op is None:
-        continue
-      shade = 0.45 + 0.4 * op.chunk / max(1, schedule.virtual_stages - 1)
-      color = (blues if op.kind == FORWARD else oranges)(shade)
-      ax.add_patch(plt.Rectangle((t, p - 1 - s), 1, 1, facecolor=color, edgecolor="white"))
-      ax.text(t + 0.5, p - 0.5 - s, str(op.microbatch), ha="center", va="center", fontsize=7)
+  for t, bottom, height, op in cells:
+    if op is None:
+      continue
+    shade = 0.45 + 0.4 * op.chunk / max(1, schedule.virtual_stages - 1)
+    color = (blues if op.kind == FORWARD else oranges)(shade)
+    ax.add_patch(plt.Rectangle((t, bottom), 1, height, facecolor=color, edgecolor="white"))
+    ax.text(t + 0.5, bottom + height / 2, str(op.microbatch), ha="center", va="center", fontsize=7)
   ax.set_xlim(0, ticks)
   ax.set_ylim(0, p)
   ax.set_yticks([p - 0.5 - s for s in range(p)], [f"stage {s}" for s in range(p)])
   ax.set_xlabel("tick")
   ax.set_title(f"{schedule.name}  p={p} v={schedule.virtual_stages} m={schedule.microbatches}  "
-               f"bubble {schedule.bubble_fraction:.3f} of ideal (forward blue, backward orange)")
+               f"{what} (forward blue, backward orange)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -122,7 +122,7 @@ class ParallelPlan:
     c = self.config
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
-                                         self.overlap, c.train.z_loss, self.mesh.shape[TP])
+                                         self.overlap, c.train.z_loss)
     full_params = sharding.gather_params(params, self.layouts)
     loss = functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss)
     # Each microbatch's gradients are reduce-scattered as they come (ZeRO-2): the scan carries

@@ -132,8 +132,8 @@ def compiled_gradients(mesh, m, baseline=False):
   plan = build_plan(config)
   fn = None
   if baseline:
-    fn = functools.partial(gpipe_autodiff_gradients, layouts=plan.layouts, stages=mesh[1], microbatches=m,
-                           c=plan.model.config, overlap=plan.overlap, z_loss=config.train.z_loss)
+    fn = functools.partial(gpipe_autodiff_gradients, layouts=plan.layouts, stages=mesh[1], virtual_stages=1,
+                           microbatches=m, c=plan.model.config, overlap=plan.overlap, z_loss=config.train.z_loss)
   params = jax.eval_shape(plan.init_state, jax.random.key(0)).params
   params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params,
                         plan.state_shardings.params)
@@ -163,17 +163,44 @@ def test_gpipe_by_autodiff_baseline_computes_the_same_gradients():
   assert max(errors) < 1e-5
 
 
-def test_two_separate_send_rings_over_pp():
+def _instructions(computation: str) -> dict:
+  """name -> (opcode, operand names) of one HLO computation's instructions."""
+  found = {}
+  for line in computation.splitlines():
+    match = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .*? ([a-z][a-z0-9-]*)\((.*)", line)
+    if match:
+      found[match.group(1)] = (match.group(2), set(re.findall(r"%([\w.-]+)", match.group(3))))
+  return found
+
+
+def test_decoupled_send_rings_over_pp():
   """Activations travel to stage s+1 and cotangents to s-1 in two collective-permutes of their
-  own (decoupled: neither waits for the other's data); no ppermute inside a stage's branch."""
+  own, outside every branch, and nothing the backward slot computes depends on the forward's
+  send: the scheduler may run the send during the backward (decoupled send/recv)."""
   _, compiled = compiled_gradients((1, 4, 1), 4)
-  permutes = [line.split("source_target_pairs=")[1] for line in compiled.as_text().splitlines()
-              if re.search(r" collective-permute(-start)?\(", line)]
-  pairs = [{(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", text.split("}}")[0] + "}")}
-           for text in permutes]
-  # The HLO's device ids are mesh positions; on a (1, 4, 1) mesh the id is the stage.
+  text = compiled.as_text()
   forward, backward = {(i, (i + 1) % 4) for i in range(4)}, {(i, (i - 1) % 4) for i in range(4)}
-  assert sorted(pairs, key=sorted) == sorted([forward, backward], key=sorted), pairs
+  # The HLO's device ids are mesh positions; on a (1, 4, 1) mesh the id is the stage.
+  rings = {}
+  for computation in re.split(r"\n(?=\S)", text):
+    for line in computation.splitlines():
+      if re.search(r" collective-permute(-start)?\(", line):
+        pairs = {(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])}
+        name = re.match(r"\s*(?:ROOT )?%?([\w.-]+) =", line).group(1)
+        rings[name] = ("forward" if pairs == forward else "backward" if pairs == backward else "other", computation)
+  assert sorted(kind for kind, _ in rings.values()) == ["backward", "forward"], rings.keys()
+  (send, body), = [(name, body) for name, (kind, body) in rings.items() if kind == "forward"]
+  assert rings[next(n for n, (k, _) in rings.items() if k == "backward")][1] == body   # same tick body
+  instructions = _instructions(body)
+  # Everything downstream of the send, inside the tick: no conditional (the slots' switches) among it.
+  downstream, frontier = set(), {send}
+  while frontier:
+    frontier = {name for name, (_, operands) in instructions.items() if operands & frontier} - downstream
+    downstream |= frontier
+  conditionals = [name for name, (op, _) in instructions.items() if op == "conditional"]
+  assert len(conditionals) >= 2                                   # the forward and backward slots
+  assert not downstream & set(conditionals), downstream & set(conditionals)
+  assert all(op != "conditional" for op, _ in (instructions[n] for n in downstream))
 
 
 # --- The stacked layout and the config.
@@ -215,8 +242,10 @@ def test_pipeline_config_errors_name_the_field_and_the_fix(field, value, pattern
 
 def test_1f1b_with_virtual_stages_is_refused():
   config = default_config()
-  config.model.num_layers, config.parallel.pp, config.parallel.virtual_stages = 4, 2, 2
+  config.model.num_layers, config.parallel.virtual_stages = 4, 2
   config.parallel.schedule = "1f1b"
+  validate(config)   # pp = 1: the pipeline fields are unused
+  config.parallel.pp = 2
   with pytest.raises(ConfigError, match=r"^parallel\.virtual_stages=2: the 1f1b schedule has one chunk"):
     validate(config)
 
