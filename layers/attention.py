@@ -52,7 +52,13 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) 
   return out.reshape(b, s, h, d)
 
 
-ATTENTION_IMPLS = {"xla": xla_attention}
+def _pallas_attention(q, k, v, window):
+  from megajax.layers.pallas_attention import pallas_attention  # Pallas loads only when used.
+  return pallas_attention(q, k, v, window)
+
+
+# model.attention_impl -> (q, k, v, window) -> out; every entry is tested against "xla".
+ATTENTION_IMPLS = {"xla": xla_attention, "pallas": _pallas_attention}
 
 
 class Attention(nn.Module):

@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from megajax.config import ConfigError
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding
@@ -62,6 +63,11 @@ class ParallelPlan:
 
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh) -> "ParallelPlan":
+    if config.model.attention_impl == "pallas" and mesh.devices.flat[0].platform == "cpu":
+      raise ConfigError("model.attention_impl", "pallas",
+                        "on CPU the Pallas kernels run in interpret mode, which jax 0.10 cannot trace inside "
+                        "the step's shard_map (its kernels see no varying-axes types)",
+                        "use model.attention_impl=xla on CPU (pallas is for GPUs)")
     params_like = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     layouts = sharding.param_layouts(model, params_like, mesh.shape[DP], mesh.shape[TP])
     tables = None

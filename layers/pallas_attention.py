@@ -1,0 +1,306 @@
+"""Sliding-window flash attention as Pallas kernels: forward, and backward (dq, dk, dv).
+
+Token i attends to key j when i - window < j <= i (window=None: plain causal), the same
+mask as `xla_attention`, which these kernels are tested against. Layout [b, s, heads, d]
+like the model's; grouped KV heads (heads % kv_heads == 0) are read in place.
+
+  forward   grid (q blocks, b, heads): online softmax over the KV blocks the q block can
+            see, fp32 statistics and accumulator; writes out and the logsumexp.
+  dq        grid (q blocks, b, heads): the same KV blocks, recomputing the probabilities
+            from the saved logsumexp.
+  dk, dv    grid (kv blocks, b, kv_heads): the q blocks (of every head sharing the KV
+            head) that can see the KV block.
+
+Block skipping: each program loops only over the blocks that intersect its window band
+(`kv_block_ranges`, `q_block_ranges`), so the work is O(s * w), not O(s^2). The band is
+split Splash-style into partial blocks (the window's left edge and the diagonal, masked)
+and full blocks between them, which skip the mask. Sequences that are not a block
+multiple are zero-padded: padded keys lie right of every real query's diagonal, and padded
+queries get zero cotangents, so neither changes a real value.
+
+Back ends: Triton lowering on GPU (requested explicitly with Triton compiler params), and
+interpret mode on CPU (the tests), chosen by the platform.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+
+# A large finite negative for masked scores: exp() of it vanishes without inf - inf = nan.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+DEFAULT_BLOCK = 64
+
+
+def _triton_params(num_warps: int, num_stages: int):
+  """Triton compiler params (Mosaic GPU is Pallas's default GPU lowering in newer jax)."""
+  from jax.experimental.pallas import triton as pallas_triton
+  return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """An output type varying over the same mesh axes as `like` (needed inside shard_map).
+  jax 0.10 calls that `manual_axis_type`, other lines `vma`."""
+  aval = jax.typeof(like)
+  if hasattr(aval, "manual_axis_type"):
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+  return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", frozenset()))
+
+
+def _ceil_div(a, b):
+  return -(-a // b)
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi) if isinstance(x, jax.Array) else min(max(x, lo), hi)
+
+
+def kv_block_ranges(q_block, block_q: int, block_k: int, window: int | None, kv_blocks: int):
+  """KV blocks query block `q_block` visits: (lo, full_lo, full_hi, hi). Blocks [lo, full_lo)
+  and [full_hi, hi) are partial (masked), [full_lo, full_hi) full. Ints or traced ints."""
+  first, last = q_block * block_q, q_block * block_q + block_q - 1
+  maximum = jnp.maximum if isinstance(q_block, jax.Array) else max
+  minimum = jnp.minimum if isinstance(q_block, jax.Array) else min
+  hi = minimum(kv_blocks, last // block_k + 1)                       # keys <= last row
+  lo = 0 if window is None else maximum(0, first - window + 1) // block_k
+  full_lo = lo if window is None else _clamp(_ceil_div(last - window + 1, block_k), lo, hi)
+  full_hi = _clamp((first + 1) // block_k, full_lo, hi)              # last key <= first row
+  return lo, full_lo, full_hi, hi
+
+
+def q_block_ranges(kv_block, block_q: int, block_k: int, window: int | None, q_blocks: int):
+  """Query blocks that see KV block `kv_block`: (lo, full_lo, full_hi, hi), as above."""
+  first, last = kv_block * block_k, kv_block * block_k + block_k - 1
+  minimum = jnp.minimum if isinstance(kv_block, jax.Array) else min
+  lo = first // block_q                                              # rows >= first key
+  hi = q_blocks if window is None else minimum(q_blocks, (last + window - 1) // block_q + 1)
+  full_lo = _clamp(_ceil_div(last, block_q), lo, hi)                 # first row >= last key
+  full_hi = hi if window is None else _clamp((first + window) // block_q, full_lo, hi)
+  return lo, full_lo, full_hi, hi
+
+
+def visited_blocks(seq_len: int, window: int | None, block_q: int = DEFAULT_BLOCK,
+                   block_k: int = DEFAULT_BLOCK) -> int:
+  """KV blocks the forward visits over all query blocks (one head): the kernel's loop bounds."""
+  padded = _padded_length(seq_len, block_q, block_k)
+  total = 0
+  for q_block in range(padded // block_q):
+    lo, _, _, hi = kv_block_ranges(q_block, block_q, block_k, window, padded // block_k)
+    total += hi - lo
+  return total
+
+
+def _padded_length(seq_len: int, block_q: int, block_k: int) -> int:
+  step = math.lcm(block_q, block_k)
+  return _ceil_div(seq_len, step) * step
+
+
+def _visible(rows, cols, window):
+  mask = cols[None, :] <= rows[:, None]
+  if window is not None:
+    mask &= cols[None, :] > rows[:, None] - window
+  return mask
+
+
+def _dot(a, b, transpose_b=False):
+  dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _band_loop(bounds, step, carry):
+  """Runs step(block, carry, masked) over the partial, full and partial ranges of a band."""
+  lo, full_lo, full_hi, hi = bounds
+  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+# --- Forward.
+
+def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, window, block_q, block_k, kv_blocks):
+  q_block = pl.program_id(0)
+  q = q_ref[...]                                                     # [block_q, d]
+  rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+
+  def step(kv_block, carry, masked):
+    m, l, acc = carry
+    start = pl.multiple_of(kv_block * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = _dot(q, k, transpose_b=True) * scale                         # [block_q, block_k] fp32
+    if masked:
+      cols = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      s = jnp.where(_visible(rows, cols, window), s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None])
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+
+  d = q.shape[-1]
+  carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+           jnp.zeros((block_q, d), jnp.float32))
+  m, l, acc = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks), step, carry)
+  out_ref[...] = (acc / l[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def _forward(q, k, v, window, block_q, block_k, interpret):
+  b, s, heads, d = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(d), window=window, block_q=block_q,
+                             block_k=block_k, kv_blocks=s // block_k)
+  return pl.pallas_call(
+      kernel,
+      grid=(s // block_q, b, heads),
+      in_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, n, h: (n, i, h, 0)),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0))],
+      out_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, n, h: (n, i, h, 0)),
+                 pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
+      out_shape=[_struct(q.shape, q.dtype, q), _struct((b, heads, s), jnp.float32, q)],
+      compiler_params=None if interpret else _triton_params(4, 2),
+      interpret=interpret,
+      name="sliding_window_attention_forward",
+  )(q, k, v)
+
+
+# --- Backward.
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, block_q, block_k,
+               kv_blocks):
+  q_block = pl.program_id(0)
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+
+  def step(kv_block, dq, masked):
+    start = pl.multiple_of(kv_block * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    p = jnp.exp(_dot(q, k, transpose_b=True) * scale - lse[:, None])
+    if masked:
+      cols = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      p = jnp.where(_visible(rows, cols, window), p, 0.0)
+    ds = p * (_dot(do, v, transpose_b=True) - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dq = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks), step, dq)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, window, block_q,
+                 block_k, q_blocks, group):
+  kv_block = pl.program_id(0)
+  k, v = k_ref[...], v_ref[...]                                      # [block_k, d]
+  cols = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+  bounds = q_block_ranges(kv_block, block_q, block_k, window, q_blocks)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for head in range(group):                                          # the q heads sharing this KV head
+    def step(q_block, carry, masked, head=head):
+      dk, dv = carry
+      start = pl.multiple_of(q_block * block_q, block_q)
+      q = q_ref[pl.ds(start, block_q), head, :]
+      do = do_ref[pl.ds(start, block_q), head, :]
+      lse = lse_ref[head, pl.ds(start, block_q)]
+      delta = delta_ref[head, pl.ds(start, block_q)]
+      p = jnp.exp(_dot(q, k, transpose_b=True) * scale - lse[:, None])   # [block_q, block_k]
+      if masked:
+        rows = start + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+        p = jnp.where(_visible(rows, cols, window), p, 0.0)
+      dv = dv + _dot(p.T.astype(do.dtype), do)
+      ds = p * (_dot(do, v, transpose_b=True) - delta[:, None])
+      return dk + _dot(ds.T.astype(q.dtype), q), dv
+    dk, dv = _band_loop(bounds, step, (dk, dv))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
+  b, s, heads, d = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  scale = 1.0 / math.sqrt(d)
+  # delta_i = sum_d out_id * d_out_id: one fused elementwise pass, left to XLA.
+  delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  params = None if interpret else _triton_params(4, 2)
+  row_block = lambda i, n, h: (n, i, h, 0)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                        kv_blocks=s // block_k),
+      grid=(s // block_q, b, heads),
+      in_specs=[pl.BlockSpec((None, block_q, None, d), row_block),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, block_q, None, d), row_block),
+                pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i)),
+                pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
+      out_specs=pl.BlockSpec((None, block_q, None, d), row_block),
+      out_shape=_struct(q.shape, q.dtype, q),
+      compiler_params=params, interpret=interpret, name="sliding_window_attention_dq",
+  )(q, k, v, d_out, lse, delta)
+  kv_block = lambda j, n, g: (n, j, g, 0)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                        q_blocks=s // block_q, group=group),
+      grid=(s // block_k, b, kv_heads),
+      in_specs=[pl.BlockSpec((None, s, group, d), lambda j, n, g: (n, 0, g, 0)),
+                pl.BlockSpec((None, block_k, None, d), kv_block),
+                pl.BlockSpec((None, block_k, None, d), kv_block),
+                pl.BlockSpec((None, s, group, d), lambda j, n, g: (n, 0, g, 0)),
+                pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0)),
+                pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0))],
+      out_specs=[pl.BlockSpec((None, block_k, None, d), kv_block),
+                 pl.BlockSpec((None, block_k, None, d), kv_block)],
+      out_shape=[_struct(k.shape, k.dtype, k), _struct(v.shape, v.dtype, v)],
+      compiler_params=params, interpret=interpret, name="sliding_window_attention_dkdv",
+  )(q, k, v, d_out, lse, delta)
+  return dq, dk, dv
+
+
+# --- The op.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, window, block_q, block_k, interpret):
+  return _forward(q, k, v, window, block_q, block_k, interpret)[0]
+
+
+def _attention_fwd(q, k, v, window, block_q, block_k, interpret):
+  out, lse = _forward(q, k, v, window, block_q, block_k, interpret)
+  return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(window, block_q, block_k, interpret, residuals, d_out):
+  q, k, v, out, lse = residuals
+  return _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
+                     block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
+                     interpret: bool | None = None) -> jax.Array:
+  """Sliding-window causal attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] -> [b, s, h, d].
+
+  interpret=None runs the kernels in interpret mode on CPU and lowers them on GPU.
+  """
+  b, s, heads, d = q.shape
+  if heads % k.shape[2]:
+    raise ValueError(f"{heads} query heads do not share {k.shape[2]} KV heads evenly")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  block_q, block_k = min(block_q, _padded_length(s, 8, 8)), min(block_k, _padded_length(s, 8, 8))
+  padded = _padded_length(s, block_q, block_k)
+  if padded != s:
+    pad = [(0, 0), (0, padded - s), (0, 0), (0, 0)]
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+  out = _attention(q, k, v, window, block_q, block_k, interpret)
+  return out[:, :s]
