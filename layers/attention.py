@@ -52,13 +52,22 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) 
   return out.reshape(b, s, h, d)
 
 
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
+                    implementation: str | None = "cudnn") -> jax.Array:
+  """jax.nn.dot_product_attention with the same mask: cuDNN's fused kernel on GPU (bf16 /
+  fp16), the comparator and fallback for our kernels. Its window (left, right) counts the
+  keys besides the diagonal: ours, i - w < j <= i, is (w - 1, 0)."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
+                                      local_window_size=None if window is None else (window - 1, 0))
+
+
 def _pallas_attention(q, k, v, window):
   from megajax.layers.pallas_attention import pallas_attention  # Pallas loads only when used.
   return pallas_attention(q, k, v, window)
 
 
 # model.attention_impl -> (q, k, v, window) -> out; every entry is tested against "xla".
-ATTENTION_IMPLS = {"xla": xla_attention, "pallas": _pallas_attention}
+ATTENTION_IMPLS = {"xla": xla_attention, "pallas": _pallas_attention, "cudnn": cudnn_attention}
 
 
 class Attention(nn.Module):

@@ -16,7 +16,7 @@ import os
 import ml_collections
 
 BLOCKS = ("parallel", "serial")
-ATTENTION_IMPLS = ("xla", "pallas")  # Kept equal to megajax.layers.ATTENTION_IMPLS (tested).
+ATTENTION_IMPLS = ("xla", "pallas", "cudnn")  # Kept equal to megajax.layers.ATTENTION_IMPLS (tested).
 OPTIMIZERS = ("lamb", "adamw")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")

@@ -63,11 +63,15 @@ class ParallelPlan:
 
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh) -> "ParallelPlan":
-    if config.model.attention_impl == "pallas" and mesh.devices.flat[0].platform == "cpu":
-      raise ConfigError("model.attention_impl", "pallas",
+    platform, impl = mesh.devices.flat[0].platform, config.model.attention_impl
+    if impl == "pallas" and platform == "cpu":
+      raise ConfigError("model.attention_impl", impl,
                         "on CPU the Pallas kernels run in interpret mode, which jax 0.10 cannot trace inside "
                         "the step's shard_map (its kernels see no varying-axes types)",
                         "use model.attention_impl=xla on CPU (pallas is for GPUs)")
+    if impl == "cudnn" and platform != "gpu":
+      raise ConfigError("model.attention_impl", impl, f"cuDNN attention needs an NVIDIA GPU, this mesh is {platform}",
+                        "use model.attention_impl=xla (or pallas on a GPU)")
     params_like = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     layouts = sharding.param_layouts(model, params_like, mesh.shape[DP], mesh.shape[TP])
     tables = None

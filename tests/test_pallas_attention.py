@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from megajax.config import ATTENTION_IMPLS as CONFIG_ATTENTION_IMPLS, ConfigError
-from megajax.layers import ATTENTION_IMPLS, xla_attention
+from megajax.layers import ATTENTION_IMPLS, cudnn_attention, xla_attention
 from megajax.layers.pallas_attention import kv_block_ranges, pallas_attention, q_block_ranges, visited_blocks
 
 
@@ -110,7 +110,15 @@ def test_block_skipping_makes_the_work_linear_in_the_sequence():
 # --- The model.
 
 def test_registered_in_the_model_and_the_config():
-  assert set(CONFIG_ATTENTION_IMPLS) == set(ATTENTION_IMPLS) and "pallas" in ATTENTION_IMPLS
+  assert set(CONFIG_ATTENTION_IMPLS) == set(ATTENTION_IMPLS) == {"xla", "pallas", "cudnn"}
+
+
+@pytest.mark.parametrize("window", [1, 7, None, 100])
+def test_cudnn_comparator_uses_the_same_window(window):
+  """`cudnn` is jax.nn.dot_product_attention with local_window_size=(w-1, 0); its XLA
+  implementation (the only one on CPU) shows the mapping equals our mask."""
+  q, k, v, _ = inputs(2, 40, 4, 2, 64, jnp.float32)
+  assert_close(cudnn_attention(q, k, v, window, implementation="xla"), xla_attention(q, k, v, window), 1e-5)
 
 
 def test_model_with_pallas_attention_matches_xla(tiny_config):
@@ -132,12 +140,13 @@ def test_model_with_pallas_attention_matches_xla(tiny_config):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_the_3d_step_refuses_interpret_mode_kernels(tiny_config):
-  """On CPU the kernels run in interpret mode, which jax 0.10 cannot trace inside the step's
-  shard_map: the plan says so before compiling, naming the field and the fix."""
+@pytest.mark.parametrize("impl", ["pallas", "cudnn"])
+def test_the_3d_step_refuses_what_this_cpu_cannot_run(tiny_config, impl):
+  """On CPU the Pallas kernels run in interpret mode, which jax 0.10 cannot trace inside the
+  step's shard_map, and cuDNN does not exist: the plan says so before compiling."""
   from megajax.model import GPT, ModelConfig
   from megajax.parallel import ParallelPlan, make_mesh
-  tiny_config.model.attention_impl = "pallas"
-  with pytest.raises(ConfigError, match=r"^model\.attention_impl='pallas': .*; use model\.attention_impl=xla"):
+  tiny_config.model.attention_impl = impl
+  with pytest.raises(ConfigError, match=rf"^model\.attention_impl='{impl}': .*; use model\.attention_impl=xla"):
     ParallelPlan.build(tiny_config, GPT(ModelConfig.from_config(tiny_config.model)),
                        make_mesh(tiny_config, jax.devices()[:1]))
