@@ -1,6 +1,7 @@
 r"""Benchmarks that print ratios measured side by side in one run.
 
   python -m megajax.launch.bench pipeline
+  python -m megajax.launch.bench attention     (megajax.launch.bench_attention)
 
 pipeline:
   memory    XLA's temp bytes of the gradient computation (compiled.memory_analysis()) for
@@ -25,7 +26,7 @@ from megajax.launch.cluster import request_host_devices
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
-BENCHMARKS = ("pipeline",)
+BENCHMARKS = ("pipeline", "attention")
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -156,6 +157,10 @@ def main(argv):
     print(f"usage: python -m megajax.launch.bench {{{'|'.join(BENCHMARKS)}}}", file=sys.stderr)
     sys.exit(2)
   request_host_devices(8)   # CPU: enough devices for every mesh below (ignored on GPU)
+  if argv[1] == "attention":
+    from megajax.launch.bench_attention import attention
+    attention(_REPEATS.value)
+    return
   p = _STAGES.value
   lamb(p)
   lockstep(p, _REPEATS.value)

@@ -56,7 +56,7 @@ def test_matches_xla_fp32(s, window):
   check(2, s, 4, 2, 64, window, jnp.float32)
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(2, 2, 128), (4, 1, 64)], ids=["mha_d128", "gqa4_d64"])
+@pytest.mark.parametrize("heads,kv_heads,d", [(2, 2, 128), (4, 1, 64), (2, 1, 256)], ids=["mha_d128", "gqa4_d64", "gqa2_d256"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_heads_and_dtypes(heads, kv_heads, d, dtype):
   check(1, 40, heads, kv_heads, d, 16, dtype)
@@ -150,3 +150,15 @@ def test_the_3d_step_refuses_what_this_cpu_cannot_run(tiny_config, impl):
   with pytest.raises(ConfigError, match=rf"^model\.attention_impl='{impl}': .*; use model\.attention_impl=xla"):
     ParallelPlan.build(tiny_config, GPT(ModelConfig.from_config(tiny_config.model)),
                        make_mesh(tiny_config, jax.devices()[:1]))
+
+
+def test_attention_benchmark_runs_side_by_side_on_cpu():
+  """`python -m megajax.launch.bench attention` on CPU: the reduced grid, said to be interpret mode."""
+  from tests.conftest import run_module
+  result = run_module(["-m", "megajax.launch.bench", "attention", "--repeats=1"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Pallas kernels in interpret mode (times the interpreter: no GPU figure)" in result.stdout
+  rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["128"], ["512"])]
+  assert {(row[0], row[1], row[2]) for row in rows} == {
+      (s, w, impl) for s in ("128", "512") for w in ("32", "None") for impl in ("pallas", "xla")}
+  assert "pallas fwd+bwd time(s=512) / time(s=128) at w=32:" in result.stdout
