@@ -15,14 +15,13 @@ pipeline:
 """
 
 import functools
-import statistics
 import sys
-import time
 
 from absl import app
 from absl import flags
 
 from megajax.launch.cluster import request_host_devices
+from megajax.launch.timing import median_seconds
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
@@ -43,8 +42,6 @@ def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int
 def _gradient_temp_bytes(config, baseline: bool) -> tuple[int, int]:
   """(temp bytes of the compiled (params, batch) -> summed gradients program, stash slots)."""
   import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
   from megajax.model import GPT, ModelConfig
   from megajax.parallel import ParallelPlan, make_mesh
   from megajax.parallel.pipeline_baseline import gpipe_autodiff_gradients
@@ -54,15 +51,8 @@ def _gradient_temp_bytes(config, baseline: bool) -> tuple[int, int]:
   fn = functools.partial(gpipe_autodiff_gradients, layouts=plan.layouts, stages=config.parallel.pp,
                          virtual_stages=config.parallel.virtual_stages, microbatches=config.train.microbatches,
                          c=plan.model.config, overlap=plan.overlap, z_loss=0.0) if baseline else None
-  params = jax.eval_shape(plan.init_state, jax.random.key(0)).params
-  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params,
-                        plan.state_shardings.params)
-  rows = NamedSharding(plan.mesh, P("dp"))
-  shape = (config.train.batch_size, config.model.seq_len)
-  batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
-           "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
-           "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)}
-  compiled = plan.summed_gradients(fn).lower(params, batch).compile()
+  state, batch = plan.abstract_inputs()
+  compiled = plan.summed_gradients(fn).lower(state.params, batch).compile()
   return compiled.memory_analysis().temp_size_in_bytes, plan.pipeline.stash_slots
 
 
@@ -92,17 +82,6 @@ def lamb(p: int) -> None:
   print(f"bubble ticks cut by {1 - big.bubble_ticks / (4 * one.bubble_ticks):.1%}, bubble fraction by "
         f"{1 - big.bubble_fraction / one.bubble_fraction:.1%} (formula (p-1)/(v m): {(p - 1) / (v * m):.4f} -> "
         f"{(p - 1) / (v * 4 * m):.4f}); the paper states 87.5%")
-
-
-def _median_seconds(fn, *args, repeats: int) -> float:
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def lockstep(p: int, repeats: int) -> None:
@@ -135,8 +114,8 @@ def lockstep(p: int, repeats: int) -> None:
   # Ours: the backward slot recomputes the forward, then runs the backward. With residuals
   # kept from the forward slot, the backward slot would cost this minus one forward.
   recompute = mapped(lambda args: jax.vjp(chunk, *args)[1](jnp.ones_like(x)))
-  t_f = _median_seconds(forward, (layers, x), repeats=repeats)
-  t_recompute = _median_seconds(recompute, (layers, x), repeats=repeats)
+  t_f = median_seconds(forward, (layers, x), repeats=repeats)
+  t_recompute = median_seconds(recompute, (layers, x), repeats=repeats)
   t_residual = t_recompute - t_f
   print(f"\n== lockstep and recompute, timed on this machine ({jax.devices()[0].platform}): one chunk of 2 layers, "
         f"2 x {c.seq_len} tokens, hidden {c.hidden_dim}")

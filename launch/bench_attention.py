@@ -12,12 +12,10 @@ reduced grid with the kernels in interpret mode, which times the interpreter, no
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 
+from megajax.launch.timing import median_seconds
 from megajax.layers import cudnn_attention, xla_attention
 from megajax.layers.pallas_attention import pallas_attention
 
@@ -27,16 +25,6 @@ def visible_pairs(s: int, window: int | None) -> int:
   if window is None or window >= s:
     return s * (s + 1) // 2
   return window * (window + 1) // 2 + (s - window) * window
-
-
-def _median_ms(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
 
 
 def _grid(on_gpu: bool):
@@ -76,8 +64,8 @@ def attention(repeats: int) -> None:
         forward = jax.jit(lambda q, k, v, fn=fn, window=window: fn(q, k, v, window))
         both = jax.jit(jax.grad(lambda q, k, v, fn=fn, window=window: jnp.sum(
             (fn(q, k, v, window) * cotangent).astype(jnp.float32)), argnums=(0, 1, 2)))
-        t_forward = _median_ms(forward, q, k, v, repeats=repeats)
-        t_both = _median_ms(both, q, k, v, repeats=repeats)
+        t_forward = median_seconds(forward, q, k, v, repeats=repeats) * 1e3
+        t_both = median_seconds(both, q, k, v, repeats=repeats) * 1e3
         times[s, window, name] = t_both
         tflops = 3.5 * flops / (t_both * 1e-3) / 1e12
         ratio = t_both / times[s, window, "pallas"]

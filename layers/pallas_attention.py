@@ -32,43 +32,32 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
+from megajax.layers.pallas_support import ceil_div, compiler_params, out_struct, use_interpret
+
 # A large finite negative for masked scores: exp() of it vanishes without inf - inf = nan.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 DEFAULT_BLOCK = 64
 
 
-def _triton_params(num_warps: int, num_stages: int):
-  """Triton compiler params (Mosaic GPU is Pallas's default GPU lowering in newer jax)."""
-  from jax.experimental.pallas import triton as pallas_triton
-  return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+def _maximum(a, b):   # ints (the tests' and benchmark's bounds) or traced ints (the kernels')
+  return jnp.maximum(a, b) if isinstance(a, jax.Array) or isinstance(b, jax.Array) else max(a, b)
 
 
-def _struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
-  """An output type varying over the same mesh axes as `like` (needed inside shard_map).
-  jax 0.10 calls that `manual_axis_type`, other lines `vma`."""
-  aval = jax.typeof(like)
-  if hasattr(aval, "manual_axis_type"):
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-  return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", frozenset()))
-
-
-def _ceil_div(a, b):
-  return -(-a // b)
+def _minimum(a, b):
+  return jnp.minimum(a, b) if isinstance(a, jax.Array) or isinstance(b, jax.Array) else min(a, b)
 
 
 def _clamp(x, lo, hi):
-  return jnp.minimum(jnp.maximum(x, lo), hi) if isinstance(x, jax.Array) else min(max(x, lo), hi)
+  return _minimum(_maximum(x, lo), hi)
 
 
 def kv_block_ranges(q_block, block_q: int, block_k: int, window: int | None, kv_blocks: int):
   """KV blocks query block `q_block` visits: (lo, full_lo, full_hi, hi). Blocks [lo, full_lo)
   and [full_hi, hi) are partial (masked), [full_lo, full_hi) full. Ints or traced ints."""
   first, last = q_block * block_q, q_block * block_q + block_q - 1
-  maximum = jnp.maximum if isinstance(q_block, jax.Array) else max
-  minimum = jnp.minimum if isinstance(q_block, jax.Array) else min
-  hi = minimum(kv_blocks, last // block_k + 1)                       # keys <= last row
-  lo = 0 if window is None else maximum(0, first - window + 1) // block_k
-  full_lo = lo if window is None else _clamp(_ceil_div(last - window + 1, block_k), lo, hi)
+  hi = _minimum(kv_blocks, last // block_k + 1)                      # keys <= last row
+  lo = 0 if window is None else _maximum(0, first - window + 1) // block_k
+  full_lo = lo if window is None else _clamp(ceil_div(last - window + 1, block_k), lo, hi)
   full_hi = _clamp((first + 1) // block_k, full_lo, hi)              # last key <= first row
   return lo, full_lo, full_hi, hi
 
@@ -76,10 +65,9 @@ def kv_block_ranges(q_block, block_q: int, block_k: int, window: int | None, kv_
 def q_block_ranges(kv_block, block_q: int, block_k: int, window: int | None, q_blocks: int):
   """Query blocks that see KV block `kv_block`: (lo, full_lo, full_hi, hi), as above."""
   first, last = kv_block * block_k, kv_block * block_k + block_k - 1
-  minimum = jnp.minimum if isinstance(kv_block, jax.Array) else min
   lo = first // block_q                                              # rows >= first key
-  hi = q_blocks if window is None else minimum(q_blocks, (last + window - 1) // block_q + 1)
-  full_lo = _clamp(_ceil_div(last, block_q), lo, hi)                 # first row >= last key
+  hi = q_blocks if window is None else _minimum(q_blocks, (last + window - 1) // block_q + 1)
+  full_lo = _clamp(ceil_div(last, block_q), lo, hi)                 # first row >= last key
   full_hi = hi if window is None else _clamp((first + window) // block_q, full_lo, hi)
   return lo, full_lo, full_hi, hi
 
@@ -97,7 +85,7 @@ def visited_blocks(seq_len: int, window: int | None, block_q: int = DEFAULT_BLOC
 
 def _padded_length(seq_len: int, block_q: int, block_k: int) -> int:
   step = math.lcm(block_q, block_k)
-  return _ceil_div(seq_len, step) * step
+  return ceil_div(seq_len, step) * step
 
 
 def _visible(rows, cols, window):
@@ -163,8 +151,8 @@ def _forward(q, k, v, window, block_q, block_k, interpret):
                 pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0))],
       out_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, n, h: (n, i, h, 0)),
                  pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
-      out_shape=[_struct(q.shape, q.dtype, q), _struct((b, heads, s), jnp.float32, q)],
-      compiler_params=None if interpret else _triton_params(4, 2),
+      out_shape=[out_struct(q.shape, q.dtype, q), out_struct((b, heads, s), jnp.float32, q)],
+      compiler_params=compiler_params(interpret, 4, 2),
       interpret=interpret,
       name="sliding_window_attention_forward",
   )(q, k, v)
@@ -230,7 +218,7 @@ def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
   scale = 1.0 / math.sqrt(d)
   # delta_i = sum_d out_id * d_out_id: one fused elementwise pass, left to XLA.
   delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), d_out.astype(jnp.float32))
-  params = None if interpret else _triton_params(4, 2)
+  params = compiler_params(interpret, 4, 2)
   row_block = lambda i, n, h: (n, i, h, 0)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
@@ -243,7 +231,7 @@ def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
                 pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i)),
                 pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
       out_specs=pl.BlockSpec((None, block_q, None, d), row_block),
-      out_shape=_struct(q.shape, q.dtype, q),
+      out_shape=out_struct(q.shape, q.dtype, q),
       compiler_params=params, interpret=interpret, name="sliding_window_attention_dq",
   )(q, k, v, d_out, lse, delta)
   kv_block = lambda j, n, g: (n, j, g, 0)
@@ -259,7 +247,7 @@ def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
                 pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0))],
       out_specs=[pl.BlockSpec((None, block_k, None, d), kv_block),
                  pl.BlockSpec((None, block_k, None, d), kv_block)],
-      out_shape=[_struct(k.shape, k.dtype, k), _struct(v.shape, v.dtype, v)],
+      out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
       compiler_params=params, interpret=interpret, name="sliding_window_attention_dkdv",
   )(q, k, v, d_out, lse, delta)
   return dq, dk, dv
@@ -295,8 +283,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
   b, s, heads, d = q.shape
   if heads % k.shape[2]:
     raise ValueError(f"{heads} query heads do not share {k.shape[2]} KV heads evenly")
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  interpret = use_interpret(interpret)
   block_q, block_k = min(block_q, _padded_length(s, 8, 8)), min(block_k, _padded_length(s, 8, 8))
   padded = _padded_length(s, block_q, block_k)
   if padded != s:

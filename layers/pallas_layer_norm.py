@@ -20,7 +20,7 @@ import jax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from megajax.layers.pallas_attention import _ceil_div, _struct, _triton_params
+from megajax.layers.pallas_support import ceil_div, compiler_params, out_struct, use_interpret
 
 DEFAULT_BLOCK_ROWS = 16
 
@@ -65,13 +65,13 @@ def _forward(x, residual, scale, bias, eps, block_rows, interpret):
   rows, features = x.shape
   matrix, vector, per_row = _row_specs(block_rows, features)
   with_residual = residual is not None
-  stats = [_struct((rows,), jnp.float32, x), _struct((rows,), jnp.float32, x)]
+  stats = [out_struct((rows,), jnp.float32, x), out_struct((rows,), jnp.float32, x)]
   outs = pl.pallas_call(
       functools.partial(_forward_kernel, eps=eps, with_residual=with_residual), grid=(rows // block_rows,),
       in_specs=[matrix] * (1 + with_residual) + [vector, vector],
       out_specs=[matrix] * (1 + with_residual) + [per_row, per_row],
-      out_shape=[_struct(x.shape, x.dtype, x)] * (1 + with_residual) + stats,
-      compiler_params=None if interpret else _triton_params(4, 1), interpret=interpret, name="layer_norm_forward",
+      out_shape=[out_struct(x.shape, x.dtype, x)] * (1 + with_residual) + stats,
+      compiler_params=compiler_params(interpret, 4, 1), interpret=interpret, name="layer_norm_forward",
   )(*([x, residual] if with_residual else [x]), scale, bias)
   return tuple(outs) if with_residual else (None, *outs)
 
@@ -84,9 +84,9 @@ def _backward(z, scale, mean, rstd, dy, block_rows, interpret):
   dz, dscale, dbias = pl.pallas_call(
       _backward_kernel, grid=(blocks,),
       in_specs=[matrix, vector, per_row, per_row, matrix], out_specs=[matrix, partial_sums, partial_sums],
-      out_shape=[_struct(z.shape, z.dtype, z), _struct((blocks, features), jnp.float32, z),
-                 _struct((blocks, features), jnp.float32, z)],
-      compiler_params=None if interpret else _triton_params(4, 1), interpret=interpret, name="layer_norm_backward",
+      out_shape=[out_struct(z.shape, z.dtype, z), out_struct((blocks, features), jnp.float32, z),
+                 out_struct((blocks, features), jnp.float32, z)],
+      compiler_params=compiler_params(interpret, 4, 1), interpret=interpret, name="layer_norm_backward",
   )(z, scale, mean, rstd, dy)
   return dz, jnp.sum(dscale, axis=0).astype(scale.dtype), jnp.sum(dbias, axis=0).astype(scale.dtype)
 
@@ -135,11 +135,10 @@ def fused_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, residual: 
                      eps: float = 1e-5, block_rows: int = DEFAULT_BLOCK_ROWS, interpret: bool | None = None):
   """LayerNorm over the last axis: returns y; with a residual, (z, y) where z = x + residual
   is computed in the same kernel (the residual stream the next block adds to)."""
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  interpret = use_interpret(interpret)
   shape, features = x.shape, x.shape[-1]
   count = x.size // features
-  padded = _ceil_div(count, block_rows) * block_rows
+  padded = ceil_div(count, block_rows) * block_rows
 
   def rows(a):   # [..., features] -> [padded, features]; zero rows stay finite and are cut off
     a = a.reshape(count, features)

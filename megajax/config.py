@@ -23,7 +23,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("synthetic", "tokens")
 TP_OVERLAP_MODES = ("none", "collective_matmul", "xla")
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")
-# Kept equal to megajax.parallel.schedule's (tested): config must not import the parallel package.
+# megajax.parallel.schedule takes its names from here (config imports no parallel code).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PIPELINE_TRAVERSALS = ("depth_first", "breadth_first")
 

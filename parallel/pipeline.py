@@ -208,16 +208,27 @@ def _shared_names(program: Program, c: ModelConfig) -> tuple:
   return tuple(dict.fromkeys(names))
 
 
+def stage_params(params, layouts):
+  """ZeRO gather -> this stage's rows and this tp rank's shards, marked per device on pp like
+  everything a stage computes: a pp-invariant input's gradient would otherwise be summed
+  over pp inside the backward, a collective only its stage runs."""
+  return jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts))
+
+
+def sum_over_stages(grads: dict, stats: dict):
+  """Gradient shards of the non-block leaves (used by the first / last stage only) and the
+  loss statistics, summed over pp (and the statistics over dp)."""
+  grads = {name: g if name == LAYERS else jax.tree.map(lambda x: lax.psum(x, PP), g) for name, g in grads.items()}
+  return grads, {name: lax.psum(value, (DP, PP)) for name, value in stats.items()}
+
+
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
                        z_loss: float):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
   whole batch (summed over dp and pp)."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
-  full = sharding.gather_params(params, layouts)          # this stage's rows, this tp rank's shards
-  # Per device on pp, like everything a stage computes: a pp-invariant input's gradient
-  # would otherwise be summed over pp inside the backward, a collective only its stage runs.
-  full = jax.tree.map(lambda x: to_varying(x, (PP,)), full)
+  full = stage_params(params, layouts)
   stage = lax.axis_index(PP)
   microbatches = split_microbatches(batch, tables.schedule.microbatches)   # [m, b, S]
   b, seq = microbatches["inputs"].shape[1:]
@@ -316,9 +327,4 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
 
   carry, _ = lax.scan(tick, carry, {name: jnp.asarray(table) for name, table in tables.per_stage.items()})
 
-  grads = dict(carry["grads"])
-  for name in grads:
-    if name != LAYERS:          # used by the first / last stage only: their sum over pp
-      grads[name] = jax.tree.map(lambda g: lax.psum(g, PP), grads[name])
-  stats = {name: lax.psum(value, (DP, PP)) for name, value in carry["stats"].items()}
-  return grads, stats
+  return sum_over_stages(carry["grads"], carry["stats"])

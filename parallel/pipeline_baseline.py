@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from megajax.model import ModelConfig
 from megajax.parallel import sharding
 from megajax.parallel.mesh import DP, PP, TP, to_varying
-from megajax.parallel.pipeline import LAYERS, STAT_NAMES
+from megajax.parallel.pipeline import LAYERS, STAT_NAMES, stage_params, sum_over_stages
 from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
                                               vocab_parallel_embed)
 from megajax.step import split_microbatches
@@ -59,10 +59,5 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
     (_, stats), _ = lax.scan(tick, (received, {k: zero for k in STAT_NAMES}), jnp.arange(m + p - 1))
     return stats["nll_sum"] + z_loss * stats["z_sum"], stats
 
-  full = jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts))
-  grads, stats = jax.grad(objective, has_aux=True)(full)
-  grads = {name: sharding.reduce_scatter_grads(g, layouts[name]) for name, g in grads.items()}
-  for name in grads:
-    if name != LAYERS:
-      grads[name] = jax.tree.map(lambda g: lax.psum(g, PP), grads[name])
-  return grads, {k: lax.psum(v, (DP, PP)) for k, v in stats.items()}
+  grads, stats = jax.grad(objective, has_aux=True)(stage_params(params, layouts))
+  return sum_over_stages(sharding.reduce_scatter_grads(grads, layouts), stats)

@@ -32,8 +32,7 @@ import dataclasses
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-TRAVERSALS = ("depth_first", "breadth_first")
+from megajax.config import PIPELINE_SCHEDULES as SCHEDULES, PIPELINE_TRAVERSALS as TRAVERSALS
 FORWARD, BACKWARD = "F", "B"
 
 

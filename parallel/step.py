@@ -117,6 +117,18 @@ class ParallelPlan:
       return params
     return pipeline.to_model_params(params, self.config.parallel.pp, self.config.parallel.virtual_stages)
 
+  def abstract_inputs(self) -> tuple[TrainState, dict]:
+    """The step's (state, batch) as ShapeDtypeStructs with their shardings: for
+    `.lower(...).compile()` without materializing anything (HLO and memory checks)."""
+    state = jax.eval_shape(self.init_state, jax.random.key(0))
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                         self.state_shardings)
+    shape, rows = (self.config.train.batch_size, self.config.model.seq_len), batch_sharding(self.mesh)
+    batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+             "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+             "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)}
+    return state, batch
+
   def put_batch(self, local_batch: dict) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays split over dp."""
     batch_size = self.config.train.batch_size

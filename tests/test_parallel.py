@@ -11,7 +11,6 @@ import functools
 import re
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -215,19 +214,10 @@ def collective_counts(text: str, mesh) -> collections.Counter:
   return counts
 
 
-def abstract_inputs(plan, rows=BATCH):
-  state = jax.eval_shape(plan.init_state, jax.random.key(0))
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
-                       plan.state_shardings)
-  split = NamedSharding(plan.mesh, P("dp"))
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=split) for k, v in fixed_batch(rows).items()}
-  return state, batch
-
-
 @functools.cache
 def compiled_step_text(dp, tp, block, mode, layers):
   plan = build_plan(parallel_config(dp, tp, block, mode, layers=layers))
-  return plan, plan.train_step().lower(*abstract_inputs(plan)).compile().as_text()
+  return plan, plan.train_step().lower(*plan.abstract_inputs()).compile().as_text()
 
 
 @pytest.mark.parametrize("layers", [2, 3])

@@ -10,7 +10,6 @@ import functools
 import re
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -134,12 +133,8 @@ def compiled_gradients(mesh, m, baseline=False):
   if baseline:
     fn = functools.partial(gpipe_autodiff_gradients, layouts=plan.layouts, stages=mesh[1], virtual_stages=1,
                            microbatches=m, c=plan.model.config, overlap=plan.overlap, z_loss=config.train.z_loss)
-  params = jax.eval_shape(plan.init_state, jax.random.key(0)).params
-  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params,
-                        plan.state_shardings.params)
-  rows = NamedSharding(plan.mesh, P("dp"))
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows) for k, v in fixed_batch(m).items()}
-  return plan, plan.summed_gradients(fn).lower(params, batch).compile()
+  state, batch = plan.abstract_inputs()
+  return plan, plan.summed_gradients(fn).lower(state.params, batch).compile()
 
 
 def test_1f1b_temp_memory_is_flat_in_microbatches_while_gpipe_by_autodiff_grows():

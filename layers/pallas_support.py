@@ -1,0 +1,32 @@
+"""What the Pallas kernels (megajax.layers.pallas_*) share: back-end choice and output types."""
+
+from __future__ import annotations
+
+import jax
+
+
+def use_interpret(interpret: bool | None) -> bool:
+  """None: interpret mode on CPU (the tests), compiled kernels on accelerators."""
+  return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def compiler_params(interpret: bool, num_warps: int, num_stages: int):
+  """Triton compiler params, requested explicitly (Mosaic GPU is Pallas's default GPU
+  lowering in newer jax); none in interpret mode."""
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pallas_triton
+  return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """An output type varying over the same mesh axes as `like` (needed inside shard_map).
+  jax 0.10 calls that `manual_axis_type`, other lines `vma`."""
+  aval = jax.typeof(like)
+  if hasattr(aval, "manual_axis_type"):
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+  return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", frozenset()))
+
+
+def ceil_div(a, b):
+  return -(-a // b)
