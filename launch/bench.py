@@ -2,6 +2,7 @@ r"""Benchmarks that print ratios measured side by side in one run.
 
   python -m megajax.launch.bench pipeline
   python -m megajax.launch.bench attention     (megajax.launch.bench_attention)
+  python -m megajax.launch.bench operators     (megajax.launch.bench_operators: fused LN, GeLU)
 
 pipeline:
   memory    XLA's temp bytes of the gradient computation (compiled.memory_analysis()) for
@@ -25,7 +26,7 @@ from megajax.launch.timing import median_seconds
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
-BENCHMARKS = ("pipeline", "attention")
+BENCHMARKS = ("pipeline", "attention", "operators")
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -139,6 +140,10 @@ def main(argv):
   if argv[1] == "attention":
     from megajax.launch.bench_attention import attention
     attention(_REPEATS.value)
+    return
+  if argv[1] == "operators":
+    from megajax.launch.bench_operators import operators
+    operators(_REPEATS.value)
     return
   p = _STAGES.value
   lamb(p)

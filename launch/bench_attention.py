@@ -8,16 +8,19 @@ backward 2.5x the forward: FlashAttention-2's convention), and each baseline's t
 ours. Then time(largest s) / time(s / 4) at fixed w. On a GPU: s in {2k, 8k, 32k}, w in
 {512, 1024, 4096, None}, head dim 128, bf16, batch x heads filling the device. On a CPU: a
 reduced grid with the kernels in interpret mode, which times the interpreter, not a GPU.
+On Hopper `pallas` is the Mosaic GPU forward and a `triton` row adds the portable kernels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from megajax.launch.timing import median_seconds
 from megajax.layers import cudnn_attention, xla_attention
-from megajax.layers.pallas_attention import pallas_attention
+from megajax.layers.pallas_attention import default_backend, pallas_attention
 
 
 def visible_pairs(s: int, window: int | None) -> int:
@@ -40,10 +43,14 @@ def attention(repeats: int) -> None:
   on_gpu = platform == "gpu"
   g = _grid(on_gpu)
   impls = {"pallas": pallas_attention, "xla": xla_attention}
+  backend = default_backend(g["dtype"], g["head_dim"])
   if on_gpu:
     impls["cudnn"] = cudnn_attention
+  if backend == "mosaic":    # Hopper: the portable kernel side by side with the Hopper forward
+    impls["triton"] = functools.partial(pallas_attention, backend="triton")
   print(f"\n== attention on {jax.devices()[0].device_kind} ({platform}), head dim {g['head_dim']}, "
-        f"{jnp.dtype(g['dtype']).name}, {g['heads']} heads / {g['kv_heads']} KV heads")
+        f"{jnp.dtype(g['dtype']).name}, {g['heads']} heads / {g['kv_heads']} KV heads; "
+        f"pallas = backend {backend!r}")
   if not on_gpu:
     print("CPU: reduced grid, Pallas kernels in interpret mode (times the interpreter: no GPU figure); "
           "cudnn needs a GPU")

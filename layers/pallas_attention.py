@@ -12,14 +12,16 @@ like the model's; grouped KV heads (heads % kv_heads == 0) are read in place.
             head) that can see the KV block.
 
 Block skipping: each program loops only over the blocks that intersect its window band
-(`kv_block_ranges`, `q_block_ranges`), so the work is O(s * w), not O(s^2). The band is
+(`attention_blocks`), so the work is O(s * w), not O(s^2). The band is
 split Splash-style into partial blocks (the window's left edge and the diagonal, masked)
 and full blocks between them, which skip the mask. Sequences that are not a block
 multiple are zero-padded: padded keys lie right of every real query's diagonal, and padded
 queries get zero cotangents, so neither changes a real value.
 
-Back ends: Triton lowering on GPU (requested explicitly with Triton compiler params), and
-interpret mode on CPU (the tests), chosen by the platform.
+Back ends (`backend`): "triton", these kernels lowered through Triton (requested explicitly
+with Triton compiler params); "mosaic", the Hopper forward (`pallas_attention_hopper`: TMA,
+wgmma, warp specialization) with these backward kernels. None picks "mosaic" on H100/H200
+for bf16/fp16, "triton" otherwise. On CPU both run in interpret mode (the tests).
 """
 
 from __future__ import annotations
@@ -32,60 +34,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from megajax.layers.pallas_support import ceil_div, compiler_params, out_struct, use_interpret
+from megajax.layers import pallas_attention_hopper as hopper
+from megajax.layers.attention_blocks import DEFAULT_BLOCK, kv_block_ranges, padded_length, q_block_ranges
+from megajax.layers.pallas_attention_hopper import hopper_attention_forward
+from megajax.layers.pallas_support import compiler_params, out_struct, use_interpret
 
 # A large finite negative for masked scores: exp() of it vanishes without inf - inf = nan.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-DEFAULT_BLOCK = 64
-
-
-def _maximum(a, b):   # ints (the tests' and benchmark's bounds) or traced ints (the kernels')
-  return jnp.maximum(a, b) if isinstance(a, jax.Array) or isinstance(b, jax.Array) else max(a, b)
-
-
-def _minimum(a, b):
-  return jnp.minimum(a, b) if isinstance(a, jax.Array) or isinstance(b, jax.Array) else min(a, b)
-
-
-def _clamp(x, lo, hi):
-  return _minimum(_maximum(x, lo), hi)
-
-
-def kv_block_ranges(q_block, block_q: int, block_k: int, window: int | None, kv_blocks: int):
-  """KV blocks query block `q_block` visits: (lo, full_lo, full_hi, hi). Blocks [lo, full_lo)
-  and [full_hi, hi) are partial (masked), [full_lo, full_hi) full. Ints or traced ints."""
-  first, last = q_block * block_q, q_block * block_q + block_q - 1
-  hi = _minimum(kv_blocks, last // block_k + 1)                      # keys <= last row
-  lo = 0 if window is None else _maximum(0, first - window + 1) // block_k
-  full_lo = lo if window is None else _clamp(ceil_div(last - window + 1, block_k), lo, hi)
-  full_hi = _clamp((first + 1) // block_k, full_lo, hi)              # last key <= first row
-  return lo, full_lo, full_hi, hi
-
-
-def q_block_ranges(kv_block, block_q: int, block_k: int, window: int | None, q_blocks: int):
-  """Query blocks that see KV block `kv_block`: (lo, full_lo, full_hi, hi), as above."""
-  first, last = kv_block * block_k, kv_block * block_k + block_k - 1
-  lo = first // block_q                                              # rows >= first key
-  hi = q_blocks if window is None else _minimum(q_blocks, (last + window - 1) // block_q + 1)
-  full_lo = _clamp(ceil_div(last, block_q), lo, hi)                 # first row >= last key
-  full_hi = hi if window is None else _clamp((first + window) // block_q, full_lo, hi)
-  return lo, full_lo, full_hi, hi
-
-
-def visited_blocks(seq_len: int, window: int | None, block_q: int = DEFAULT_BLOCK,
-                   block_k: int = DEFAULT_BLOCK) -> int:
-  """KV blocks the forward visits over all query blocks (one head): the kernel's loop bounds."""
-  padded = _padded_length(seq_len, block_q, block_k)
-  total = 0
-  for q_block in range(padded // block_q):
-    lo, _, _, hi = kv_block_ranges(q_block, block_q, block_k, window, padded // block_k)
-    total += hi - lo
-  return total
-
-
-def _padded_length(seq_len: int, block_q: int, block_k: int) -> int:
-  step = math.lcm(block_q, block_k)
-  return ceil_div(seq_len, step) * step
 
 
 def _visible(rows, cols, window):
@@ -137,7 +92,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, window, blo
   lse_ref[...] = m + jnp.log(l)
 
 
-def _forward(q, k, v, window, block_q, block_k, interpret):
+def _forward(q, k, v, window, block_q, block_k, interpret, backend):
+  if backend == "mosaic":
+    return hopper_attention_forward(q, k, v, window, interpret=interpret)
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
   group = heads // kv_heads
@@ -255,17 +212,17 @@ def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
 
 # --- The op.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(q, k, v, window, block_q, block_k, interpret):
-  return _forward(q, k, v, window, block_q, block_k, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _attention(q, k, v, window, block_q, block_k, interpret, backend):
+  return _forward(q, k, v, window, block_q, block_k, interpret, backend)[0]
 
 
-def _attention_fwd(q, k, v, window, block_q, block_k, interpret):
-  out, lse = _forward(q, k, v, window, block_q, block_k, interpret)
+def _attention_fwd(q, k, v, window, block_q, block_k, interpret, backend):
+  out, lse = _forward(q, k, v, window, block_q, block_k, interpret, backend)
   return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(window, block_q, block_k, interpret, residuals, d_out):
+def _attention_bwd(window, block_q, block_k, interpret, backend, residuals, d_out):
   q, k, v, out, lse = residuals
   return _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret)
 
@@ -273,21 +230,38 @@ def _attention_bwd(window, block_q, block_k, interpret, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+BACKENDS = ("triton", "mosaic")
+
+
+def default_backend(dtype, head_dim: int) -> str:
+  """"mosaic" (the Hopper forward) where it runs and applies, else the portable "triton"."""
+  return "mosaic" if hopper.is_hopper(jax.devices()[0]) and hopper.supports(dtype, head_dim) else "triton"
+
+
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
                      block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None, backend: str | None = None) -> jax.Array:
   """Sliding-window causal attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] -> [b, s, h, d].
 
   interpret=None runs the kernels in interpret mode on CPU and lowers them on GPU.
+  backend: "triton" | "mosaic" | None (by device kind and dtype, `default_backend`).
   """
   b, s, heads, d = q.shape
   if heads % k.shape[2]:
     raise ValueError(f"{heads} query heads do not share {k.shape[2]} KV heads evenly")
+  backend = default_backend(q.dtype, d) if backend is None else backend
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r}: use one of {BACKENDS} or None")
+  if backend == "mosaic" and not hopper.supports(q.dtype, d):
+    raise ValueError(f"backend='mosaic' takes bf16/fp16 and head dim 64/128/256, got {q.dtype}, {d}: "
+                     "use backend='triton'")
   interpret = use_interpret(interpret)
-  block_q, block_k = min(block_q, _padded_length(s, 8, 8)), min(block_k, _padded_length(s, 8, 8))
-  padded = _padded_length(s, block_q, block_k)
+  block_q, block_k = min(block_q, padded_length(s, 8, 8)), min(block_k, padded_length(s, 8, 8))
+  padded = padded_length(s, block_q, block_k)
+  if backend == "mosaic":                    # whole 128-row programs, and whole backward blocks
+    padded = padded_length(s, block_q, block_k, hopper.ROWS_PER_PROGRAM)
   if padded != s:
     pad = [(0, 0), (0, padded - s), (0, 0), (0, 0)]
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-  out = _attention(q, k, v, window, block_q, block_k, interpret)
+  out = _attention(q, k, v, window, block_q, block_k, interpret, backend)
   return out[:, :s]

@@ -15,7 +15,8 @@ import pytest
 
 from megajax.config import ATTENTION_IMPLS as CONFIG_ATTENTION_IMPLS, ConfigError
 from megajax.layers import ATTENTION_IMPLS, cudnn_attention, xla_attention
-from megajax.layers.pallas_attention import kv_block_ranges, pallas_attention, q_block_ranges, visited_blocks
+from megajax.layers.attention_blocks import kv_block_ranges, q_block_ranges, visited_blocks
+from megajax.layers.pallas_attention import pallas_attention
 
 
 def inputs(b, s, heads, kv_heads, d, dtype, seed=0):
