@@ -72,6 +72,13 @@ def main(argv):
     _fail("topology error", error)
   except ConfigError as error:
     _fail("config error", error)
+  if result.preempted:
+    logging.warning("stopped early (preempted); relaunch with the same --workdir to resume")
+    sys.exit(143)                       # 128 + SIGTERM: the job did not finish
+  if not result.history:
+    logging.info("nothing to do: the checkpoint in %s is already at train.steps=%d", _WORKDIR.value,
+                 config.train.steps)
+    return
   last = result.history[-1]
   logging.info("done: step %d, loss %.4f; metrics in %s/metrics.jsonl", last["step"], last["loss"],
                _WORKDIR.value)

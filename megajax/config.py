@@ -105,6 +105,16 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.save_params = True   # Write WORKDIR/params (Orbax) when training ends.
+  # Training checkpoints in WORKDIR/checkpoints: every `every_steps` steps (0: only at the end
+  # and on preemption), asynchronous (the step waits only for the device -> host copy). A
+  # relaunch with the same workdir resumes from the latest complete one.
+  c.checkpoint.every_steps = 100
+  c.checkpoint.keep = 3             # The last `keep` checkpoints ...
+  c.checkpoint.keep_period = 0      # ... plus every step divisible by this one, forever (0: none).
+  c.checkpoint.async_save = True
+
+  c.debug = ml_collections.ConfigDict()
+  c.debug.fail_at_step = 0          # Fault injection (tests): SIGKILL this process after that step.
   return c
 
 
@@ -146,6 +156,13 @@ def _positive_int(config, field: str) -> None:
            "must be a positive integer", f"set --config.{field} to 1 or more")
 
 
+def _non_negative_int(config, field: str) -> None:
+  group, name = field.split(".")
+  value = config[group][name]
+  _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, field, value,
+           "must be an integer >= 0", f"set --config.{field} to 0 or more")
+
+
 def _choice(config, field: str, choices) -> None:
   group, name = field.split(".")
   value = config[group][name]
@@ -161,6 +178,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 "parallel.virtual_stages", "train.steps",
                 "train.batch_size", "train.microbatches", "train.log_every"):
     _positive_int(config, field)
+  for field in ("checkpoint.every_steps", "checkpoint.keep_period", "debug.fail_at_step"):
+    _non_negative_int(config, field)
+  _positive_int(config, "checkpoint.keep")
   _choice(config, "model.block", BLOCKS)
   _choice(config, "model.attention_impl", ATTENTION_IMPLS)
   _choice(config, "model.compute_dtype", DTYPES)

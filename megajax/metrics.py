@@ -1,6 +1,6 @@
 """Where training metrics go: WORKDIR/metrics.jsonl, TensorBoard scalars, and the terminal.
 
-metrics.jsonl is rewritten by each run (there is no resume yet to continue it).
+metrics.jsonl is started by a fresh run and continued (appended to) by a resumed one.
 
 Only process 0 writes. On a terminal the step shows as a progress bar; otherwise (a batch
 job's log file) each logged step is one plain log line.
@@ -27,7 +27,8 @@ def _json_number(value):
 
 class MetricsWriter:
 
-  def __init__(self, workdir: str | None, total_steps: int, enabled: bool = True, progress: bool | None = None):
+  def __init__(self, workdir: str | None, total_steps: int, enabled: bool = True, progress: bool | None = None,
+               append: bool = False):
     self.enabled = enabled
     self.total_steps = total_steps
     self._jsonl = self._tensorboard = self._progress = None
@@ -35,7 +36,7 @@ class MetricsWriter:
       return
     if workdir:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w", buffering=1)
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a" if append else "w", buffering=1)
       self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
     if progress if progress is not None else sys.stderr.isatty():
       from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

@@ -1,14 +1,19 @@
-"""The training loop as a library: `train(config, workdir)` runs `config.train.steps` steps.
+"""The training loop as a library: `train(config, workdir)` trains up to `config.train.steps`.
 
-Sections run in order: model, mesh and plan -> data -> state -> step -> loop -> export.
-The launcher (megajax.launch.train) and the Python API both call `train`. Every run, one
-device or many, goes through the 3D-parallel step (megajax.parallel.step).
+Sections run in order: model, mesh and plan -> checkpoint (resume) -> data -> state ->
+step -> loop (with checkpoints) -> export. The launcher (megajax.launch.train) and the
+Python API both call `train`. Every run, one device or many, goes through the 3D-parallel
+step (megajax.parallel.step). With a workdir, a run resumes from the latest complete
+checkpoint in WORKDIR/checkpoints (`train.steps` is the total target), saves every
+`checkpoint.every_steps`, at the end, and when preempted (SIGTERM / SIGINT).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 import time
 
 from absl import logging
@@ -16,7 +21,7 @@ import jax
 import ml_collections
 
 from megajax import data
-from megajax.checkpoint import save_params
+from megajax.checkpoint import TrainingCheckpointer, save_params
 from megajax.config import validate
 from megajax.flops import mfu, training_flops_per_token
 from megajax.metrics import MetricsWriter
@@ -29,7 +34,40 @@ from megajax.step import TrainState
 @dataclasses.dataclass
 class TrainResult:
   state: TrainState
-  history: list[dict]   # the logged metrics, one dict per logged step
+  history: list[dict]       # the logged metrics, one dict per logged step
+  start_step: int = 0       # the checkpoint step this run resumed from (0: a fresh start)
+  preempted: bool = False   # stopped early by SIGTERM / SIGINT, after saving a checkpoint
+
+
+class PreemptionWatcher:
+  """Has the job been asked to stop? Every process must agree on the step at which it saves.
+
+  One process: SIGTERM and SIGINT set a flag (checked after each step). Several: jax's
+  coordination service already receives the SIGTERM and picks one sync step for all
+  processes (`multihost_utils.reached_preemption_sync_point`), so no handler replaces it.
+  """
+
+  def __init__(self):
+    self._requested = threading.Event()
+    self._previous = {}
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    logging.warning("received %s: saving a checkpoint after this step, then stopping",
+                    signal.Signals(signum).name)
+    self._requested.set()
+
+  def reached(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self._requested.is_set()
+
+  def close(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
 
 def build_model(config: ml_collections.ConfigDict) -> GPT:
@@ -41,10 +79,10 @@ def should_log(step: int, config: ml_collections.ConfigDict) -> bool:
   return step == 1 or step % config.train.log_every == 0 or step == config.train.steps
 
 
-def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief):
-  """State -> step -> the loop; returns the final state and the logged metrics."""
-  # --- State: each device initializes only its own shards.
-  state = plan.init_state(jax.random.key(config.train.seed))
+def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, state, start_step,
+              checkpointer: TrainingCheckpointer | None):
+  """Step -> the loop (with checkpoints); returns the final state, the logged metrics, and
+  whether it stopped for a preemption."""
   logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
                config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
                *plan.mesh.devices.shape, config.parallel.tp_overlap)
@@ -57,38 +95,72 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief):
 
   # --- Step.
   train_step = plan.train_step()
-  tokens_per_step = config.train.batch_size * config.model.seq_len
-  flops_per_token = training_flops_per_token(plan.model.config)
-  device_kind = plan.mesh.devices.flat[0].device_kind
-  num_devices = plan.mesh.size
+  meter = _Throughput(config, plan)
 
   # --- Loop.
-  writer = MetricsWriter(workdir, config.train.steps, enabled=is_chief, progress=progress)
+  writer = MetricsWriter(workdir, config.train.steps, enabled=is_chief, progress=progress, append=start_step > 0)
   history = []
-  last_log_time, last_log_step = None, 0
+  watcher, preempted = PreemptionWatcher(), False
+  every = config.checkpoint.every_steps
   try:
-    for step in range(1, config.train.steps + 1):
+    for step in range(start_step + 1, config.train.steps + 1):
       state, metrics = train_step(state, next(batches))
       writer.step_done(step)
-      if not should_log(step, config):
-        continue
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
-      now = time.perf_counter()
-      # Step 1 includes compilation: throughput is measured from its end onwards.
-      if last_log_time is None:
-        throughput = {"tokens_per_sec": None, "tflops_per_device": None, "mfu": None}
-      else:
-        tokens_per_sec = (step - last_log_step) * tokens_per_step / (now - last_log_time)
-        tflops_per_device = tokens_per_sec * flops_per_token / num_devices / 1e12
-        throughput = {"tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops_per_device,
-                      "mfu": mfu(tflops_per_device, device_kind)}
-      last_log_time, last_log_step = now, step
-      record = {**metrics, **throughput}
-      history.append({"step": step, **record})
-      writer.write(step, record)
+      preempted = watcher.reached(step)
+      if should_log(step, config):
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+        record = {**metrics, **meter.measure(step)}
+        history.append({"step": step, **record})
+        writer.write(step, record)
+      if checkpointer and (preempted or step == config.train.steps or (every and step % every == 0)):
+        blocking = checkpointer.save(step, state, batches.get_state())
+        logging.info("checkpoint %d: the step waited %.3f s (device -> host); writing in the background",
+                     step, blocking)
+        writer.write(step, {"ckpt_blocking_s": blocking})
+      _log_committed(checkpointer, writer)
+      if preempted:
+        logging.warning("preempted at step %d: checkpoint saved, stopping", step)
+        break
+      if step == config.debug.fail_at_step:     # fault injection: die as a crash would
+        os.kill(os.getpid(), signal.SIGKILL)
+    if checkpointer:
+      checkpointer.wait()                       # stage 2 of the last save
+      _log_committed(checkpointer, writer)
   finally:
+    watcher.close()
     writer.close()
-  return state, history
+  return state, history, preempted
+
+
+class _Throughput:
+  """Tokens/s, TFLOP/s per device and MFU between logged steps (the first one compiles:
+  measured from its end onwards)."""
+
+  def __init__(self, config, plan: ParallelPlan):
+    self.tokens_per_step = config.train.batch_size * config.model.seq_len
+    self.flops_per_token = training_flops_per_token(plan.model.config)
+    self.device_kind = plan.mesh.devices.flat[0].device_kind
+    self.num_devices = plan.mesh.size
+    self.last_time, self.last_step = None, None
+
+  def measure(self, step: int) -> dict:
+    now = time.perf_counter()
+    if self.last_time is None:
+      figures = {"tokens_per_sec": None, "tflops_per_device": None, "mfu": None}
+    else:
+      tokens_per_sec = (step - self.last_step) * self.tokens_per_step / (now - self.last_time)
+      tflops_per_device = tokens_per_sec * self.flops_per_token / self.num_devices / 1e12
+      figures = {"tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops_per_device,
+                 "mfu": mfu(tflops_per_device, self.device_kind)}
+    self.last_time, self.last_step = now, step
+    return figures
+
+
+def _log_committed(checkpointer, writer) -> None:
+  """Stage 2 done: each committed save's start-to-commit time, to the log and the metrics."""
+  for saved, total in checkpointer.take_finished() if checkpointer else ():
+    logging.info("checkpoint %d committed: %.3f s from the start of its save", saved, total)
+    writer.write(saved, {"ckpt_total_s": total})
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | None = None,
@@ -111,13 +183,30 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
-  with data.DevicePrefetcher(iterator, put_fn=plan.put_batch) as batches:
-    state, history = _run_loop(config, plan, batches, workdir, progress, is_chief)
+
+  # --- Checkpoint and state: resume from the latest complete checkpoint, or initialize
+  # (each device only its own shards).
+  checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config) if workdir else None
+  latest = checkpointer.latest_step() if checkpointer else None
+  if latest is not None:
+    restored = checkpointer.restore(latest, plan.abstract_inputs()[0])
+    state, start_step = restored.state, restored.step
+    iterator.set_state(restored.data_state)
+    logging.info("resumed from %s/%d (step %d of %d)", checkpointer.directory, latest, latest, config.train.steps)
+  else:
+    state, start_step = plan.init_state(jax.random.key(config.train.seed)), 0
+  try:
+    with data.DevicePrefetcher(iterator, put_fn=plan.put_batch) as batches:
+      state, history, preempted = _run_loop(config, plan, batches, workdir, progress, is_chief, state, start_step,
+                                            checkpointer)
+  finally:
+    if checkpointer:
+      checkpointer.close()
 
   # --- Export.
-  if workdir and config.checkpoint.save_params:
+  if workdir and config.checkpoint.save_params and not preempted:
     # The model's own pytree whatever the mesh (the pipeline's stacked layers unstacked),
     # under jit: with several processes no process holds every stage's rows.
     path = save_params(os.path.join(workdir, "params"), jax.jit(plan.model_params)(state.params))
     logging.info("parameters written to %s", path)
-  return TrainResult(state=state, history=history)
+  return TrainResult(state=state, history=history, start_step=start_step, preempted=preempted)

@@ -55,5 +55,29 @@ def run_module(args, timeout=300, env=None):
 def child_env(extra=None) -> dict:
   """The environment for a child process: the tests' XLA_FLAGS removed, `extra` added."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # The tests' compilation cache for children too: a relaunched job (resume tests) and the
+  # launcher tests' repeated meshes compile once.
+  env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   env.update(extra or {})
   return env
+
+
+def launch_two_processes(args, timeout=300):
+  """`python <args>` as a 2-process jax.distributed job on 127.0.0.1 (the launcher's topology
+  flags added): (return codes, stderrs)."""
+  import socket
+  import subprocess
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                             f"--process_id={i}"],
+                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    errors = [p.communicate(timeout=timeout)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return [p.returncode for p in procs], errors

@@ -2,9 +2,6 @@
 
 import json
 import re
-import socket
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +12,7 @@ from megajax.checkpoint import load_params
 from megajax.model import GPT, ModelConfig
 from megajax.optim import make_optimizer
 from megajax.step import init_train_state, make_train_step
-from tests.conftest import REPO, child_env, run_module
+from tests.conftest import REPO, launch_two_processes, run_module
 
 
 def test_gradient_accumulation_equals_the_full_batch(tiny_config):
@@ -46,6 +43,9 @@ def test_default_job_through_the_launcher(tmp_path):
                       timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  checkpoints = [r for r in records if "loss" not in r]
+  assert {"ckpt_blocking_s", "ckpt_total_s"} <= {k for r in checkpoints for k in r}   # steps 100 and 200
+  records = [r for r in records if "loss" in r]
   for key in ("step", "loss", "tokens_per_sec", "tflops_per_device", "mfu"):
     assert all(key in r for r in records), key
   assert records[0]["step"] == 1 and records[-1]["step"] == 200
@@ -69,7 +69,8 @@ SHORT_RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--con
 
 
 def _losses(workdir):
-  return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [r["loss"] for r in records if "loss" in r]
 
 
 def _launcher_losses(workdir, *overrides):
@@ -80,19 +81,8 @@ def _launcher_losses(workdir, *overrides):
 
 def _two_process_losses(workdir, *overrides):
   """The same run as a 2-process jax.distributed job on localhost (4 CPU devices each)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  procs = [subprocess.Popen([sys.executable, *SHORT_RUN, f"--workdir={workdir}", *overrides,
-                             f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  try:
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  assert [p.returncode for p in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  codes, errors = launch_two_processes([*SHORT_RUN, f"--workdir={workdir}", *overrides])
+  assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
   return _losses(workdir)
 
 
