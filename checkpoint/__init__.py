@@ -1,6 +1,8 @@
-"""Checkpoints: the training checkpoint (async, resumable) and parameter export/import."""
+"""Checkpoints: the training checkpoint (async, resumable, onto any mesh) and parameter export."""
 
-from megajax.checkpoint.manager import DataStateHandler, Restored, TrainingCheckpointer, layout_of
+from megajax.checkpoint.manager import (CheckpointError, DataStateHandler, Restored, TrainingCheckpointer,
+                                        check_compatible, layout_of)
 from megajax.checkpoint.params import load_params, save_params
 
-__all__ = ["DataStateHandler", "Restored", "TrainingCheckpointer", "layout_of", "load_params", "save_params"]
+__all__ = ["CheckpointError", "DataStateHandler", "Restored", "TrainingCheckpointer", "check_compatible",
+           "layout_of", "load_params", "save_params"]

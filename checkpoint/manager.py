@@ -26,11 +26,21 @@ import threading
 import time
 from typing import Any
 
+from absl import logging
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 
+from megajax.checkpoint import reshard
+from megajax.model import GPT, ModelConfig, init_params
+from megajax.parallel.mesh import DP
+
 STATE, DATA, META = "state", "data", "meta"
+
+
+class CheckpointError(Exception):
+  """A checkpoint that cannot be used: unreadable, or saved by a different model."""
 
 
 # --- The per-process data state item.
@@ -86,6 +96,7 @@ class Restored:
   state: Any          # TrainState with the shardings asked for
   data_state: dict
   meta: dict
+  bytes_read: int | None = None   # what this process read from storage for the state (Linux)
 
 
 def layout_of(config: ml_collections.ConfigDict) -> dict:
@@ -108,7 +119,7 @@ class TrainingCheckpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=c.keep, keep_period=c.keep_period or None, create=True,
         enable_async_checkpointing=c.async_save, cleanup_tmp_directories=True,
-        async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized))
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if c.async_save else None)
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={STATE: ocp.StandardCheckpointHandler(), DATA: DataStateHandler(),
@@ -157,9 +168,148 @@ class TrainingCheckpointer:
         STATE: ocp.args.StandardRestore(abstract_state), DATA: DataStateRestore(), META: ocp.args.JsonRestore()}))
     return Restored(step, restored[STATE], restored[DATA], restored[META])
 
+  def read_meta(self, step: int) -> dict:
+    return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+  def path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def restore_latest(self, plan) -> Restored | None:
+    """The latest readable checkpoint, onto the plan's mesh and layout; None if there is none.
+
+    An unreadable one (truncated, corrupted) is reported and the previous complete one
+    tried; one saved by a different model raises CheckpointError naming the differences.
+    """
+    unreadable = []
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        meta = self.read_meta(step)
+      except _PROGRAMMING_ERRORS:
+        raise
+      except Exception as error:  # pylint: disable=broad-except  (any read failure: try the previous one)
+        meta, failure = None, error
+      if _all_processes_agree(meta is not None):
+        check_compatible(meta, self._config, plan, self.path(step))
+        try:
+          restored = self._restore_onto(plan, step, meta)
+        except _PROGRAMMING_ERRORS:
+          raise
+        except Exception as error:  # pylint: disable=broad-except
+          restored, failure = None, error
+        if _all_processes_agree(restored is not None):
+          return restored
+      elif meta is not None:
+        failure = CheckpointError("another process could not read it")
+      logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous complete one",
+                    self.path(step), type(failure).__name__, str(failure).splitlines()[0][:300] if str(failure) else "")
+      unreadable.append(self.path(step))
+    if unreadable:
+      raise CheckpointError(f"no readable checkpoint in {self.directory}: {', '.join(unreadable)} failed to restore; "
+                            "move them aside to start fresh, or point --workdir elsewhere")
+    return None
+
+  def _restore_onto(self, plan, step: int, meta: dict) -> Restored:
+    before = _storage_bytes_read()
+    restored = self._restore_state(plan, step, meta)
+    after = _storage_bytes_read()
+    restored.bytes_read = None if before is None else after - before
+    logging.info("restoring %s (%s): this process read %s bytes from storage", self.path(step),
+                 self._config.checkpoint.restore_mode, restored.bytes_read)
+    return restored
+
+  def _restore_state(self, plan, step: int, meta: dict) -> Restored:
+    current = layout_of(self._config)
+    if reshard.same_structure(meta["layout"], current):   # Orbax reshards over dp and tp by itself
+      if self._config.checkpoint.restore_mode == "broadcast":
+        return self._broadcast_restore(plan, step)
+      return self.restore(step, plan.abstract_inputs()[0])
+    logging.info("checkpoint %s was saved with pp=%d, virtual_stages=%d; converting to pp=%d, virtual_stages=%d",
+                 self.path(step), meta["layout"]["pp"], meta["layout"]["virtual_stages"], current["pp"],
+                 current["virtual_stages"])
+    restored = self.restore(step, reshard.saved_abstract_state(plan, meta["layout"]))
+    state = reshard.convert_state(plan, restored.state, meta["layout"])
+    return dataclasses.replace(restored, state=state)
+
+  def _broadcast_restore(self, plan, step: int) -> Restored:
+    """MegaScale 4.4's restore: the devices of data-parallel replica 0 read the state from
+    storage, the other replicas receive it over the interconnect (Orbax's
+    SingleReplicaArrayHandler, in chunks of at most `broadcast_memory_limit_mib`). Each
+    replica then keeps its own ZeRO shards (a local slice: no more traffic)."""
+    from orbax.checkpoint import type_handlers
+    abstract = plan.abstract_inputs()[0]
+    mesh = plan.mesh
+
+    def whole_over_dp(sharding):
+      spec = [tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a != DP) or None
+              for axes in sharding.spec]
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+    restore_args = jax.tree.map(lambda a: type_handlers.SingleReplicaArrayRestoreArgs(
+        sharding=whole_over_dp(a.sharding), global_shape=a.shape, dtype=a.dtype), abstract)
+    handler = type_handlers.SingleReplicaArrayHandler(
+        replica_axis_index=mesh.axis_names.index(DP), primary_replica_id=0,
+        broadcast_memory_limit_bytes=self._config.checkpoint.broadcast_memory_limit_mib * 2**20)
+    registry = type_handlers.create_type_handler_registry((jax.Array, handler))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as checkpointer:
+      state = checkpointer.restore(os.path.join(self.path(step), STATE),
+                                   args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
+    state = jax.jit(lambda state: state, out_shardings=plan.state_shardings)(state)
+    rest = self._manager.restore(step, args=ocp.args.Composite(**{DATA: DataStateRestore(),
+                                                                   META: ocp.args.JsonRestore()}))
+    return Restored(step, state, rest[DATA], rest[META])
+
   def wait(self) -> None:
     """Blocks until every started save is committed."""
     self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.close()
+
+
+# Bugs, not damaged files: these propagate instead of triggering the fallback.
+_PROGRAMMING_ERRORS = (AttributeError, NameError, TypeError, NotImplementedError)
+
+
+def _storage_bytes_read() -> int | None:
+  """Bytes this process has read through read() calls (Linux /proc/self/io rchar), None elsewhere."""
+  try:
+    with open("/proc/self/io") as f:
+      return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+  except (OSError, StopIteration):
+    return None
+
+
+def _all_processes_agree(ok: bool) -> bool:
+  """True when `ok` on every process (all must restore the same step, or none)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _differences(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
+  """'model.hidden_dim: checkpoint 64, this run 128' for each model field (and the optimizer) that differs."""
+  now = json.loads(config.to_json())
+  lines = [f"model.{k}: checkpoint {saved['model'].get(k)!r}, this run {v!r}"
+           for k, v in now["model"].items() if saved["model"].get(k) != v]
+  if saved["optimizer"]["name"] != now["optimizer"]["name"]:
+    lines.append(f"optimizer.name: checkpoint {saved['optimizer']['name']!r}, this run {now['optimizer']['name']!r}")
+  return lines
+
+
+def check_compatible(meta: dict, config: ml_collections.ConfigDict, plan, path: str) -> None:
+  """Raises CheckpointError when the checkpoint's parameters or optimizer state cannot fit this
+  run's model; other differing model fields (window, dtypes, kernels) are only logged."""
+  differences = _differences(meta["config"], config)
+  if not differences:
+    return
+  shapes = lambda model: jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+  saved_model = GPT(ModelConfig.from_config(ml_collections.ConfigDict(meta["config"]["model"])))
+  saved, now = shapes(saved_model), shapes(plan.model)
+  same = (jax.tree.structure(saved) == jax.tree.structure(now)
+          and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(now)))
+          and meta["config"]["optimizer"]["name"] == config.optimizer.name)
+  if not same:
+    raise CheckpointError(f"checkpoint {path} was saved by a different model: {'; '.join(differences)}. "
+                          "Relaunch with the checkpoint's values, or use a new --workdir")
+  logging.warning("checkpoint %s: these fields differ but the shapes fit, restoring: %s", path, "; ".join(differences))

@@ -3,6 +3,7 @@ r"""Benchmarks that print ratios measured side by side in one run.
   python -m megajax.launch.bench pipeline
   python -m megajax.launch.bench attention     (megajax.launch.bench_attention)
   python -m megajax.launch.bench operators     (megajax.launch.bench_operators: fused LN, GeLU)
+  python -m megajax.launch.bench checkpoint    (megajax.launch.bench_checkpoint: save and restore)
 
 pipeline:
   memory    XLA's temp bytes of the gradient computation (compiled.memory_analysis()) for
@@ -26,7 +27,9 @@ from megajax.launch.timing import median_seconds
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
-BENCHMARKS = ("pipeline", "attention", "operators")
+_CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
+                                          "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
+BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint")
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -144,6 +147,10 @@ def main(argv):
   if argv[1] == "operators":
     from megajax.launch.bench_operators import operators
     operators(_REPEATS.value)
+    return
+  if argv[1] == "checkpoint":
+    from megajax.launch.bench_checkpoint import checkpoint
+    checkpoint(_CHECKPOINT_HIDDEN.value)
     return
   p = _STAGES.value
   lamb(p)

@@ -20,6 +20,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from megajax import trainer
+from megajax.checkpoint import CheckpointError
 from megajax.config import ConfigError, default_config, validate
 from megajax.launch.cluster import (TopologyError, expected_process_count, initialize_distributed,
                                    request_host_devices)
@@ -72,6 +73,8 @@ def main(argv):
     _fail("topology error", error)
   except ConfigError as error:
     _fail("config error", error)
+  except CheckpointError as error:
+    _fail("checkpoint error", error)
   if result.preempted:
     logging.warning("stopped early (preempted); relaunch with the same --workdir to resume")
     sys.exit(143)                       # 128 + SIGTERM: the job did not finish

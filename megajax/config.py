@@ -21,6 +21,7 @@ OPTIMIZERS = ("lamb", "adamw")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("synthetic", "tokens")
+RESTORE_MODES = ("direct", "broadcast")
 TP_OVERLAP_MODES = ("none", "collective_matmul", "xla")
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")
 # megajax.parallel.schedule takes its names from here (config imports no parallel code).
@@ -112,6 +113,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.keep = 3             # The last `keep` checkpoints ...
   c.checkpoint.keep_period = 0      # ... plus every step divisible by this one, forever (0: none).
   c.checkpoint.async_save = True
+  # "direct": every process reads its own shards; "broadcast": data-parallel replica 0 reads,
+  # the other replicas receive over the interconnect (MegaScale 4.4), at most this much at once.
+  c.checkpoint.restore_mode = "direct"
+  c.checkpoint.broadcast_memory_limit_mib = 1024
 
   c.debug = ml_collections.ConfigDict()
   c.debug.fail_at_step = 0          # Fault injection (tests): SIGKILL this process after that step.
@@ -181,6 +186,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field in ("checkpoint.every_steps", "checkpoint.keep_period", "debug.fail_at_step"):
     _non_negative_int(config, field)
   _positive_int(config, "checkpoint.keep")
+  _positive_int(config, "checkpoint.broadcast_memory_limit_mib")
+  _choice(config, "checkpoint.restore_mode", RESTORE_MODES)
   _choice(config, "model.block", BLOCKS)
   _choice(config, "model.attention_impl", ATTENTION_IMPLS)
   _choice(config, "model.compute_dtype", DTYPES)

@@ -187,12 +187,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
   # --- Checkpoint and state: resume from the latest complete checkpoint, or initialize
   # (each device only its own shards).
   checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config) if workdir else None
-  latest = checkpointer.latest_step() if checkpointer else None
-  if latest is not None:
-    restored = checkpointer.restore(latest, plan.abstract_inputs()[0])
+  restored = checkpointer.restore_latest(plan) if checkpointer else None
+  if restored is not None:
     state, start_step = restored.state, restored.step
     iterator.set_state(restored.data_state)
-    logging.info("resumed from %s/%d (step %d of %d)", checkpointer.directory, latest, latest, config.train.steps)
+    logging.info("resumed from %s (step %d of %d)", checkpointer.path(restored.step), restored.step,
+                 config.train.steps)
   else:
     state, start_step = plan.init_state(jax.random.key(config.train.seed)), 0
   try:

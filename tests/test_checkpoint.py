@@ -108,9 +108,11 @@ def test_preemption_saves_and_stops(tmp_path):
   assert max(losses(workdir)) == step + 2
 
 
-def _config():
-  from megajax.config import default_config
-  return default_config()
+def _config(**overrides):
+  """configs/default.py as RUN runs it, with {"parallel.tp": 4, ...} overrides."""
+  from megajax.config import load_config
+  return load_config(os.path.join(REPO, "configs/default.py"),
+                     {"model.compute_dtype": "float32", "optimizer.warmup_steps": 3, **overrides})
 
 
 def test_retention_keeps_the_last_k_and_every_mth(tmp_path, tiny_config):
@@ -174,3 +176,195 @@ def test_checkpoint_fields_are_validated(tiny_config, field, value):
   tiny_config[group][name] = value
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     validate(tiny_config)
+
+
+# --- Onto other meshes; bad checkpoints.
+
+def _small(tiny_config, dp, pp, tp, steps=10):
+  c = tiny_config
+  c.model.num_layers, c.train.batch_size, c.train.microbatches, c.train.steps = 4, 16, 2, steps
+  c.train.log_every, c.checkpoint.every_steps, c.checkpoint.keep = 1, 3, 10
+  c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.virtual_stages = dp, pp, tp, 2 if pp > 1 else 1
+  return c
+
+
+def _plan(config):
+  from megajax.parallel import ParallelPlan, make_mesh
+  from megajax.trainer import build_model
+  mesh = make_mesh(config, jax.devices()[:config.parallel.dp * config.parallel.pp * config.parallel.tp])
+  return ParallelPlan.build(config, build_model(config), mesh)
+
+
+def _copy_checkpoint(source, workdir, step):
+  import shutil
+  shutil.copytree(source / "checkpoints" / str(step), workdir / "checkpoints" / str(step))
+
+
+@pytest.mark.parametrize("mesh", [(1, 2, 4), (4, 1, 2), (8, 1, 1)], ids=["1x2x4", "4x1x2", "8x1x1"])
+def test_restore_onto_another_mesh(tmp_path_factory, tiny_config, mesh):
+  """Saved at (2,2,2) with interleaved stages, restored at another (dp, pp, tp): the same
+  values bit for bit, and training on from step 6 logs the reference run's losses."""
+  from megajax.trainer import train
+  source = tmp_path_factory.getbasetemp() / "reshard_source"
+  if not (source / "done").exists():        # the reference: 10 steps at (2,2,2), checkpoints 3, 6, 9, 10
+    reference = train(_small(default_config_like(tiny_config), 2, 2, 2), str(source), devices=jax.devices())
+    (source / "losses.json").write_text(json.dumps({h["step"]: h["loss"] for h in reference.history}))
+    (source / "done").write_text("")
+  want = {int(k): v for k, v in json.loads((source / "losses.json").read_text()).items()}
+
+  config = _small(tiny_config, *mesh)
+  saved_plan, plan = _plan(_small(default_config_like(tiny_config), 2, 2, 2)), _plan(config)
+  saved = TrainingCheckpointer(str(source / "checkpoints"), saved_plan.config).restore(6, saved_plan.abstract_inputs()[0])
+  workdir = tmp_path_factory.mktemp("target")
+  _copy_checkpoint(source, workdir, 6)
+  checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+  restored = checkpointer.restore_latest(plan)
+  checkpointer.close()
+  assert restored.step == 6 and restored.data_state == saved.data_state
+  for a, b in zip(jax.tree.leaves(jax.jit(saved_plan.model_params)(saved.state.params)),
+                  jax.tree.leaves(jax.jit(plan.model_params)(restored.state.params))):
+    np.testing.assert_array_equal(a, b)
+  result = train(config, str(workdir), devices=jax.devices()[:8])
+  assert result.start_step == 6
+  np.testing.assert_allclose([h["loss"] for h in result.history], [want[s] for s in range(7, 11)], rtol=1e-5)
+
+
+def default_config_like(tiny_config):
+  """A second copy of the tiny config (the fixture is one object per test)."""
+  import copy
+  return copy.deepcopy(tiny_config)
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path, tiny_config):
+  """A one-device run of 6 steps with checkpoints 3 and 6: (workdir, config, plan)."""
+  from megajax.trainer import train
+  tiny_config.train.steps, tiny_config.checkpoint.every_steps = 6, 3
+  train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
+  return tmp_path, tiny_config, _plan(tiny_config)
+
+
+def _restore_latest(workdir, config, plan):
+  checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+  try:
+    return checkpointer.restore_latest(plan)
+  finally:
+    checkpointer.close()
+
+
+def _truncate_arrays(checkpoint):
+  for root, _, files in os.walk(checkpoint / "state"):
+    for name in files:
+      if "/d" in root[len(str(checkpoint)):]:   # the OCDBT data files: the arrays' bytes
+        path = os.path.join(root, name)
+        os.truncate(path, os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("damage", ["truncated_arrays", "garbage_meta"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(two_checkpoints, damage, caplog):
+  workdir, config, plan = two_checkpoints
+  latest = workdir / "checkpoints" / "6"
+  if damage == "truncated_arrays":
+    _truncate_arrays(latest)
+  else:
+    (latest / "meta" / "metadata").write_bytes(os.urandom(64))
+  with caplog.at_level("ERROR"):
+    restored = _restore_latest(workdir, config, plan)
+  assert restored.step == 3 and int(restored.state.step) == 3
+  assert f"checkpoint {latest} is unreadable" in caplog.text and "falling back" in caplog.text
+
+
+def test_no_readable_checkpoint_is_an_error_naming_them(two_checkpoints):
+  from megajax.checkpoint import CheckpointError
+  workdir, config, plan = two_checkpoints
+  for step in (3, 6):
+    _truncate_arrays(workdir / "checkpoints" / str(step))
+  with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*checkpoints/6, .*checkpoints/3 failed"):
+    _restore_latest(workdir, config, plan)
+
+
+def test_a_checkpoint_of_another_model_lists_the_fields(two_checkpoints):
+  from megajax.checkpoint import CheckpointError
+  workdir, config, _ = two_checkpoints
+  config.model.hidden_dim, config.model.num_layers = 64, 4
+  with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoints/6 was saved by a different model: "
+                     r"model\.num_layers: checkpoint 2, this run 4; model\.hidden_dim: checkpoint 32, this run 64|"
+                     r"model\.hidden_dim: checkpoint 32, this run 64; model\.num_layers: checkpoint 2, this run 4"):
+    _restore_latest(workdir, config, _plan(config))
+
+
+def test_the_launcher_reports_a_mismatched_checkpoint_in_one_line(tmp_path):
+  first = launch(tmp_path, "--config.train.steps=4", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
+                 "--config.parallel.tp=4")
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = launch(tmp_path, "--config.train.steps=6", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
+                  "--config.parallel.tp=4", "--config.model.hidden_dim=256")
+  assert second.returncode == 2
+  assert "checkpoint error: checkpoint" in second.stderr and "model.hidden_dim: checkpoint 128, this run 256" in second.stderr
+  assert "Traceback" not in second.stderr
+
+
+def test_killing_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
+  """A save every step, SIGKILL at random moments (3 trials): the latest checkpoint Orbax
+  reports complete always restores, without falling back."""
+  import random
+  rng, interrupted = random.Random(0), 0
+  small_mesh = ["--config.parallel.pp=1", "--config.parallel.virtual_stages=1", "--config.parallel.tp=4"]
+  for trial in range(3):
+    workdir = tmp_path / f"trial{trial}"
+    process = subprocess.Popen([sys.executable, *RUN, f"--workdir={workdir}", "--config.train.steps=100000",
+                                "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=2", *small_mesh],
+                               cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (workdir / "checkpoints" / "2").exists():
+      time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 1.5))
+    process.kill()
+    process.wait(timeout=60)
+    interrupted += any("tmp" in name for name in os.listdir(workdir / "checkpoints"))
+    config = _config(**{"parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.tp": 4})
+    checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+    latest = checkpointer.latest_step()
+    assert latest is not None and latest >= 2
+    restored = checkpointer.restore_latest(_plan(config))
+    checkpointer.close()
+    assert restored.step == latest and int(restored.state.step) == latest
+    assert restored.data_state == {"next_index": latest}
+  assert interrupted >= 1     # some kill did land inside a save (its temporary directory was left)
+
+
+def test_broadcast_restore_reads_once_per_data_parallel_group(tmp_path):
+  """2 processes x 4 devices, mesh (2,1,4): the data-parallel replicas are the processes.
+  `broadcast`: process 0 (replica 0) reads, process 1 receives and reads (almost) nothing
+  from storage; `direct`: each reads its own shards. Both restore the saved values exactly
+  (resuming at train.steps exports the restored parameters untouched)."""
+  import re
+  import shutil
+  mesh = ["--config.parallel.dp=2", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
+          "--config.parallel.tp=4", "--config.train.steps=4"]
+  source = tmp_path / "source"
+  codes, errors = launch_two_processes([*RUN, f"--workdir={source}", *mesh])
+  assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  reads = {}
+  for mode in ("direct", "broadcast"):
+    workdir = tmp_path / mode
+    shutil.copytree(source / "checkpoints", workdir / "checkpoints")
+    codes, errors = launch_two_processes([*RUN, f"--workdir={workdir}", *mesh, f"--config.checkpoint.restore_mode={mode}"])
+    assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    reads[mode] = [int(re.search(rf"\({mode}\): this process read (\d+) bytes", e).group(1)) for e in errors]
+    for a, b in zip(jax.tree.leaves(load_params(str(source / "params"))), jax.tree.leaves(load_params(str(workdir / "params")))):
+      np.testing.assert_array_equal(a, b)
+  (direct_0, direct_1), (broadcast_0, broadcast_1) = reads["direct"], reads["broadcast"]
+  assert broadcast_1 < 0.1 * broadcast_0, reads          # the receiving process read (almost) nothing
+  assert min(direct_0, direct_1) > 0.3 * max(direct_0, direct_1), reads   # each read its half
+  assert broadcast_0 > 1.5 * direct_0, reads               # replica 0 read the whole state
+
+
+def test_checkpoint_benchmark_runs_side_by_side():
+  """`python -m megajax.launch.bench checkpoint`, on a small state: every figure printed."""
+  result = run_module(["-m", "megajax.launch.bench", "checkpoint", "--checkpoint_hidden=64"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  for line in ("async blocking / sync save:", "async total / sync save:", "broadcast / direct restore time:"):
+    assert line in result.stdout
+  rows = {line.split()[0] for line in result.stdout.splitlines() if line.split()[:1]}
+  assert {"sync", "async", "direct", "broadcast"} <= rows

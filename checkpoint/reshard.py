@@ -1,0 +1,75 @@
+"""Restoring a checkpoint saved on one mesh onto another.
+
+A checkpoint holds global arrays, so a change of dp or tp alone is Orbax's business: it
+reads each array with the new shardings. What Orbax cannot know is the pipeline layout:
+with pp > 1 the blocks are one stacked `layers` tree whose row order depends on (pp,
+virtual stages) (`pipeline.stacked_layer_order`), with pp = 1 they are `layer_0`,
+`layer_1`, ... So when the saved layout differs from the run's, the state is read in the
+saved structure, spread over all devices of the new mesh (no device holds a whole copy),
+and converted under jit (saved layout -> the model's -> the run's) straight into the run's
+shardings. The optimizer moments are parameter-shaped trees and convert the same way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from megajax.model import init_params
+from megajax.parallel import pipeline
+from megajax.step import TrainState
+
+
+def pipeline_layout_of(layout: dict) -> tuple[int, int] | None:
+  """(stages, virtual stages) of a saved layout, None for the model's own (pp = 1)."""
+  return (layout["pp"], layout["virtual_stages"]) if layout["pp"] > 1 else None
+
+
+def same_structure(saved: dict, current: dict) -> bool:
+  return pipeline_layout_of(saved) == pipeline_layout_of(current)
+
+
+def spread_sharding(shape, mesh) -> NamedSharding:
+  """Split the first dimension that divides over every device of the mesh; else replicate."""
+  for dim, size in enumerate(shape):
+    if size % mesh.size == 0:
+      spec = [None] * len(shape)
+      spec[dim] = tuple(mesh.axis_names)
+      return NamedSharding(mesh, PartitionSpec(*spec))
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def saved_abstract_state(plan, layout: dict) -> TrainState:
+  """The state as it was saved (its layout's structure), spread over the plan's mesh."""
+  saved = pipeline_layout_of(layout)
+
+  def structure():
+    params = init_params(plan.model, jax.random.key(0))
+    if saved is not None:
+      params = pipeline.to_pipeline_params(params, *saved)
+    return TrainState(jnp.zeros((), jnp.int32), params, plan.optimizer.init(params))
+
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=spread_sharding(s.shape, plan.mesh)),
+                      jax.eval_shape(structure))
+
+
+def _map_param_trees(fn, tree, params_treedef):
+  """fn applied to every subtree shaped like the parameters (the params, Adam's mu and nu)."""
+  is_params = lambda node: jax.tree.structure(node) == params_treedef
+  return jax.tree.map(lambda node: fn(node) if is_params(node) else node, tree, is_leaf=is_params)
+
+
+def convert_state(plan, state: TrainState, layout: dict) -> TrainState:
+  """A state read in the saved layout -> the plan's layout and shardings."""
+  saved = pipeline_layout_of(layout)
+
+  def to_plan(params):
+    model_params = params if saved is None else pipeline.to_model_params(params, *saved)
+    return plan.from_model_params(model_params)
+
+  def convert(state):
+    treedef = jax.tree.structure(state.params)
+    return TrainState(state.step, to_plan(state.params), _map_param_trees(to_plan, state.opt_state, treedef))
+
+  return jax.jit(convert, out_shardings=plan.state_shardings)(state)
