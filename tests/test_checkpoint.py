@@ -61,8 +61,11 @@ def two_process_launch(workdir, *overrides, timeout=300):
   return launch_two_processes([*RUN, f"--workdir={workdir}", *overrides], timeout)
 
 
-SMALL_MESH = ["--config.parallel.pp=1", "--config.parallel.virtual_stages=1", "--config.parallel.tp=4"]
-SMALL_MESH_CONFIG = {"parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.tp": 4}
+# A small program, quick to compile: 2 layers, no pipeline, tp without the overlap rings.
+SMALL_MESH = ["--config.parallel.pp=1", "--config.parallel.virtual_stages=1", "--config.parallel.tp=4",
+              "--config.parallel.tp_overlap=none", "--config.model.num_layers=2"]
+SMALL_MESH_CONFIG = {"parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.tp": 4, "parallel.tp_overlap": "none",
+                     "model.num_layers": 2}
 
 
 def _start_endless_run(workdir, *overrides):
@@ -328,13 +331,13 @@ def test_two_process_job_resumes_after_a_kill_and_restores_by_broadcast(tmp_path
   gloo's CPU reductions do not fix their summation order; a wrong restore, such as fresh
   optimizer moments or another data position, moves the losses by far more).
 
-  Restore modes (relaunching at train.steps restores and exports the parameters untouched):
-  `broadcast`: process 0 (replica 0) reads, process 1 receives and reads (almost) nothing
-  from storage; `direct`: each reads its own shards. Both give the saved values exactly."""
+  Restore modes: `direct` (the resume): each process reads its own shards; `broadcast`
+  (relaunched at train.steps, the job restores and exports the parameters untouched):
+  process 0 (replica 0) reads, process 1 receives and reads (almost) nothing from storage,
+  and the values are the saved ones exactly."""
   import re
   import shutil
-  mesh = ["--config.parallel.dp=2", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
-          "--config.parallel.tp=4"]
+  mesh = ["--config.parallel.dp=2", *SMALL_MESH]
   source = tmp_path / "source"
   codes, errors = two_process_launch(source, *mesh, "--config.debug.fail_at_step=8")
   assert all(code != 0 for code in codes), errors[0][-2000:]
@@ -342,6 +345,7 @@ def test_two_process_job_resumes_after_a_kill_and_restores_by_broadcast(tmp_path
   assert max(before) == 8
   codes, errors = two_process_launch(source, *mesh)
   assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  direct = [int(re.search(r"\(direct\): this process read (\d+) bytes", e).group(1)) for e in errors]
   start = int(errors[0].split("resumed from ")[1].split(" (step ")[1].split(" ")[0])
   assert start in (3, 6)
   after = losses(source)
@@ -351,26 +355,16 @@ def test_two_process_job_resumes_after_a_kill_and_restores_by_broadcast(tmp_path
   data_files = sorted(os.listdir(source / "checkpoints" / "12" / "data"))
   assert [f for f in data_files if f.startswith("process_")] == ["process_0.json", "process_1.json"]
 
-  reads = {}
-  for mode in ("direct", "broadcast"):
-    workdir = tmp_path / mode
-    shutil.copytree(source / "checkpoints", workdir / "checkpoints")
-    codes, errors = two_process_launch(workdir, *mesh, f"--config.checkpoint.restore_mode={mode}")
-    assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
-    reads[mode] = [int(re.search(rf"\({mode}\): this process read (\d+) bytes", e).group(1)) for e in errors]
-    for a, b in zip(jax.tree.leaves(load_params(str(source / "params"))), jax.tree.leaves(load_params(str(workdir / "params")))):
-      np.testing.assert_array_equal(a, b)
+  # Broadcast: relaunched at train.steps, the job restores and exports the parameters untouched.
+  workdir = tmp_path / "broadcast"
+  shutil.copytree(source / "checkpoints", workdir / "checkpoints")
+  codes, errors = two_process_launch(workdir, *mesh, "--config.checkpoint.restore_mode=broadcast")
+  assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  broadcast = [int(re.search(r"\(broadcast\): this process read (\d+) bytes", e).group(1)) for e in errors]
+  for a, b in zip(jax.tree.leaves(load_params(str(source / "params"))), jax.tree.leaves(load_params(str(workdir / "params")))):
+    np.testing.assert_array_equal(a, b)
+  reads = {"direct": direct, "broadcast": broadcast}
   (direct_0, direct_1), (broadcast_0, broadcast_1) = reads["direct"], reads["broadcast"]
   assert broadcast_1 < 0.1 * broadcast_0, reads          # the receiving process read (almost) nothing
   assert min(direct_0, direct_1) > 0.3 * max(direct_0, direct_1), reads   # each read its half
   assert broadcast_0 > 1.5 * direct_0, reads               # replica 0 read the whole state
-
-
-def test_checkpoint_benchmark_runs_side_by_side():
-  """`python -m megajax.launch.bench checkpoint`, on a small state: every figure printed."""
-  result = run_module(["-m", "megajax.launch.bench", "checkpoint", "--checkpoint_hidden=64"], timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  for line in ("async blocking / sync save:", "async total / sync save:", "broadcast / direct restore time:"):
-    assert line in result.stdout
-  rows = {line.split()[0] for line in result.stdout.splitlines() if line.split()[:1]}
-  assert {"sync", "async", "direct", "broadcast"} <= rows
