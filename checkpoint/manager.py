@@ -66,15 +66,6 @@ class DataStateHandler(ocp.CheckpointHandler):
     with open(path) as f:
       return json.load(f)["state"]
 
-  def metadata(self, directory):
-    return None
-
-  def finalize(self, directory):
-    pass
-
-  def close(self):
-    pass
-
 
 @ocp.args.register_with_handler(DataStateHandler, for_save=True)
 @dataclasses.dataclass
@@ -85,7 +76,7 @@ class DataStateSave(ocp.args.CheckpointArgs):
 @ocp.args.register_with_handler(DataStateHandler, for_restore=True)
 @dataclasses.dataclass
 class DataStateRestore(ocp.args.CheckpointArgs):
-  pass
+  """Nothing to pass: the handler picks this process's file (or process 0's)."""
 
 
 # --- The manager.

@@ -21,7 +21,7 @@ import jax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from megajax.layers.pallas_support import ceil_div, compiler_params, out_struct, use_interpret
+from megajax.layers.pallas_support import compiler_params, out_struct, row_blocks, use_interpret
 
 DEFAULT_BLOCK_ROWS = 16
 MAX_BLOCK_COLS = 512
@@ -96,10 +96,5 @@ def fused_bias_gelu(x: jax.Array, bias: jax.Array, block_rows: int = DEFAULT_BLO
                     interpret: bool | None = None) -> jax.Array:
   """gelu(x + bias) (tanh approximation) over x [..., features], bias [features]."""
   interpret = use_interpret(interpret)
-  shape, features = x.shape, x.shape[-1]
-  count = x.size // features
-  padded = ceil_div(count, block_rows) * block_rows
-  rows = x.reshape(count, features)
-  if padded != count:   # zero rows: finite, cut off below, and their cotangents are zero
-    rows = jnp.pad(rows, [(0, padded - count), (0, 0)])
-  return _bias_gelu(rows, bias, block_rows, interpret)[:count].reshape(shape)
+  rows, unrows = row_blocks(x.shape, block_rows)
+  return unrows(_bias_gelu(rows(x), bias, block_rows, interpret))

@@ -20,7 +20,7 @@ import jax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from megajax.layers.pallas_support import ceil_div, compiler_params, out_struct, use_interpret
+from megajax.layers.pallas_support import compiler_params, out_struct, row_blocks, use_interpret
 
 DEFAULT_BLOCK_ROWS = 16
 
@@ -136,15 +136,7 @@ def fused_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, residual: 
   """LayerNorm over the last axis: returns y; with a residual, (z, y) where z = x + residual
   is computed in the same kernel (the residual stream the next block adds to)."""
   interpret = use_interpret(interpret)
-  shape, features = x.shape, x.shape[-1]
-  count = x.size // features
-  padded = ceil_div(count, block_rows) * block_rows
-
-  def rows(a):   # [..., features] -> [padded, features]; zero rows stay finite and are cut off
-    a = a.reshape(count, features)
-    return jnp.pad(a, [(0, padded - count), (0, 0)]) if padded != count else a
-
-  unrows = lambda a: a[:count].reshape(shape)
+  rows, unrows = row_blocks(x.shape, block_rows)
   if residual is None:
     return unrows(_layer_norm(rows(x), scale, bias, eps, block_rows, interpret))
   z, y = _add_layer_norm(rows(x), rows(residual), scale, bias, eps, block_rows, interpret)

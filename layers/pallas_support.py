@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 
 
 def use_interpret(interpret: bool | None) -> bool:
@@ -30,3 +33,18 @@ def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
 
 def ceil_div(a, b):
   return -(-a // b)
+
+
+def row_blocks(shape, block_rows: int):
+  """For a row-wise kernel over x [..., features]: (to_rows, from_rows). to_rows flattens to
+  [rows, features] and zero-pads the rows to a multiple of block_rows (zero rows stay finite
+  and get zero cotangents); from_rows cuts the padding and restores `shape`."""
+  features = shape[-1]
+  count = math.prod(shape) // features
+  padding = ceil_div(count, block_rows) * block_rows - count
+
+  def to_rows(a):
+    a = a.reshape(count, features)
+    return jnp.pad(a, [(0, padding), (0, 0)]) if padding else a
+
+  return to_rows, lambda a: a[:count].reshape(shape)

@@ -200,13 +200,13 @@ def test_restore_onto_another_mesh(tmp_path_factory, tiny_config, mesh):
   from megajax.trainer import train
   source = tmp_path_factory.getbasetemp() / "reshard_source"
   if not (source / "done").exists():        # the reference: 10 steps at (2,2,2), checkpoints 3, 6, 9, 10
-    reference = train(_small(default_config_like(tiny_config), 2, 2, 2), str(source), devices=jax.devices())
+    reference = train(_small(_copy_of(tiny_config), 2, 2, 2), str(source), devices=jax.devices())
     (source / "losses.json").write_text(json.dumps({h["step"]: h["loss"] for h in reference.history}))
     (source / "done").write_text("")
   want = {int(k): v for k, v in json.loads((source / "losses.json").read_text()).items()}
 
   config = _small(tiny_config, *mesh)
-  saved_plan, plan = _plan(_small(default_config_like(tiny_config), 2, 2, 2)), _plan(config)
+  saved_plan, plan = _plan(_small(_copy_of(tiny_config), 2, 2, 2)), _plan(config)
   saved = TrainingCheckpointer(str(source / "checkpoints"), saved_plan.config).restore(6, saved_plan.abstract_inputs()[0])
   workdir = tmp_path_factory.mktemp("target")
   _copy_checkpoint(source, workdir, 6)
@@ -222,8 +222,8 @@ def test_restore_onto_another_mesh(tmp_path_factory, tiny_config, mesh):
   np.testing.assert_allclose([h["loss"] for h in result.history], [want[s] for s in range(7, 11)], rtol=1e-5)
 
 
-def default_config_like(tiny_config):
-  """A second copy of the tiny config (the fixture is one object per test)."""
+def _copy_of(tiny_config):
+  """A second, independent copy of the tiny config (the fixture is one object per test)."""
   import copy
   return copy.deepcopy(tiny_config)
 
