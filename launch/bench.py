@@ -4,6 +4,10 @@ r"""Benchmarks that print ratios measured side by side in one run.
   python -m megajax.launch.bench attention     (megajax.launch.bench_attention)
   python -m megajax.launch.bench operators     (megajax.launch.bench_operators: fused LN, GeLU)
   python -m megajax.launch.bench checkpoint    (megajax.launch.bench_checkpoint: save and restore)
+  python -m megajax.launch.bench startup       (megajax.launch.bench_startup: compilation cache,
+                                                cold vs warm start of megajax-train)
+  python -m megajax.launch.bench faults --trials 20   (megajax.launch.bench_faults: kill -9 soak
+                                                under megajax-supervise)
 
 pipeline:
   memory    XLA's temp bytes of the gradient computation (compiled.memory_analysis()) for
@@ -29,7 +33,8 @@ _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory an
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
 _CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
                                           "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
-BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint")
+_TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
+BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint", "startup", "faults")
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -151,6 +156,14 @@ def main(argv):
   if argv[1] == "checkpoint":
     from megajax.launch.bench_checkpoint import checkpoint
     checkpoint(_CHECKPOINT_HIDDEN.value)
+    return
+  if argv[1] == "faults":
+    from megajax.launch.bench_faults import faults
+    faults(_TRIALS.value)
+    return
+  if argv[1] == "startup":
+    from megajax.launch.bench_startup import startup
+    startup()
     return
   p = _STAGES.value
   lamb(p)

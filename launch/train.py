@@ -24,6 +24,7 @@ from megajax.checkpoint import CheckpointError
 from megajax.config import ConfigError, default_config, validate
 from megajax.launch.cluster import (TopologyError, expected_process_count, initialize_distributed,
                                    request_host_devices)
+from megajax.launch.runtime import configure_runtime
 from megajax.parallel import mesh_shape
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -62,6 +63,8 @@ def main(argv):
     validate(config)
   except ConfigError as error:
     _fail("config error", error)
+  # Before jax starts a backend: XLA / NCCL presets (GPU), the persistent compilation cache.
+  configure_runtime(config, _WORKDIR.value)
 
   try:
     # A CPU-only machine gets as many host devices as this process's share of the mesh.

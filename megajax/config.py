@@ -22,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("synthetic", "tokens")
 RESTORE_MODES = ("direct", "broadcast")
+XLA_PRESETS = ("auto", "none")
 TP_OVERLAP_MODES = ("none", "collective_matmul", "xla")
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")
 # megajax.parallel.schedule takes its names from here (config imports no parallel code).
@@ -118,8 +119,44 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.restore_mode = "direct"
   c.checkpoint.broadcast_memory_limit_mib = 1024
 
+  # Non-finite loss or gradients: the update is skipped (counted in `skipped_steps`); after this
+  # many consecutive skips the run rolls back to the latest checkpoint and reads on past the
+  # batches that failed. No NaN or Inf is ever saved.
+  c.train.nonfinite_rollback_after = 3
+
+  # Start-up (megajax-train): XLA's persistent compilation cache, so a restart skips compiling
+  # ("": WORKDIR/jax_cache; "none": off), and the XLA / NCCL presets for GPUs
+  # (megajax.launch.runtime: "auto" or "none"), with extra XLA flags that override them.
+  c.runtime = ml_collections.ConfigDict()
+  c.runtime.compilation_cache_dir = ""
+  c.runtime.xla_preset = "auto"
+  c.runtime.xla_flags = ""
+
+  # megajax-supervise: heartbeats (a file per worker in WORKDIR/heartbeats), failure detection
+  # and automatic restart from the latest checkpoint.
+  c.supervisor = ml_collections.ConfigDict()
+  c.supervisor.processes = 1              # Worker processes (one per host).
+  c.supervisor.devices_per_process = 0    # Local CPU workers: devices each (0: the mesh / processes).
+  # How to start the job: "" starts local processes; otherwise a shell command template run
+  # once per (re)start, e.g. "srun --nodes={processes} --ntasks-per-node=1 {train}", where
+  # {train} is the worker's command line (topology auto-detected by jax.distributed); also
+  # {args}, {processes}, {exclude} and the variables MEGAJAX_PROCESSES, MEGAJAX_EXCLUDE_HOSTS.
+  c.supervisor.command = ""
+  c.supervisor.stop_command = ""          # Run after stopping `command`'s job (kubectl delete ...).
+  c.supervisor.heartbeat_interval_s = 1.0
+  c.supervisor.heartbeat_timeout_s = 10.0   # No heartbeat for this long: the worker is lost.
+  c.supervisor.hang_timeout_s = 120.0       # No step finished for this long: the job hangs.
+  c.supervisor.startup_timeout_s = 1800.0   # The first step (start, restore, compile) must end by then.
+  c.supervisor.max_restarts = 3
+  c.supervisor.diagnose = True              # Run megajax-diagnose after a failure.
+  c.supervisor.elastic = True               # Continue on fewer hosts (smaller dp) without a bad one ...
+  c.supervisor.spares = 0                   # ... unless the allocation has spare hosts to replace it.
+
   c.debug = ml_collections.ConfigDict()
   c.debug.fail_at_step = 0          # Fault injection (tests): SIGKILL this process after that step.
+  c.debug.fail_process = -1         # ... only this process (-1: every process).
+  c.debug.nonfinite_steps = ""      # Fault injection: "8,9,10" makes those steps' loss NaN.
+  c.debug.diagnose_slow_process = -1  # Fault injection: megajax-diagnose sees this process slow.
   return c
 
 
@@ -282,6 +319,32 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _require(t.microbatches % p.pp == 0, "train.microbatches", t.microbatches,
              f"interleaved 1F1B sends microbatches through the chunks in groups of parallel.pp={p.pp}",
              f"use a multiple of {p.pp}, e.g. {-(-t.microbatches // p.pp) * p.pp}")
+
+  # Robustness: non-finite policy, start-up, supervisor, fault injection.
+  _positive_int(config, "train.nonfinite_rollback_after")
+  _choice(config, "runtime.xla_preset", XLA_PRESETS)
+  _require(isinstance(config.runtime.xla_flags, str) and all(f.startswith("--") for f in config.runtime.xla_flags.split()),
+           "runtime.xla_flags", config.runtime.xla_flags, "must be XLA flags, each starting with --",
+           "e.g. --config.runtime.xla_flags='--xla_gpu_enable_latency_hiding_scheduler=false'")
+  s = config.supervisor
+  _positive_int(config, "supervisor.processes")
+  _non_negative_int(config, "supervisor.devices_per_process")
+  _non_negative_int(config, "supervisor.max_restarts")
+  _non_negative_int(config, "supervisor.spares")
+  for field in ("heartbeat_interval_s", "heartbeat_timeout_s", "hang_timeout_s", "startup_timeout_s"):
+    _require(isinstance(s[field], (int, float)) and s[field] > 0, f"supervisor.{field}", s[field],
+             "must be a positive number of seconds", f"set --config.supervisor.{field} to a value > 0")
+  _require(s.heartbeat_timeout_s >= 2 * s.heartbeat_interval_s, "supervisor.heartbeat_timeout_s",
+           s.heartbeat_timeout_s, f"a live worker beats only every heartbeat_interval_s={s.heartbeat_interval_s} s",
+           "make it at least twice the interval")
+  _require(not s.command or "{train}" in s.command or "{args}" in s.command, "supervisor.command", s.command,
+           "the template never starts the trainer",
+           "put {train} where the megajax-train command line goes (or {args} for its flags alone)")
+  _require(isinstance(config.debug.fail_process, int) and config.debug.fail_process >= -1, "debug.fail_process",
+           config.debug.fail_process, "must be a process index or -1", "e.g. 1, or -1 for every process")
+  steps = config.debug.nonfinite_steps
+  _require(isinstance(steps, str) and all(x.strip().isdigit() for x in steps.split(",") if x.strip()),
+           "debug.nonfinite_steps", steps, "must be a comma-separated list of step numbers", "e.g. '8,9,10'")
 
   # Data.
   _require(d.read_threads >= 1, "data.read_threads", d.read_threads, "must be >= 1", "e.g. 2")

@@ -12,9 +12,37 @@ import json
 import math
 import os
 import sys
+import time
 
 from absl import logging
+import psutil
 import tensorboardX
+
+
+class CompilationCacheCounter:
+  """Counts the persistent compilation cache's hits and misses in this process (jax.monitoring
+  events), so a restart can show it compiled nothing. A miss is a compile that asked the
+  cache and was not served (jax's own miss event fires only where an entry is written)."""
+
+  REQUESTS, HITS = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits"
+
+  def __init__(self):
+    self._requests = self._hits = 0
+    import jax
+    jax.monitoring.register_event_listener(self._on_event)
+
+  def _on_event(self, event: str, **kwargs) -> None:
+    self._requests += event == self.REQUESTS
+    self._hits += event == self.HITS
+
+  @property
+  def counts(self) -> dict:
+    return {"hits": self._hits, "misses": self._requests - self._hits}
+
+
+def seconds_since_process_start() -> float:
+  """Wall time since this process started (time to first step includes imports and jax start)."""
+  return time.time() - psutil.Process().create_time()
 
 
 def _json_number(value):

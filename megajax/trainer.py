@@ -18,17 +18,22 @@ import time
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from megajax import data
+from megajax.heartbeat import Heartbeat
 from megajax.checkpoint import TrainingCheckpointer, save_params
 from megajax.config import validate
 from megajax.flops import mfu, training_flops_per_token
-from megajax.metrics import MetricsWriter
+from megajax.metrics import CompilationCacheCounter, MetricsWriter, seconds_since_process_start
 from megajax.model import GPT, ModelConfig, count_params
 from megajax.parallel import ParallelPlan, local_batch_slice, make_mesh
 from megajax.parallel.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.step import TrainState
+
+
+COMPILATION_CACHE = CompilationCacheCounter()
 
 
 @dataclasses.dataclass
@@ -74,13 +79,21 @@ def build_model(config: ml_collections.ConfigDict) -> GPT:
   return GPT(ModelConfig.from_config(config.model))
 
 
+def _device_coordinates(mesh) -> list[dict]:
+  """This process's devices and their (dp, pp, tp) coordinates on the mesh (for the hang view)."""
+  import numpy as np
+  mine = {d.id for d in jax.local_devices()}
+  return [{"id": int(device.id), "coords": [int(i) for i in index]}
+          for index, device in np.ndenumerate(mesh.devices) if device.id in mine]
+
+
 def should_log(step: int, config: ml_collections.ConfigDict) -> bool:
   """Step 1 (the starting loss), every log_every steps, and the last step."""
   return step == 1 or step % config.train.log_every == 0 or step == config.train.steps
 
 
 def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, state, start_step,
-              checkpointer: TrainingCheckpointer | None):
+              checkpointer: TrainingCheckpointer | None, heartbeat: Heartbeat | None):
   """Step -> the loop (with checkpoints); returns the final state, the logged metrics, and
   whether it stopped for a preemption."""
   logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
@@ -96,40 +109,148 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, 
   # --- Step.
   train_step = plan.train_step()
   meter = _Throughput(config, plan)
+  guard = _NonFiniteGuard(config, plan, checkpointer, heartbeat)
 
   # --- Loop.
   writer = MetricsWriter(workdir, config.train.steps, enabled=is_chief, progress=progress, append=start_step > 0)
   history = []
   watcher, preempted = PreemptionWatcher(), False
   every = config.checkpoint.every_steps
+  poisoned = {int(x) for x in config.debug.nonfinite_steps.split(",") if x.strip()}
+  beat = heartbeat.update if heartbeat else lambda **_: None
   try:
     for step in range(start_step + 1, config.train.steps + 1):
-      state, metrics = train_step(state, next(batches))
+      beat(phase=f"step {step}" if step > start_step + 1 else f"step {step} (compiling)")
+      batch = next(batches)
+      if step in poisoned:     # fault injection: this batch's loss is NaN, as a corrupt batch's would be
+        batch = {**batch, "loss_mask": batch["loss_mask"] * float("nan")}
+      state, metrics = train_step(state, batch)
       writer.step_done(step)
+      # The previous step's loss and skip flag, read while this step runs (no stall): a
+      # rollback, if due, replaces the state this step is computing from.
+      state = guard.after_dispatch(step, state, metrics)
+      if step == start_step + 1:
+        _log_startup(jax.block_until_ready(metrics), step, writer, heartbeat)
       preempted = watcher.reached(step)
       if should_log(step, config):
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
-        record = {**metrics, **meter.measure(step)}
+        record = {**metrics, **meter.measure(step), "skipped_steps": guard.skipped}
         history.append({"step": step, **record})
         writer.write(step, record)
       if checkpointer and (preempted or step == config.train.steps or (every and step % every == 0)):
-        blocking = checkpointer.save(step, state, batches.get_state())
-        logging.info("checkpoint %d: the step waited %.3f s (device -> host); writing in the background",
-                     step, blocking)
-        writer.write(step, {"ckpt_blocking_s": blocking})
+        beat(phase=f"checkpoint save {step}")
+        state = guard.before_save(step, state)
+        if guard.in_a_row:      # resuming inside a run of skips would forget it: keep the last good one
+          logging.warning("step %d: no checkpoint inside a run of %d skipped steps", step, guard.in_a_row)
+        else:
+          blocking = checkpointer.save(step, state, batches.get_state())
+          logging.info("checkpoint %d: the step waited %.3f s (device -> host); writing in the background",
+                       step, blocking)
+          writer.write(step, {"ckpt_blocking_s": blocking})
       _log_committed(checkpointer, writer)
       if preempted:
-        logging.warning("preempted at step %d: checkpoint saved, stopping", step)
+        logging.warning("preempted at step %d: %s, stopping", step, "no checkpoint inside a run of skipped steps "
+                        "(a restart resumes from the latest one)" if guard.in_a_row else "checkpoint saved")
         break
-      if step == config.debug.fail_at_step:     # fault injection: die as a crash would
-        os.kill(os.getpid(), signal.SIGKILL)
+      if step == config.debug.fail_at_step and config.debug.fail_process in (-1, jax.process_index()):
+        os.kill(os.getpid(), signal.SIGKILL)    # fault injection: die as a crash would
+    state = guard.flush(state)
     if checkpointer:
+      beat(phase="checkpoint commit")
       checkpointer.wait()                       # stage 2 of the last save
       _log_committed(checkpointer, writer)
   finally:
     watcher.close()
     writer.close()
   return state, history, preempted
+
+
+def _log_startup(metrics, step: int, writer, heartbeat) -> None:
+  """Time from process start to the end of this run's first step (compilation included)."""
+  startup = seconds_since_process_start()
+  cache = COMPILATION_CACHE.counts
+  logging.info("first step done %.1f s after process start (step %d, loss %.4f); persistent compilation "
+               "cache: %d hits, %d misses", startup, step, float(metrics["loss"]), cache["hits"], cache["misses"])
+  writer.write(step, {"startup_s": startup, "compile_cache_hits": cache["hits"],
+                      "compile_cache_misses": cache["misses"]})
+  if heartbeat:
+    heartbeat.update(startup_s=startup)
+
+
+class _NonFiniteGuard:
+  """The non-finite loss policy around the step, and the heartbeat's step counter.
+
+  The step skips an update whose loss or gradients are not finite (megajax.parallel.step).
+  Here each step's skip flag is read one step late (while the next step runs): after
+  `train.nonfinite_rollback_after` skips in a row the state itself is suspect, and the run
+  rolls back to the latest checkpoint (or the initial state) while the data reads on past
+  the failed batches. A save first reads its own step's flag and checks that the state is
+  finite; none is written inside a run of skips, so a checkpoint is always a good state to
+  roll back to, and a resume from it repeats the uninterrupted run exactly.
+  """
+
+  def __init__(self, config, plan: ParallelPlan, checkpointer, heartbeat):
+    self.config, self.plan, self.checkpointer, self.heartbeat = config, plan, checkpointer, heartbeat
+    self.skipped, self.in_a_row, self.rollbacks = 0, 0, 0
+    self.pending = None                     # (step, metrics) not yet read
+    self.last_time = None
+    self._all_finite = jax.jit(lambda tree: jnp.all(jnp.stack(
+        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)])))
+
+  def after_dispatch(self, step: int, state, metrics):
+    previous, self.pending = self.pending, (step, {"loss": metrics["loss"], "skipped": metrics["skipped"]})
+    return self._read(previous, state) if previous else state
+
+  def flush(self, state):
+    previous, self.pending = self.pending, None
+    return self._read(previous, state) if previous else state
+
+  def _read(self, pending, state):
+    step, metrics = pending
+    metrics = jax.device_get(metrics)       # waits for that step only
+    now = time.time()
+    step_time = now - self.last_time if self.last_time else None
+    self.last_time = now
+    if int(metrics["skipped"]):
+      self.skipped += 1
+      self.in_a_row += 1
+      logging.warning("step %d: non-finite loss (%s) or gradients: update skipped (%d in a row, %d in all)",
+                      step, float(metrics["loss"]), self.in_a_row, self.skipped)
+    else:
+      self.in_a_row = 0
+    if self.heartbeat:
+      self.heartbeat.update(step=step, loss=float(metrics["loss"]), step_time_s=step_time,
+                            skipped_steps=self.skipped)
+    if self.in_a_row >= self.config.train.nonfinite_rollback_after:
+      return self.rollback(step)
+    return state
+
+  def before_save(self, step: int, state):
+    """Reads this step's skip flag too (a save waits for the step anyway), then makes sure no
+    NaN or Inf reaches a checkpoint: a non-finite state is rolled back instead of saved."""
+    state = self.flush(state)
+    if bool(self._all_finite(state)):
+      return state
+    logging.error("step %d: the state is not finite; rolling back instead of saving it", step)
+    return self.rollback(step)
+
+  def rollback(self, step: int):
+    self.rollbacks += 1
+    self.in_a_row, self.pending = 0, None   # the step in flight ran on the state being replaced
+    restored = None
+    if self.checkpointer:
+      self.checkpointer.wait()
+      restored = self.checkpointer.restore_latest(self.plan)
+    if restored is not None:
+      state, to_step = restored.state, restored.step
+    else:
+      state, to_step = self.plan.init_state(jax.random.key(self.config.train.seed)), 0
+    logging.warning("step %d: %d non-finite steps in a row: rolled back to the state of step %d (rollback %d); "
+                    "the data reads on", step, self.config.train.nonfinite_rollback_after, to_step, self.rollbacks)
+    if self.heartbeat:
+      self.heartbeat.update(rollbacks=self.rollbacks,
+                            last_rollback={"step": step, "to_step": to_step, "time": time.time()})
+    return state
 
 
 class _Throughput:
@@ -186,22 +307,34 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
 
   # --- Checkpoint and state: resume from the latest complete checkpoint, or initialize
   # (each device only its own shards).
-  checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config) if workdir else None
-  restored = checkpointer.restore_latest(plan) if checkpointer else None
-  if restored is not None:
-    state, start_step = restored.state, restored.step
-    iterator.set_state(restored.data_state)
-    logging.info("resumed from %s (step %d of %d)", checkpointer.path(restored.step), restored.step,
-                 config.train.steps)
-  else:
-    state, start_step = plan.init_state(jax.random.key(config.train.seed)), 0
+  heartbeat = Heartbeat(workdir, jax.process_index(), _device_coordinates(mesh),
+                        config.supervisor.heartbeat_interval_s) if workdir else None
+  done = False
   try:
-    with data.DevicePrefetcher(iterator, put_fn=plan.put_batch) as batches:
-      state, history, preempted = _run_loop(config, plan, batches, workdir, progress, is_chief, state, start_step,
-                                            checkpointer)
+    checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config) if workdir else None
+    if heartbeat:
+      heartbeat.update(phase="restore")
+    restored = checkpointer.restore_latest(plan) if checkpointer else None
+    if restored is not None:
+      state, start_step = restored.state, restored.step
+      iterator.set_state(restored.data_state)
+      logging.info("resumed from %s (step %d of %d)", checkpointer.path(restored.step), restored.step,
+                   config.train.steps)
+    else:
+      state, start_step = plan.init_state(jax.random.key(config.train.seed)), 0
+    if heartbeat:
+      heartbeat.update(start_step=start_step, step=start_step)
+    try:
+      with data.DevicePrefetcher(iterator, put_fn=plan.put_batch) as batches:
+        state, history, preempted = _run_loop(config, plan, batches, workdir, progress, is_chief, state,
+                                              start_step, checkpointer, heartbeat)
+    finally:
+      if checkpointer:
+        checkpointer.close()
+    done = not preempted
   finally:
-    if checkpointer:
-      checkpointer.close()
+    if heartbeat:
+      heartbeat.close(done=done)
 
   # --- Export.
   if workdir and config.checkpoint.save_params and not preempted:

@@ -169,7 +169,13 @@ class ParallelPlan:
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["learning_rate"] = learning_rate_schedule(self.config)(state.step)
-    new_state = TrainState(state.step + 1, params, opt_state)
+    # A non-finite loss or gradient skips the update: the state passes through unchanged
+    # (the loss and norm are global, so every device decides alike; the trainer counts the
+    # skips and rolls back after train.nonfinite_rollback_after in a row).
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                             TrainState(state.step + 1, params, opt_state), state)
+    metrics["skipped"] = 1 - finite.astype(jnp.int32)
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
 
   # --- The jitted step.
