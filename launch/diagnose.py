@@ -24,11 +24,9 @@ check that the slow process is the one reported. Collectives are never slowed.
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import statistics
-import sys
 import time
 
 from absl import app
@@ -43,9 +41,9 @@ from ml_collections import config_flags
 import numpy as np
 
 from megajax.config import ConfigError, validate
-from megajax.launch.cluster import (TopologyError, expected_process_count, initialize_distributed,
-                                   request_host_devices)
-from megajax.parallel import make_mesh, mesh_shape
+from megajax.launch.cli import QuietLibraries, fail, flags_parser, join_job
+from megajax.launch.cluster import TopologyError
+from megajax.parallel import make_mesh
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -270,20 +268,12 @@ def _write_atomically(path: str, text: str) -> None:
   os.replace(tmp, path)   # a reader never sees half a report
 
 
-class _QuietJax(logging.logging.Filter):
-  """Drops jax's INFO chatter (backend probing); keeps its warnings and megajax's own lines."""
-
-  def filter(self, record):
-    return record.levelno >= logging.logging.WARNING or not record.name.startswith("jax")
-
-
 def _fail(kind: str, message) -> None:
-  print(f"megajax-diagnose: {kind}: {message}", file=sys.stderr)
-  sys.exit(2)
+  fail("megajax-diagnose", kind, message)
 
 
 def main(argv):
-  logging.get_absl_handler().addFilter(_QuietJax())
+  logging.get_absl_handler().addFilter(QuietLibraries())
   if len(argv) > 1:
     _fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
@@ -292,9 +282,7 @@ def main(argv):
   except ConfigError as error:
     _fail("config error", error)
   try:
-    # A CPU-only machine gets as many host devices as this process's share of the mesh.
-    request_host_devices(math.prod(mesh_shape(config)) // expected_process_count(_NUM_PROCESSES.value))
-    initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    join_job(config, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     report = diagnose(config, matmul_size=_MATMUL_SIZE.value, transfer_mib=_TRANSFER_MIB.value,
                       collective_mib=_COLLECTIVE_MIB.value, repeats=_REPEATS.value)
   except TopologyError as error:
@@ -307,15 +295,7 @@ def main(argv):
       _write_atomically(_OUTPUT.value, json.dumps(report, indent=1) + "\n")
 
 
-def parse_flags(argv):
-  """absl's parser, but a flag mistake is one line, not a usage dump or a traceback."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as error:
-    _fail("flag error", " ".join(str(error).split()))
-  except (AttributeError, KeyError) as error:  # config_flags on an unknown --config.a.b
-    field = next((a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")), "config.?")
-    _fail("config error", f"{field}: no such config field ({' '.join(str(error).split())[:120]})")
+parse_flags = flags_parser("megajax-diagnose")
 
 
 def run():

@@ -17,14 +17,14 @@ from absl import app
 from absl import logging
 
 from megajax.config import ConfigError, validate
+from megajax.launch.cli import fail, flags_parser
 from megajax.launch.supervisor import Supervisor
-# The same --config / --workdir flags (and one-line flag errors) as megajax-train's.
-from megajax.launch.train import _CONFIG, _WORKDIR, parse_flags
+# The same --config / --workdir flags as megajax-train's.
+from megajax.launch.train import _CONFIG, _WORKDIR
 
 
-def fail(kind: str, message) -> None:
-  print(f"megajax-supervise: {kind}: {message}", file=sys.stderr)
-  sys.exit(2)
+def _fail(kind: str, message) -> None:
+  fail("megajax-supervise", kind, message)
 
 
 def config_flag_args(argv: list[str]) -> list[str]:
@@ -44,12 +44,12 @@ def config_flag_args(argv: list[str]) -> list[str]:
 
 def main(argv):
   if len(argv) > 1:
-    fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
+    _fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
   try:
     validate(config)
   except ConfigError as error:
-    fail("config error", error)
+    _fail("config error", error)
   # The workers get the same config flags, as given (the config file path and its overrides).
   # (supervisor.* stays with the supervisor: its command template is no worker's business).
   worker_args = [arg for arg in config_flag_args(sys.argv[1:]) if not arg.startswith("--config.supervisor.")]
@@ -59,7 +59,7 @@ def main(argv):
 
 
 def run():
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=flags_parser("megajax-supervise"))
 
 
 if __name__ == "__main__":

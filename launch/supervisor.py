@@ -252,6 +252,9 @@ class Supervisor:
         return Failure("heartbeat_lost", suspects, now, min((last_seen.get(p, started) for p in suspects)),
                        furthest, f"no heartbeat from process(es) {suspects} for over {s.heartbeat_timeout_s} s")
       working = {p: t for p, t in last_progress.items() if p not in done}
+      if len(done) == self.processes and now - max(last_progress[p] for p in done) > s.hang_timeout_s:
+        return Failure("hang", [p for p, code in enumerate(codes) if code is None], now, now, furthest,
+                       f"every worker finished training but the job did not exit within {s.hang_timeout_s} s")
       if first_step is None and now - started > s.startup_timeout_s:
         suspects, victims = classify(last_seen, working, now, s.heartbeat_timeout_s)
         self._print_hang_view(beats, suspects, victims)

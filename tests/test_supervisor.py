@@ -70,12 +70,12 @@ def losses(workdir) -> dict:
   return {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
 
 
-def test_nan_rollback_kill_restart_and_elastic_continue(tmp_path):
+def test_fault_drills_nan_kill_hang_and_elastic_continue(tmp_path):
   """Reference: the injected NaN steps 7-9 are skipped, the third in a row rolls back to the
   latest checkpoint, no checkpoint holds a non-finite value. Kill: the same job with a kill -9
   of a random worker at a random step; the supervisor restarts it, the run finishes, and the
   final parameters equal the uninterrupted run's bit for bit; the restart compiles from the
-  workdir's persistent cache. Elastic: below."""
+  workdir's persistent cache. Hang and elastic continue: below."""
   reference, killed = tmp_path / "reference", tmp_path / "killed"
   output = finish(start_supervisor(reference), reference)
   assert "training finished" in output, output[-3000:]
@@ -107,24 +107,33 @@ def test_nan_rollback_kill_restart_and_elastic_continue(tmp_path):
                      .read_text()).groups() for i in (0, 1)]
   assert cache[0][0] == "0" and int(cache[0][1]) > 0 and cache[1][1] == "0" and int(cache[1][0]) > 0, cache
 
-  # Elastic: process 1 is killed and the diagnostics find it slow: the job continues on
-  # process 0 alone, dp 2 -> 1 with twice the accumulation and the same global batch, so the
-  # steps after the restart have the uninterrupted run's losses.
+  # Hang and elastic continue: process 1 is stopped (SIGSTOP) after step 5. Its heartbeat goes silent and
+  # the other, blocked in a collective, keeps beating: detected within 2x the heartbeat
+  # timeout, the 3D view names 1 the suspect and 0 the victim. The diagnostics find process 1
+  # slow (the drill), so the job continues on process 0 alone: dp 2 -> 1 with twice the
+  # accumulation and the same global batch, so the steps after the restart have the
+  # uninterrupted run's losses.
   elastic = tmp_path / "elastic"
   process = start_supervisor(elastic, "--config.debug.diagnose_slow_process=1")
-  os.kill(wait_for_step(process, elastic, 10)[1]["pid"], signal.SIGKILL)
+  os.kill(wait_for_step(process, elastic, 5)[1]["pid"], signal.SIGSTOP)   # before the NaN steps
   output = finish(process, elastic)
   assert "training finished" in output, output[-3000:]
-  incident = [i for i in incidents(elastic) if i["kind"] == "exit"][-1]
+  incident = [i for i in incidents(elastic) if i["kind"] != "nonfinite"][-1]
+  assert incident["kind"] == "heartbeat_lost" and incident["processes"] == [1], incident
+  assert incident["time_to_detect_s"] <= 2 * HEARTBEAT_TIMEOUT, incident
+  view = (elastic / "hang_views.txt").read_text()
+  assert "suspects: process 1" in view and "victims: process 0" in view, view
+  assert "S p1" in view and "V p0" in view
   assert incident["action"] == "elastic" and incident["bad_processes"] == [1], incident
   assert incident["mesh_after"] == [1, 1, 4] and incident["processes_after"] == 1
   assert "train.microbatches=8 (the global batch stays 16)" in output
   report = json.loads(next((elastic / "diagnostics").glob("*.json")).read_text())
   assert report["bad_processes"] == [1]
+  # The 1-process run meets the NaN steps too: skips, and the same rollback.
   start, want, got = incident["resumed_from_step"], losses(reference), losses(elastic)
-  assert start >= 9 and sorted(got) == [s for s in range(1, 13) if s not in (7, 8, 9)]   # NaN: null
-  np.testing.assert_allclose([got[s] for s in range(start + 1, 13)], [want[s] for s in range(start + 1, 13)],
-                             rtol=1e-5)
+  after = [s for s in range(start + 1, 13) if s not in (7, 8, 9)]     # NaN steps log a null loss
+  assert start in (3, 6) and sorted(got) == [s for s in range(1, 13) if s not in (7, 8, 9)]
+  np.testing.assert_allclose([got[s] for s in after], [want[s] for s in after], rtol=1e-5)
 
 
 def _assert_checkpoints_finite(workdir):
@@ -153,27 +162,6 @@ def _value(text: str):
     except ValueError:
       pass
   return text
-
-
-def test_sigstop_is_a_hang_and_the_stopped_process_is_the_suspect(tmp_path):
-  """SIGSTOP of one worker: detected within 2x the heartbeat timeout; the 3D view names the
-  stopped process as the suspect and the other as the victim."""
-  workdir = tmp_path / "stopped"
-  process = start_supervisor(workdir, "--config.supervisor.max_restarts=0", "--config.train.steps=1000",
-                             "--config.checkpoint.every_steps=0")
-  current = wait_for_step(process, workdir, 3)
-  os.kill(current[1]["pid"], signal.SIGSTOP)
-  stopped_at = time.time()
-  output = finish(process, workdir, timeout=120)
-  [incident] = incidents(workdir)
-  assert incident["kind"] == "heartbeat_lost" and incident["processes"] == [1], incident
-  detected_after = stopped_at + incident["time_to_detect_s"]
-  assert incident["time_to_detect_s"] <= 2 * HEARTBEAT_TIMEOUT, incident
-  view = (workdir / "hang_views.txt").read_text()
-  assert "suspects: process 1" in view and "victims: process 0" in view, view
-  assert "S p1" in view and "V p0" in view
-  assert detected_after - stopped_at <= 2 * HEARTBEAT_TIMEOUT + 1
-  assert "restart budget spent" in output
 
 
 def test_classify_names_the_silent_process_first():
@@ -263,18 +251,10 @@ def test_command_mode_runs_the_template_and_sees_its_failure(tmp_path):
   assert kinds == [("exit", "restart"), ("exit", "give_up")]
 
 
-def test_megajax_local_runs_a_two_process_job(tmp_path):
-  """megajax-local: 2 processes x 4 CPU devices form one jax.distributed job (here the
-  diagnostics on the default 2x2x2 mesh); output is prefixed per process; a failing job's
-  exit code comes back."""
-  report = tmp_path / "report.json"
-  local = [sys.executable, "-m", "megajax.launch.local", "--processes", "2", "--devices-per-process", "4",
-           "--module", "megajax.launch.diagnose", "--"]
-  done = subprocess.run([*local, "--config=configs/default.py", f"--output={report}"], cwd=REPO, env=child_env(),
-                        capture_output=True, text=True, timeout=180)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert "[p0] " in done.stderr and "[p1] " in done.stderr
-  assert json.loads(report.read_text())["process_count"] == 2
-  failed = subprocess.run([*local, "--config=configs/default.py", "--config.parallel.tp=3"], cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=180)
+def test_megajax_local_passes_a_failing_process_exit_code_on():
+  """megajax-local (its 2-process success path runs in test_train): a process that fails ends
+  the job with its exit code."""
+  local = [sys.executable, "-m", "megajax.launch.local", "--processes", "2", "--devices-per-process", "4", "--"]
+  failed = subprocess.run([*local, "--config=configs/default.py", "--workdir=/tmp/unused", "--config.parallel.tp=3"],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)
   assert failed.returncode == 2 and "parallel.tp" in failed.stderr

@@ -1,0 +1,67 @@
+"""What megajax's command-line tools share: one-line failures, absl flag parsing that names
+the bad flag or config field, and joining the job (devices, jax.distributed)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+from absl import flags
+from absl import logging
+
+from megajax.config import default_config
+from megajax.launch.cluster import expected_process_count, initialize_distributed, request_host_devices
+from megajax.parallel import mesh_shape
+
+# megajax's own source folders (megajax/, layers/, launch/, ... install as one namespace).
+_OUR_DIRS = tuple(os.path.dirname(os.path.abspath(__import__(name, fromlist=["_"]).__file__)) + os.sep
+                  for name in ("megajax", "megajax.layers", "megajax.parallel", "megajax.checkpoint",
+                               "megajax.launch"))
+
+
+class QuietLibraries(logging.logging.Filter):
+  """Keeps megajax's own INFO lines and every library's warnings; drops libraries' INFO chatter."""
+
+  def filter(self, record):
+    return record.levelno >= logging.logging.WARNING or record.pathname.startswith(_OUR_DIRS)
+
+
+def fail(program: str, kind: str, message) -> None:
+  """`<program>: <kind>: <message>` on stderr, exit code 2 (nothing compiled, nothing to retry)."""
+  print(f"{program}: {kind}: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def flags_parser(program: str):
+  """absl's parser, but a flag mistake is one line naming it, not a usage dump or a traceback."""
+  def parse(argv):
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as error:
+      fail(program, "flag error", " ".join(str(error).split()))
+    except (AttributeError, KeyError) as error:  # config_flags on an unknown --config.a.b
+      field = next((arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")
+                    and _not_a_field(arg.split("=")[0][len("--config."):])), "--config.?")
+      suggestion = re.search(r'Did you mean "[^"]+"', str(error))
+      hint = f" ({suggestion.group(0)}?)" if suggestion else ""
+      fail(program, "config error", f"{field[2:]}: no such config field{hint}; see megajax/config.py for the fields")
+  return parse
+
+
+def _not_a_field(dotted: str) -> bool:
+  node = default_config()
+  for name in dotted.split("."):
+    if not hasattr(node, "keys") or name not in node:
+      return True
+    node = node[name]
+  return False
+
+
+def join_job(config, coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> str:
+  """This process's devices and its place in the job: on a CPU-only machine, as many host
+  devices as its share of the mesh (before jax starts a backend); then jax.distributed when
+  this is a multi-process job. Raises TopologyError when the topology is incomplete."""
+  request_host_devices(math.prod(mesh_shape(config)) // expected_process_count(num_processes))
+  return initialize_distributed(coordinator_address, num_processes, process_id)
