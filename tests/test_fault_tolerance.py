@@ -1,5 +1,9 @@
-"""Robust training: the supervisor's fault drills on a real 2-process job (local CPU, gloo),
-the non-finite loss policy, the hang view and the elastic layout."""
+"""Robust training (issue 7): the supervisor's fault drills on a real 2-process job (local CPU, gloo),
+the non-finite loss policy, the hang view and the elastic layout.
+
+(The file name sorts early on purpose: xdist hands out tests in collection order, and this
+file's two-minute drill then overlaps the other worker's many short tests instead of
+running alone at the end of the suite.)"""
 
 import json
 import os
