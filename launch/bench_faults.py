@@ -2,7 +2,8 @@ r"""Fault soak: kill -9 a random worker at a random step, many times, under mega
 
   python -m megajax.launch.bench faults --trials 20
 
-A 2-process local job (4 CPU devices each, mesh dp=2 x tp=4, 16 steps, a checkpoint every 4)
+A 2-process local job (4 CPU devices each, mesh dp=2 x tp=4, 16 steps, a checkpoint every 4,
+single-threaded Eigen so that CPU runs repeat bit for bit)
 runs once without faults (the reference), then `--trials` times with one kill -9 of a random
 worker at a random step. A trial recovers when the supervisor restarts the job and it
 finishes; it is bitwise-equal when its final parameters equal the reference's exactly. Prints
@@ -35,7 +36,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _supervise(workdir: str, cache: str) -> subprocess.Popen:
   log = open(f"{workdir}.log", "w")
+  # Single-threaded Eigen: XLA:CPU's multi-threaded contractions do not fix their summation
+  # order on a loaded machine, and the trials are compared with the reference bit for bit.
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
   return subprocess.Popen([sys.executable, "-m", "megajax.launch.supervise", *JOB, f"--workdir={workdir}",
                            f"--config.runtime.compilation_cache_dir={cache}"],
                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
