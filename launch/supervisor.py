@@ -244,7 +244,10 @@ class Supervisor:
 
       done = {p for p, b in beats.items() if b["done"]}
       missing = [p for p in range(self.processes) if p not in last_seen and now - started > s.hang_timeout_s]
-      lost = [p for p in last_seen if p not in done and now - last_seen[p] > s.heartbeat_timeout_s]
+      # Before its first step a worker may hold the GIL in one long call (tracing, compiling,
+      # restoring) and miss beats: only the start-up deadline applies to it then.
+      lost = [p for p in last_seen if p not in done and beats.get(p, {}).get("step", 0) > beats.get(p, {}).get(
+          "start_step", 0) and now - last_seen[p] > s.heartbeat_timeout_s]
       if missing or lost:
         suspects, victims = classify(last_seen, last_progress, now, s.heartbeat_timeout_s)
         suspects = [*missing, *(p for p in suspects if p not in missing)]
