@@ -11,7 +11,7 @@ import sys
 from absl import flags
 from absl import logging
 
-from megajax.config import default_config
+from megajax.config import ConfigError, default_config, validate
 from megajax.launch.cluster import expected_process_count, initialize_distributed, request_host_devices
 from megajax.parallel import mesh_shape
 
@@ -32,6 +32,19 @@ def fail(program: str, kind: str, message) -> None:
   """`<program>: <kind>: <message>` on stderr, exit code 2 (nothing compiled, nothing to retry)."""
   print(f"{program}: {kind}: {message}", file=sys.stderr)
   sys.exit(2)
+
+
+def validated_config(program: str, argv: list[str], config_flag):
+  """The --config flag's config, checked before anything starts; a stray argument or a bad
+  field ends the program with one line."""
+  if len(argv) > 1:
+    fail(program, "usage error", f"unexpected arguments: {' '.join(argv[1:])}")
+  config = config_flag.value
+  try:
+    validate(config)
+  except ConfigError as error:
+    fail(program, "config error", error)
+  return config
 
 
 def flags_parser(program: str):

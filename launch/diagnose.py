@@ -40,8 +40,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 import numpy as np
 
-from megajax.config import ConfigError, validate
-from megajax.launch.cli import QuietLibraries, fail, flags_parser, join_job
+from megajax.config import ConfigError
+from megajax.launch.cli import QuietLibraries, fail, flags_parser, join_job, validated_config
 from megajax.launch.cluster import TopologyError
 from megajax.parallel import make_mesh
 
@@ -274,13 +274,7 @@ def _fail(kind: str, message) -> None:
 
 def main(argv):
   logging.get_absl_handler().addFilter(QuietLibraries())
-  if len(argv) > 1:
-    _fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
-  config = _CONFIG.value
-  try:
-    validate(config)
-  except ConfigError as error:
-    _fail("config error", error)
+  config = validated_config("megajax-diagnose", argv, _CONFIG)
   try:
     join_job(config, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     report = diagnose(config, matmul_size=_MATMUL_SIZE.value, transfer_mib=_TRANSFER_MIB.value,

@@ -16,15 +16,10 @@ import sys
 from absl import app
 from absl import logging
 
-from megajax.config import ConfigError, validate
-from megajax.launch.cli import fail, flags_parser
+from megajax.launch.cli import flags_parser, validated_config
 from megajax.launch.supervisor import Supervisor
 # The same --config / --workdir flags as megajax-train's.
 from megajax.launch.train import _CONFIG, _WORKDIR
-
-
-def _fail(kind: str, message) -> None:
-  fail("megajax-supervise", kind, message)
 
 
 def config_flag_args(argv: list[str]) -> list[str]:
@@ -43,13 +38,7 @@ def config_flag_args(argv: list[str]) -> list[str]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    _fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
-  config = _CONFIG.value
-  try:
-    validate(config)
-  except ConfigError as error:
-    _fail("config error", error)
+  config = validated_config("megajax-supervise", argv, _CONFIG)
   # The workers get the same config flags, as given (the config file path and its overrides).
   # (supervisor.* stays with the supervisor: its command template is no worker's business).
   worker_args = [arg for arg in config_flag_args(sys.argv[1:]) if not arg.startswith("--config.supervisor.")]

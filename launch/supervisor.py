@@ -122,6 +122,7 @@ class Supervisor:
     self.spares = s.spares
     self.excluded_hosts: list[str] = []
     self.stop_requested = False
+    self._last_report: dict | None = None     # the latest diagnostics report (hosts of processes)
     os.makedirs(workdir, exist_ok=True)
 
   # --- Starting jobs.
@@ -335,8 +336,6 @@ class Supervisor:
     report = self._last_report or {}
     hosts = {d["process"]: d["host"] for d in report.get("devices", [])}
     return sorted({hosts.get(p, f"process-{p}") for p in processes})
-
-  _last_report: dict | None = None
 
   def _diagnose(self, attempt: int) -> list[int]:
     """megajax-diagnose on the same processes; the processes it finds slow are bad."""

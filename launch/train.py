@@ -18,8 +18,8 @@ from ml_collections import config_flags
 
 from megajax import trainer
 from megajax.checkpoint import CheckpointError
-from megajax.config import ConfigError, validate
-from megajax.launch.cli import QuietLibraries, fail, flags_parser, join_job
+from megajax.config import ConfigError
+from megajax.launch.cli import QuietLibraries, fail, flags_parser, join_job, validated_config
 from megajax.launch.cluster import TopologyError
 from megajax.launch.runtime import configure_runtime
 
@@ -38,14 +38,8 @@ def _fail(kind: str, message) -> None:
 
 def main(argv):
   logging.get_absl_handler().addFilter(QuietLibraries())
-  if len(argv) > 1:
-    _fail("usage error", f"unexpected arguments: {' '.join(argv[1:])}")
-  config = _CONFIG.value
-  # Validate before jax.distributed (which can wait minutes for peers) or any compile.
-  try:
-    validate(config)
-  except ConfigError as error:
-    _fail("config error", error)
+  # Validated before jax.distributed (which can wait minutes for peers) or any compile.
+  config = validated_config("megajax-train", argv, _CONFIG)
   # Before jax starts a backend: XLA / NCCL presets (GPU), the persistent compilation cache.
   configure_runtime(config, _WORKDIR.value)
 
