@@ -169,10 +169,13 @@ class ParallelPlan:
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["learning_rate"] = learning_rate_schedule(self.config)(state.step)
-    # A non-finite loss or gradient skips the update: the state passes through unchanged
+    # A non-finite loss, gradient or new parameter skips the update: the state passes through unchanged
     # (the loss and norm are global, so every device decides alike; the trainer counts the
     # skips and rolls back after train.nonfinite_rollback_after in a row).
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    # The new parameters too, so that no NaN or Inf can reach a checkpoint; checked here, in
+    # the step's own collective order, not by a separate program at save time.
+    params_norm = global_norm(params, sharding.tensor_norms(self.layouts))
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(params_norm)
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                              TrainState(state.step + 1, params, opt_state), state)
     metrics["skipped"] = 1 - finite.astype(jnp.int32)

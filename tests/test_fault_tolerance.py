@@ -109,7 +109,10 @@ def test_fault_drills_nan_kill_hang_and_elastic_continue(tmp_path):
   import re
   cache = [re.search(r"compilation cache: (\d+) hits, (\d+) misses", (killed / "logs" / f"attempt_{i}.process_0.log")
                      .read_text()).groups() for i in (0, 1)]
-  assert cache[0][0] == "0" and int(cache[0][1]) > 0 and cache[1][1] == "0" and int(cache[1][0]) > 0, cache
+  # (A restart that restores a checkpoint may compile its restore program, which the first
+  # attempt never ran: fewer misses, not none.)
+  assert cache[0][0] == "0" and int(cache[0][1]) > 0, cache
+  assert int(cache[1][0]) > 0 and int(cache[1][1]) < int(cache[0][1]), cache
 
   # Hang and elastic continue: process 1 is stopped (SIGSTOP) after step 5. Its heartbeat goes silent and
   # the other, blocked in a collective, keeps beating: detected within 2x the heartbeat
