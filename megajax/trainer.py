@@ -11,6 +11,7 @@ checkpoint in WORKDIR/checkpoints (`train.steps` is the total target), saves eve
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import threading
@@ -123,6 +124,8 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, 
       batch = next(batches)
       if step in poisoned:     # fault injection: this batch's loss is NaN, as a corrupt batch's would be
         batch = {**batch, "loss_mask": batch["loss_mask"] * float("nan")}
+      if step == start_step + 1 and jax.process_count() > 1:
+        train_step = _compile_and_meet(train_step, state, batch, config.supervisor.startup_timeout_s)
       state, metrics = train_step(state, batch)
       writer.step_done(step)
       # The previous step's loss and skip flag, read while this step runs (no stall): a
@@ -162,6 +165,23 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, 
     watcher.close()
     writer.close()
   return state, history, preempted
+
+
+_BARRIERS = itertools.count()
+
+
+def _compile_and_meet(train_step, state, batch, timeout_s: float):
+  """Compiles the step, then waits at a coordination-service barrier until every process has:
+  all enter the step's collectives together. Without it a process that compiles much later (a
+  cache miss, a loaded host) leaves the others waiting inside collectives; on CPU, gloo's
+  reduce-scatter has a fixed 30 s timeout whose error path can hang (jax-ml/jax#40831), and
+  2-process CPU jobs hung, rarely, in their first step that way. The coordination service's
+  barrier waits as long as we say."""
+  compiled = train_step.lower(state, batch).compile()
+  from jax._src import distributed   # the job's coordination client (what jax.distributed set up)
+  # A barrier's name is used once per job: numbered, for a process that trains more than once.
+  distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}", int(timeout_s * 1000))
+  return compiled
 
 
 def _log_startup(metrics, step: int, writer, heartbeat) -> None:
