@@ -8,6 +8,8 @@ r"""Benchmarks that print ratios measured side by side in one run.
                                                 cold vs warm start of megajax-train)
   python -m megajax.launch.bench faults --trials 20   (megajax.launch.bench_faults: kill -9 soak
                                                 under megajax-supervise)
+  python -m megajax.launch.bench observe       (megajax.launch.bench_observe: always-on
+                                                bookkeeping and sampled tracing vs a bare step)
 
 pipeline:
   memory    XLA's temp bytes of the gradient computation (compiled.memory_analysis()) for
@@ -34,7 +36,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the 
 _CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
                                           "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
 _TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
-BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint", "startup", "faults")
+BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint", "startup", "faults", "observe")
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -164,6 +166,10 @@ def main(argv):
   if argv[1] == "startup":
     from megajax.launch.bench_startup import startup
     startup()
+    return
+  if argv[1] == "observe":
+    from megajax.launch.bench_observe import observe
+    observe(_REPEATS.value)
     return
   p = _STAGES.value
   lamb(p)

@@ -38,8 +38,9 @@ def sliding_window_mask(q_len: int, kv_len: int, window: int | None) -> jax.Arra
   return mask
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
-  """Reference attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] with h % kv_h == 0."""
+def attention_probs(q: jax.Array, k: jax.Array, window: int | None) -> jax.Array:
+  """softmax(q k^T / sqrt(d)) under the mask, fp32 [b, kv_h, g, q, s] (g = h / kv_h query heads
+  per KV head; masked entries 0). q: [b, s, h, d]; k: [b, s, kv_h, d]."""
   b, s, h, d = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, s, kv_heads, h // kv_heads, d)                          # [b, s, kv_h, g, d]
@@ -47,7 +48,13 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) 
   scores = scores / math.sqrt(d)                                          # [b, kv_h, g, q, s] fp32
   mask = sliding_window_mask(s, s, window)
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jax.nn.softmax(scores, axis=-1)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+  """Reference attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] with h % kv_h == 0."""
+  b, s, h, d = q.shape
+  probs = attention_probs(q, k, window).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)                         # [b, s, kv_h, g, d]
   return out.reshape(b, s, h, d)
 

@@ -25,6 +25,8 @@ RESTORE_MODES = ("direct", "broadcast")
 XLA_PRESETS = ("auto", "none")
 TP_OVERLAP_MODES = ("none", "collective_matmul", "xla")
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")
+CAPTURE_TENSORS = ("attn_probs", "attn_out", "mlp_out", "residual")
+PERTURBATIONS = ("", "noise", "offset", "bitflip")
 # megajax.parallel.schedule takes its names from here (config imports no parallel code).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PIPELINE_TRAVERSALS = ("depth_first", "breadth_first")
@@ -152,11 +154,37 @@ def default_config() -> ml_collections.ConfigDict:
   c.supervisor.elastic = True               # Continue on fewer hosts (smaller dp) without a bad one ...
   c.supervisor.spares = 0                   # ... unless the allocation has spare hosts to replace it.
 
+  # Observability (megajax.observe): sampled traces, activation capture and perturbations.
+  c.observe = ml_collections.ConfigDict()
+  # Every N steps each process traces one step with jax.profiler into WORKDIR/traces/step_<n>
+  # (merge, heat map and stragglers: megajax-trace WORKDIR); 0: off.
+  c.observe.trace_every = 0
+  # Observation points "layer:tensor,...", tensor one of CAPTURE_TENSORS, layer an index or *
+  # (e.g. "0:attn_probs,*:residual"): statistics (and a small sample) of each, read one step
+  # late and appended to WORKDIR/activations.jsonl every `capture_every` steps. "": off.
+  c.observe.capture = ""
+  c.observe.capture_every = 1
+  c.observe.capture_sample = 0      # Also the first N values of each captured tensor (0: none).
+  # Perturbation for robustness experiments: "" (off), "noise" (Gaussian, std perturb_scale),
+  # "offset" (+perturb_scale) or "bitflip" (bit perturb_bit of a perturb_fraction of the
+  # elements), applied at perturb_at: "layer:<i>" (layer i's output) or "stage:<s>" (the
+  # activations pipeline stage s sends on).
+  c.observe.perturb = ""
+  c.observe.perturb_at = ""
+  c.observe.perturb_scale = 0.0
+  c.observe.perturb_bit = 30
+  c.observe.perturb_fraction = 1e-3
+
   c.debug = ml_collections.ConfigDict()
   c.debug.fail_at_step = 0          # Fault injection (tests): SIGKILL this process after that step.
   c.debug.fail_process = -1         # ... only this process (-1: every process).
   c.debug.nonfinite_steps = ""      # Fault injection: "8,9,10" makes those steps' loss NaN.
   c.debug.diagnose_slow_process = -1  # Fault injection: megajax-diagnose sees this process slow.
+  # Straggler drill: the rank "dp,pp,tp" adds `slow_rank_work` extra matmuls of the hidden size
+  # to each layer's forward (megajax-trace should name it; "": off).
+  c.debug.slow_rank = ""
+  c.debug.slow_rank_work = 8
+  c.debug.slow_rank_from_step = 0   # ... from this step on (one compiled program, before and after).
   return c
 
 
@@ -346,6 +374,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _require(isinstance(steps, str) and all(x.strip().isdigit() for x in steps.split(",") if x.strip()),
            "debug.nonfinite_steps", steps, "must be a comma-separated list of step numbers", "e.g. '8,9,10'")
 
+  _validate_observe(config)
+
   # Data.
   _require(d.read_threads >= 1, "data.read_threads", d.read_threads, "must be >= 1", "e.g. 2")
   _require(d.prefetch >= 0, "data.prefetch", d.prefetch, "must be >= 0", "e.g. 4")
@@ -358,6 +388,46 @@ def validate(config: ml_collections.ConfigDict) -> None:
              "make one with megajax-prepare-data and pass --config.data.path=FILE")
     _require(os.path.isfile(d.path), "data.path", d.path, "file not found",
              "check the path, or make the file with megajax-prepare-data")
+
+
+def _validate_observe(config: ml_collections.ConfigDict) -> None:
+  o, p = config.observe, config.parallel
+  _non_negative_int(config, "observe.trace_every")
+  _positive_int(config, "observe.capture_every")
+  _non_negative_int(config, "observe.capture_sample")
+  for point in (x.strip() for x in o.capture.split(",") if x.strip()):
+    layer, _, tensor = point.partition(":")
+    _require(tensor in CAPTURE_TENSORS and (layer == "*" or (layer.isdigit() and int(layer) < config.model.num_layers)),
+             "observe.capture", o.capture, f"{point!r} is not layer:tensor",
+             f"use e.g. '0:attn_probs,*:residual' with a layer below model.num_layers={config.model.num_layers} "
+             f"(or *) and a tensor in {CAPTURE_TENSORS}")
+  _require(not o.capture or p.pp == 1, "observe.capture", o.capture,
+           f"activation capture runs without a pipeline only (parallel.pp={p.pp})",
+           "capture on a run with parallel.pp=1 (same model, dp / tp as you like), or set observe.capture=''")
+  _choice(config, "observe.perturb", PERTURBATIONS)
+  if o.perturb:
+    kind, _, where = o.perturb_at.partition(":")
+    limit = config.model.num_layers if kind == "layer" else p.pp
+    _require(kind in ("layer", "stage") and where.isdigit() and int(where) < limit, "observe.perturb_at",
+             o.perturb_at, "must name a layer or a pipeline stage",
+             f"e.g. 'layer:0' (below model.num_layers={config.model.num_layers}) or 'stage:0' (below parallel.pp={p.pp})")
+    _require(kind == "layer" or int(where) < p.pp - 1, "observe.perturb_at", o.perturb_at,
+             "the last stage sends no activations on", f"use a stage below parallel.pp - 1 = {p.pp - 1}")
+    _require(kind == "stage" or p.pp == 1, "observe.perturb_at", o.perturb_at,
+             f"a layer's output is perturbed without a pipeline only (parallel.pp={p.pp})",
+             "use 'stage:<s>' (what stage s sends on: its last layer's output), or parallel.pp=1")
+    _require(0 <= o.perturb_bit < 32, "observe.perturb_bit", o.perturb_bit, "must be a bit index", "0..31")
+    _require(0 < o.perturb_fraction <= 1, "observe.perturb_fraction", o.perturb_fraction,
+             "must be in (0, 1]", "e.g. 1e-3")
+  slow = config.debug.slow_rank
+  if slow:
+    parts = slow.split(",")
+    sizes = (p.dp, p.pp, p.tp)
+    _require(len(parts) == 3 and all(x.strip().isdigit() and int(x) < n for x, n in zip(parts, sizes)),
+             "debug.slow_rank", slow, "must be 'dp,pp,tp' coordinates of a rank in the mesh",
+             f"e.g. '0,0,0' (mesh dp={p.dp} pp={p.pp} tp={p.tp})")
+  _positive_int(config, "debug.slow_rank_work")
+  _non_negative_int(config, "debug.slow_rank_from_step")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

@@ -56,12 +56,13 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int,
-                         reduce_grads: Callable | None = None, zero_grads=None):
+                         reduce_grads: Callable | None = None, zero_grads=None, probes=None):
   """Summed gradients and stats over microbatches; one microbatch's activations live at a time.
 
   `reduce_grads` maps each microbatch's gradients to what is summed (ZeRO-2: their dp
   reduce-scatter, so only this device's shard is carried); `zero_grads` is then the zero
-  of that shape (default: zeros like `params`).
+  of that shape (default: zeros like `params`). `probes` (megajax.probes.Probes) when the
+  stats carry captured activation statistics: their zeros and how microbatches combine.
   """
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
   reduce_grads = reduce_grads or (lambda grads: grads)
@@ -69,10 +70,12 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
     (_, stats), grads = grad_fn(params, batch)
     return reduce_grads(grads), stats
 
+  add_stats = probes.combine if probes is not None else lambda a, b: jax.tree.map(jnp.add, a, b)
+
   def one_microbatch(carry, microbatch):
     grads_sum, stats_sum = carry
     (_, stats), grads = grad_fn(params, microbatch)
-    return (jax.tree.map(jnp.add, grads_sum, reduce_grads(grads)), jax.tree.map(jnp.add, stats_sum, stats)), None
+    return (jax.tree.map(jnp.add, grads_sum, reduce_grads(grads)), add_stats(stats_sum, stats)), None
 
   microbatches = split_microbatches(batch, microbatches)
   if zero_grads is None:
@@ -80,6 +83,8 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
   # Typed like the batch: inside a shard_map the stats vary over dp as the batch does.
   zero = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)
   zero_stats = {"nll_sum": zero, "z_sum": zero, "tokens": zero}
+  if probes is not None and probes.capturing:
+    zero_stats["capture"] = probes.zeros()
   (grads, stats), _ = jax.lax.scan(one_microbatch, (zero_grads, zero_stats), microbatches)
   return grads, stats
 

@@ -29,6 +29,8 @@ from megajax.flops import mfu, training_flops_per_token
 from megajax.metrics import CompilationCacheCounter, MetricsWriter, seconds_since_process_start
 from megajax.model import GPT, ModelConfig, count_params
 from megajax.parallel import ParallelPlan, local_batch_slice, make_mesh
+from megajax.probes import ActivationLog
+from megajax.tracing import StepTracer
 from megajax.parallel.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.step import TrainState
 
@@ -110,6 +112,8 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, 
   train_step = plan.train_step()
   meter = _Throughput(config, plan)
   guard = _NonFiniteGuard(config, plan, checkpointer, heartbeat)
+  activations = ActivationLog(config, workdir, enabled=is_chief, append=start_step > 0)
+  tracer = StepTracer(config, plan.mesh, workdir)
 
   # --- Loop.
   writer = MetricsWriter(workdir, config.train.steps, enabled=is_chief, progress=progress, append=start_step > 0)
@@ -124,13 +128,22 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, 
       batch = next(batches)
       if step in poisoned:     # fault injection: this batch's loss is NaN, as a corrupt batch's would be
         batch = {**batch, "loss_mask": batch["loss_mask"] * float("nan")}
-      if step == start_step + 1 and jax.process_count() > 1:
+      if step == start_step + 1:
         train_step = _compile_and_meet(train_step, state, batch, config.supervisor.startup_timeout_s)
+        if tracer.every:
+          tracer.describe(train_step)
+      if tracer.wants(step):
+        jax.block_until_ready(state)     # the trace holds this step alone
+        tracer.start(step)
       state, metrics = train_step(state, batch)
+      if tracer.active:
+        jax.block_until_ready(metrics)
+        logging.info("step %d traced: %s", step, tracer.stop())
       writer.step_done(step)
       # The previous step's loss and skip flag, read while this step runs (no stall): a
       # rollback, if due, replaces the state this step is computing from.
       state = guard.after_dispatch(step, state, metrics)
+      metrics = activations.after_dispatch(step, metrics)    # capture/*: to activations.jsonl, one step late
       if step == start_step + 1:
         _log_startup(jax.block_until_ready(metrics), step, writer, heartbeat)
       preempted = watcher.reached(step)
@@ -157,6 +170,7 @@ def _run_loop(config, plan: ParallelPlan, batches, workdir, progress, is_chief, 
       if step == config.debug.fail_at_step and config.debug.fail_process in (-1, jax.process_index()):
         os.kill(os.getpid(), signal.SIGKILL)    # fault injection: die as a crash would
     state = guard.flush(state)
+    activations.flush()
     if checkpointer:
       beat(phase="checkpoint commit")
       checkpointer.wait()                       # stage 2 of the last save
@@ -171,13 +185,16 @@ _BARRIERS = itertools.count()
 
 
 def _compile_and_meet(train_step, state, batch, timeout_s: float):
-  """Compiles the step, then waits at a coordination-service barrier until every process has:
+  """Compiles the step (ahead of time: the trace analysis reads its operations); with several
+  processes, then waits at a coordination-service barrier until every process has:
   all enter the step's collectives together. Without it a process that compiles much later (a
   cache miss, a loaded host) leaves the others waiting inside collectives; on CPU, gloo's
   reduce-scatter has a fixed 30 s timeout whose error path can hang (jax-ml/jax#40831), and
   2-process CPU jobs hung, rarely, in their first step that way. The coordination service's
   barrier waits as long as we say."""
   compiled = train_step.lower(state, batch).compile()
+  if jax.process_count() == 1:
+    return compiled
   from jax._src import distributed   # the job's coordination client (what jax.distributed set up)
   # A barrier's name is used once per job: numbered, for a process that trains more than once.
   distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}", int(timeout_s * 1000))

@@ -179,6 +179,7 @@ def chunked_matmul_reduce_scatter(x, w, chunks: int):
   return jnp.concatenate(outs, axis=1)
 
 
+@jax.named_scope("tp all-gather")
 def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None, ring: bool = True):
   """x [b, s/tp, k] (sequence shard) @ w [k, f/tp] -> [b, s, f/tp]; one all-gather on tp."""
   if mode == "collective_matmul" and lax.axis_size(TP) > 1:
@@ -188,6 +189,7 @@ def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None, ring: b
   return _matmul(lax.all_gather(x, TP, axis=1, tiled=True), w, out_dtype)
 
 
+@jax.named_scope("tp reduce-scatter")
 def row_parallel_linear(x, w, mode: str, chunks: int, ring: bool = True):
   """x [b, s, k/tp] @ w [k/tp, f] -> [b, s/tp, f] summed over tp; one reduce-scatter on tp."""
   if mode == "collective_matmul" and lax.axis_size(TP) > 1:

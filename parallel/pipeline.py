@@ -223,9 +223,10 @@ def sum_over_stages(grads: dict, stats: dict):
 
 
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
-                       z_loss: float):
+                       z_loss: float, probes=None):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
-  whole batch (summed over dp and pp)."""
+  whole batch (summed over dp and pp). `probes` (megajax.probes, bound to the step; the
+  batch then has "rows"): perturb_at="stage:<s>" perturbs what stage s sends on."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
   full = stage_params(params, layouts)
@@ -250,6 +251,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
 
   def chunk_function(program: Program):
     """(chunk params [k, ...], shared params, input activation, microbatch) -> (output, stats)."""
+    @jax.named_scope("forward")    # its vjp's ops: transpose(jvp(forward)), the backward
     def run(layers, shared, x, mb):
       positions = positions_of(mb["inputs"])
       if program.first:
@@ -316,10 +318,14 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     # arrival is written at the tick's end), so the collective can run during the backward:
     # decoupled send/recv. Unconditional, so it stays outside any branch (idle ticks send zeros).
     activation = lax.switch(op["f_branch"], forwards, stash, op, microbatch(op["f_microbatch"]))
-    activation = lax.ppermute(activation, PP, [(i, (i + 1) % p) for i in range(p)])
+    if probes is not None and probes.perturb_site == "stage":
+      activation = probes.perturb_sent(activation, stage, op["f_chunk"], microbatch(op["f_microbatch"])["rows"], p, k)
+    with jax.named_scope("pp send-recv"):
+      activation = lax.ppermute(activation, PP, [(i, (i + 1) % p) for i in range(p)])
     grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents, carry["grads"],
                                          carry["stats"], op, microbatch(op["b_microbatch"]))
-    cotangent = lax.ppermute(cotangent, PP, [(i, (i - 1) % p) for i in range(p)])
+    with jax.named_scope("pp send-recv"):
+      cotangent = lax.ppermute(cotangent, PP, [(i, (i - 1) % p) for i in range(p)])
     # Arrivals are written at the tick's end, after every read of the tick.
     return dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),
                 cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),

@@ -37,7 +37,7 @@ from megajax.config import ConfigError
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding
-from megajax.parallel.mesh import DP, PP, TP, batch_sharding
+from megajax.parallel.mesh import DP, PP, TP, batch_sharding, to_varying
 from megajax.parallel.schedule import simulate
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 from megajax.step import TrainState, accumulate_gradients
@@ -89,6 +89,12 @@ class ParallelPlan:
     return cls(config, mesh, model, layouts, optimizer, state_specs, tables)
 
   @property
+  def probes(self):
+    """observe.capture / observe.perturb as megajax.probes.Probes; None (the default): off."""
+    from megajax.probes import Probes    # here: megajax.probes imports megajax.parallel.mesh
+    return Probes.from_config(self.config)
+
+  @property
   def overlap(self) -> Overlap:
     return Overlap(self.config.parallel.tp_overlap, self.config.parallel.tp_overlap_chunks)
 
@@ -138,36 +144,49 @@ class ParallelPlan:
 
   # --- Inside the shard_map.
 
-  def _summed_gradients(self, params, batch):
+  def _summed_gradients(self, params, batch, step=None):
     """ZeRO gather -> forward/backward of every microbatch -> ZeRO reduce-scatter, per device:
     (gradient shards summed over the batch, loss stats summed over the batch)."""
     c = self.config
+    probes = self.probes
+    if probes is not None:    # observe.capture / perturb; keyed by the step and the global rows
+      probes = probes.bind(step)
+      batch = {**batch, "rows": probes.rows(batch)}
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
-                                         self.overlap, c.train.z_loss)
+                                         self.overlap, c.train.z_loss, probes)
     full_params = sharding.gather_params(params, self.layouts)
-    loss = functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss)
+    # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
+    loss = jax.named_scope("forward")(
+        functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
     # Each microbatch's gradients are reduce-scattered as they come (ZeRO-2): the scan carries
     # only this device's 1/dp shard, shaped like the master shard.
     grads, stats = accumulate_gradients(
         loss, full_params, batch, c.train.microbatches,
         reduce_grads=functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts),
-        zero_grads=jax.tree.map(jnp.zeros_like, params))
-    return grads, {k: lax.psum(v, DP) for k, v in stats.items()}
+        zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes)
+    # Captured statistics are global already (reduced over dp and tp where they were taken).
+    return grads, {k: v if k == "capture" else lax.psum(v, DP) for k, v in stats.items()}
 
-  def _gradients(self, params, batch):
+  def _gradients(self, params, batch, step=None):
     """The step's gradients (mean over the global batch's tokens) and loss metrics."""
-    grads, stats = self._summed_gradients(params, batch)
+    grads, stats = self._summed_gradients(params, batch, step)
     tokens = jnp.maximum(stats["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)   # the mean over every token of the global batch
     metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
                "grad_norm": global_norm(grads, sharding.tensor_norms(self.layouts))}
+    if "capture" in stats:
+      metrics.update(self.probes.metrics(stats["capture"]))
     return grads, metrics
 
   def _train_step(self, state: TrainState, batch: dict, with_gradients: bool = False):
-    grads, metrics = self._gradients(state.params, batch)
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    grads, metrics = self._gradients(state.params, batch, state.step)
+    if self.config.debug.slow_rank:
+      extra = _straggler_work(batch["inputs"], state.step + 1, self.config)
+      metrics["loss"] = metrics["loss"] + lax.psum(0.0 * extra, (DP, PP, TP))
+    with jax.named_scope("optimizer"):
+      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     metrics["learning_rate"] = learning_rate_schedule(self.config)(state.step)
     # A non-finite loss, gradient or new parameter skips the update: the state passes through unchanged
     # (the loss and norm are global, so every device decides alike; the trainer counts the
@@ -203,3 +222,26 @@ class ParallelPlan:
   def compiler_options(self) -> dict | None:
     """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"."""
     return XLA_WINDOWED_EINSUM_OPTIONS if self.config.parallel.tp_overlap == "xla" else None
+
+
+@jax.named_scope("forward")
+def _straggler_work(tokens, step, config: ml_collections.ConfigDict):
+  """Straggler drill (debug.slow_rank "dp,pp,tp"): from step debug.slow_rank_from_step on,
+  that rank alone runs slow_rank_work extra [hidden, hidden] matmuls over its tokens, as a
+  slow GPU would take longer for the same forward. A scalar that depends on the work, so XLA
+  keeps it; 0 elsewhere."""
+  coords = [int(x) for x in config.debug.slow_rank.split(",")]
+  here = (lax.axis_index(DP) == coords[0]) & (lax.axis_index(PP) == coords[1]) & (lax.axis_index(TP) == coords[2])
+  here = here & (step >= config.debug.slow_rank_from_step)
+  hidden = config.model.hidden_dim
+  weight = jnp.full((hidden, hidden), 1.0 / hidden, jnp.float32)
+
+  tokens = to_varying(tokens, (DP, PP, TP))     # the branches' results vary like `here`
+
+  def work(tokens):
+    x = jnp.broadcast_to(tokens[..., None].astype(jnp.float32) / config.model.vocab_size, (*tokens.shape, hidden))
+    x = lax.fori_loop(0, config.debug.slow_rank_work, lambda _, x: jnp.tanh(x @ weight), x)
+    return jnp.mean(x)
+
+  return lax.cond(here, work, lambda tokens: jnp.mean(tokens * 0.0), tokens)
+

@@ -68,14 +68,23 @@ def _split(x, widths):
   return jnp.split(x, offsets, axis=-1)
 
 
-def _attention(q, k, v, positions, window, c: ModelConfig):
+def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=None):
   """Local heads: q [b, s, h/n * d], k, v [b, s, kv/n * d] -> [b, s, h/n * d]."""
   b, s, _ = q.shape
   d = c.head_dim
   q = rotary_embedding(q.reshape(b, s, -1, d), positions, c.rope_theta)
   k = rotary_embedding(k.reshape(b, s, -1, d), positions, c.rope_theta)
+  if probe is not None and probe.wants("attn_probs"):   # recomputed: fused kernels never hold them
+    captured["attn_probs"] = probe.capture_probs(q, k, window)
   out = ATTENTION_IMPLS[c.attention_impl](q, k, v.reshape(b, s, -1, d), window)
   return out.reshape(b, s, -1)
+
+
+def _observe(probe, captured: dict, tensor: str, x):
+  """x, its statistics added to `captured` when the layer's probe (megajax.probes) asks for them."""
+  if probe is not None and probe.wants(tensor):
+    captured[tensor] = probe.capture(tensor, x)
+  return x
 
 
 def _out_kernel(attention: dict):
@@ -88,44 +97,51 @@ def _bias_sum(biases, c: ModelConfig):
   return sum(b.astype(c.compute_dtype) for b in biases) if c.use_bias else 0
 
 
-def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
-  """y = x + Attn(LN(x)) + MLP(LN(x)): one all-gather, one reduce-scatter on tp."""
+def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None):
+  """y = x + Attn(LN(x)) + MLP(LN(x)): one all-gather, one reduce-scatter on tp.
+  Returns (y, the statistics `probe` captured: {} without one)."""
   attention, mlp = p["attention"], p["mlp"]
+  captured = {}
   y = _norm(p["norm"], x, c)                                              # [b, s/n, hidden]
   kernel, bias, widths = _fused_input([attention["query"], attention["key"], attention["value"], mlp["wi"]], c)
   fused = overlap.column(y, kernel)                                       # [b, s, (q+k+v+mlp)/n]
   if bias is not None:
     fused = fused + bias
   q, k, v, hidden = _split(fused, widths)
-  activations = jnp.concatenate(
-      [_attention(q, k, v, positions, window, c), nn.gelu(hidden, approximate=True)], axis=-1)
+  attended = _attention(q, k, v, positions, window, c, probe, captured)
+  activations = jnp.concatenate([_observe(probe, captured, "attn_out", attended),
+                                 _observe(probe, captured, "mlp_out", nn.gelu(hidden, approximate=True))], axis=-1)
   out_kernel = jnp.concatenate([_out_kernel(attention), mlp["wo"]["kernel"]], axis=0).astype(c.compute_dtype)
   out = overlap.row(activations, out_kernel)                              # [b, s/n, hidden]
-  return x + out + _bias_sum([attention["out"].get("bias"), mlp["wo"].get("bias")], c)
+  return x + out + _bias_sum([attention["out"].get("bias"), mlp["wo"].get("bias")], c), captured
 
 
-def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
-  """z = x + Attn(LN1(x)); y = z + MLP(LN2(z)): two all-gathers, two reduce-scatters on tp."""
+def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None):
+  """z = x + Attn(LN1(x)); y = z + MLP(LN2(z)): two all-gathers, two reduce-scatters on tp.
+  Returns (y, the statistics `probe` captured: {} without one)."""
   attention, mlp = p["attention"], p["mlp"]
+  captured = {}
   kernel, bias, widths = _fused_input([attention["query"], attention["key"], attention["value"]], c)
   qkv = overlap.column(_norm(p["attention_norm"], x, c), kernel)
   if bias is not None:
     qkv = qkv + bias
   q, k, v = _split(qkv, widths)
-  attended = _attention(q, k, v, positions, window, c)
+  attended = _observe(probe, captured, "attn_out", _attention(q, k, v, positions, window, c, probe, captured))
   z = x + overlap.row(attended, _out_kernel(attention).astype(c.compute_dtype)) \
       + _bias_sum([attention["out"].get("bias")], c)
   kernel, bias, _ = _fused_input([mlp["wi"]], c)
   hidden = overlap.column(_norm(p["mlp_norm"], z, c), kernel)
   if bias is not None:
     hidden = hidden + bias
-  out = overlap.row(nn.gelu(hidden, approximate=True), mlp["wo"]["kernel"].astype(c.compute_dtype))
-  return z + out + _bias_sum([mlp["wo"].get("bias")], c)
+  activation = _observe(probe, captured, "mlp_out", nn.gelu(hidden, approximate=True))
+  out = overlap.row(activation, mlp["wo"]["kernel"].astype(c.compute_dtype))
+  return z + out + _bias_sum([mlp["wo"].get("bias")], c), captured
 
 
 BLOCKS = {"parallel": parallel_block, "serial": serial_block}
 
 
+@jax.named_scope("tp embedding")
 def vocab_parallel_embed(table, tokens, c: ModelConfig):
   """table [vocab/n, hidden] (this rank's rows), tokens [b, s] -> x [b, s/n, hidden].
 
@@ -139,6 +155,7 @@ def vocab_parallel_embed(table, tokens, c: ModelConfig):
   return lax.psum_scatter(x.astype(c.compute_dtype), TP, scatter_dimension=1, tiled=True)
 
 
+@jax.named_scope("tp cross-entropy")
 def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float):
   """megajax.loss.cross_entropy_sums on logits split over vocab: [b, s, vocab/n] fp32.
 
@@ -163,10 +180,19 @@ def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float)
 
 def apply_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
   """One transformer block on this device's shards, recomputed in the backward if c.remat says so."""
-  block = lambda p, x: BLOCKS[c.block](p, x, positions, window, c, overlap)
+  return probed_block(p, x, positions, window, c, overlap, None)[0]
+
+
+def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe):
+  """apply_block with a megajax.probes.LayerProbe (or None): (y, {tensor: statistics}).
+  The perturbation and the residual's capture sit outside the remat: y is kept anyway."""
+  block = lambda p, x: BLOCKS[c.block](p, x, positions, window, c, overlap, probe)
   if c.remat != "none":
     block = jax.checkpoint(block, policy=REMAT_POLICIES[c.remat])
-  return block(p, x)
+  y, captured = block(p, x)
+  if probe is not None and probe.perturbed:
+    y = probe.perturb(y)
+  return _observe(probe, captured, "residual", y), captured
 
 
 def positions_of(tokens):
@@ -182,14 +208,22 @@ def head_loss_sums(params, x, batch, c: ModelConfig, overlap: Overlap, z_loss: f
   return vocab_parallel_cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
 
 
-def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0):
+def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0, probes=None):
   """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
 
-  The pipeline (megajax.parallel.pipeline) runs the same pieces split into stages.
+  The pipeline (megajax.parallel.pipeline) runs the same pieces split into stages. With
+  `probes` (megajax.probes.Probes, bound to the step; the batch then has "rows") the stats
+  also hold the captured statistics under "capture", {"<layer>:<tensor>": {...}}.
   """
   tokens = batch["inputs"]                                                # [b, s], every tp rank
   x = vocab_parallel_embed(params["embedding"], tokens, c)                # [b, s/n, hidden]
   positions = positions_of(tokens)
+  captured = {}
   for layer in range(c.num_layers):
-    x = apply_block(params[f"layer_{layer}"], x, positions, c.layer_window(layer), c, overlap)
-  return head_loss_sums(params, x, batch, c, overlap, z_loss)
+    probe = probes.at_layer(layer, batch["rows"]) if probes is not None else None
+    x, stats = probed_block(params[f"layer_{layer}"], x, positions, c.layer_window(layer), c, overlap, probe)
+    captured.update({f"{layer}:{tensor}": s for tensor, s in stats.items()})
+  total, stats = head_loss_sums(params, x, batch, c, overlap, z_loss)
+  if probes is not None and probes.capturing:
+    stats = {**stats, "capture": captured}
+  return total, stats
