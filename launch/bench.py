@@ -10,6 +10,8 @@ r"""Benchmarks that print ratios measured side by side in one run.
                                                 under megajax-supervise)
   python -m megajax.launch.bench observe       (megajax.launch.bench_observe: always-on
                                                 bookkeeping and sampled tracing vs a bare step)
+  python -m megajax.launch.bench planner       (megajax.launch.bench_planner: the cost model vs
+                                                the paper's Tables 2 and 3, memory vs XLA)
 
 pipeline:
   memory    XLA's temp bytes of the gradient computation (compiled.memory_analysis()) for
@@ -36,7 +38,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the 
 _CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
                                           "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
 _TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
-BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint", "startup", "faults", "observe")
+BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint", "startup", "faults", "observe", "planner")
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -170,6 +172,10 @@ def main(argv):
   if argv[1] == "observe":
     from megajax.launch.bench_observe import observe
     observe(_REPEATS.value)
+    return
+  if argv[1] == "planner":
+    from megajax.launch.bench_planner import planner
+    planner()
     return
   p = _STAGES.value
   lamb(p)

@@ -1,0 +1,99 @@
+r"""megajax-plan: the best 3D plans for a model on a cluster, by the cost model.
+
+  megajax-plan --config=configs/gpt_175b.py --gpus=12288 --hardware=a100-80g --batch=6144
+  megajax-plan --config=configs/gpt_175b.py --gpus=256 --batch=768 --megatron --runtime=paper
+
+Enumerates (dp, pp, tp, virtual stages, microbatch size) that divide evenly, drops the plans
+that do not fit in the device's memory and prints the best few by predicted MFU: memory per
+device, step time, MFU, pipeline bubble and the bottleneck (the largest part of the step,
+and when that is compute, the largest loss beside it).
+
+  --megatron     all MegaScale switches off (serial block, full attention, AdamW, no
+                 overlaps, unfused operators): the paper's Megatron-LM rows.
+  --runtime      megajax (this repository's step: fp32 ZeRO gathers, a reduce-scatter per
+                 microbatch, the pipeline backward recomputes its chunk) or paper
+                 (Megatron-LM / MegaScale's runtime, the one the paper measured).
+The model is megajax/parallel/cost_model.py (its calibration: `python -m megajax.launch.bench
+planner`). Mistakes in flags or config are one line on stderr and exit code 2.
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from megajax.launch.cli import fail, flags_parser, validated_config
+
+PROGRAM = "megajax-plan"
+RUNTIMES = ("megajax", "paper")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
+                                          lock_config=True)
+_GPUS = flags.DEFINE_integer("gpus", None, "Devices in the job.")
+_HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Device type (megajax.parallel.cost_model.HARDWARE).")
+_BATCH = flags.DEFINE_integer("batch", 0, "Global batch in sequences (0: the config's train.batch_size).")
+_TOP = flags.DEFINE_integer("top", 5, "Plans to print.")
+_MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaScale switch off.")
+_RUNTIME = flags.DEFINE_enum("runtime", "megajax", RUNTIMES, "Whose runtime executes the plan.")
+_REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
+flags.mark_flags_as_required(["config", "gpus"])
+
+
+def _flag_error(flag: str, value, problem: str, fix: str) -> None:
+  fail(PROGRAM, "flag error", f"--{flag}={value}: {problem}; {fix}")
+
+
+def main(argv):
+  config = validated_config(PROGRAM, argv, _CONFIG)
+  from megajax.model import ModelConfig
+  from megajax.parallel import cost_model, planner
+
+  hw = cost_model.HARDWARE.get(_HARDWARE.value)
+  if hw is None:
+    _flag_error("hardware", _HARDWARE.value, "unknown hardware", f"choose one of {', '.join(cost_model.HARDWARE)}")
+  gpus, batch, top = _GPUS.value, _BATCH.value or config.train.batch_size, _TOP.value
+  if gpus < 1 or (gpus > hw.gpus_per_node and gpus % hw.gpus_per_node):
+    _flag_error("gpus", gpus, f"not a whole number of {hw.gpus_per_node}-GPU {hw.name} nodes",
+                f"use a multiple of {hw.gpus_per_node}, e.g. {max(1, round(gpus / hw.gpus_per_node)) * hw.gpus_per_node}")
+  if batch < 1:
+    _flag_error("batch", batch, "must be a positive number of sequences", "e.g. --batch=768")
+  if top < 1:
+    _flag_error("top", top, "must be at least 1", "e.g. --top=5")
+
+  opts = cost_model.MEGATRON if _MEGATRON.value else cost_model.MEGASCALE
+  c = ModelConfig.from_config(config.model)
+  remat = _REMAT.value or c.remat
+  best, even = planner.search(c, gpus, batch, hw, opts, _RUNTIME.value, remat)
+  if not even:
+    _flag_error("batch", batch, f"no (dp, pp, tp, v, microbatch) divides {gpus} GPUs and this batch evenly "
+                f"(dp must divide the batch; tp <= {hw.gpus_per_node}, pp * v divides {c.num_layers} layers)",
+                "use a batch with more factors of 2, e.g. a multiple of --gpus / 64")
+  if not best:
+    smallest = min(planner.evaluate(c, p, hw, remat).memory.total
+                   for p in planner.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value))
+    _flag_error("gpus", gpus, f"none of the {even} even plans fits in {hw.memory_gb:g} GB per device "
+                f"(the smallest needs {smallest / cost_model.GB:.1f} GB)",
+                "use more GPUs, --remat=full, or --hardware with more memory")
+
+  params = cost_model.param_counts(c, cost_model.Plan(1, 1, 1, 1, 1, batch)).model
+  run = cost_model.apply_switches(c, opts)
+  window = f"SWA w={run.window}" if run.window else "full attention"
+  switches = ("Megatron-LM (serial block, full attention, AdamW, no overlaps, unfused operators)"
+              if _MEGATRON.value else f"MegaScale (PTB, {window}, TP/PP/DP overlap, fused operators, misc, LAMB)")
+  print(f"{PROGRAM}: {params / 1e9:.1f}B parameters ({c.num_layers} layers, hidden {c.hidden_dim}, "
+        f"{c.num_heads} heads, seq {c.seq_len}, vocab {c.vocab_size}) on {gpus} {hw.name}, batch {batch}")
+  print(f"switches: {switches}; runtime {_RUNTIME.value}; remat {remat}")
+  print(f"{even} plans divide evenly, {len(best)} fit in {hw.memory_gb - cost_model.MEMORY_RESERVED_GB:g} GB")
+  print(planner.PLAN_HEADER)
+  for i, candidate in enumerate(best[:top], 1):
+    print(planner.plan_line(i, candidate))
+  print(f"best: {planner.describe(best[0].plan)}: {planner.breakdown(best[0].time)}")
+
+
+parse_flags = flags_parser(PROGRAM)
+
+
+def run():
+  app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  run()
