@@ -12,6 +12,8 @@ r"""Benchmarks that print ratios measured side by side in one run.
                                                 bookkeeping and sampled tracing vs a bare step)
   python -m megajax.launch.bench planner       (megajax.launch.bench_planner: the cost model vs
                                                 the paper's Tables 2 and 3, memory vs XLA)
+  python -m megajax.launch.bench train --size=3b --seq=8192   (megajax.launch.bench_train: the
+                                                MFU suite, a Table-3 style ablation on one device)
 
 pipeline:
   memory    XLA's temp bytes of the gradient computation (compiled.memory_analysis()) for
@@ -38,7 +40,10 @@ _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the 
 _CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
                                           "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
 _TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
-BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint", "startup", "faults", "observe", "planner")
+_SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the train (MFU) benchmark.")
+_SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
+_WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
+BENCHMARKS = ("pipeline", "attention", "operators", "checkpoint", "startup", "faults", "observe", "planner", "train")
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -172,6 +177,10 @@ def main(argv):
   if argv[1] == "observe":
     from megajax.launch.bench_observe import observe
     observe(_REPEATS.value)
+    return
+  if argv[1] == "train":
+    from megajax.launch.bench_train import train
+    train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value)
     return
   if argv[1] == "planner":
     from megajax.launch.bench_planner import planner
