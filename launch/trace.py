@@ -1,7 +1,7 @@
 r"""megajax-trace: one traced step of every process -> a rank-aligned trace, heat map, stragglers.
 
   megajax-train ... --workdir=W --config.observe.trace_every=50
-  megajax-trace W                    # the latest traced step (or --step=N)
+  megajax-trace W                    # the latest traced step (or --steps=N,M,...: together)
 
 writes W/traces/analysis/:
   merged_trace.json.gz   Chrome / Perfetto trace, one track per rank DP{d}-PP{p}-TP{t},
@@ -27,7 +27,8 @@ from megajax.launch import cli
 from megajax.launch import trace_analysis as analysis
 from megajax.tracing import TRACES
 
-_STEP = flags.DEFINE_integer("step", 0, "The traced step to analyse (0: the latest).")
+_STEPS = flags.DEFINE_list("steps", [], "The traced steps to analyse together, e.g. 400,500,600 (default: the "
+                           "latest); a straggler must be slow in each.")
 _REFERENCE = flags.DEFINE_integer("reference_process", 0, "The process whose clock the others are aligned to.")
 _THRESHOLD = flags.DEFINE_float("threshold", 1.5, "A straggler's compute time over its groups' median, at least.")
 
@@ -61,27 +62,42 @@ def plot_heat_map(rows: list[dict], path: str) -> None:
   plt.close(fig)
 
 
-def analyse(workdir: str, step: int = 0, reference: int = 0, threshold: float = 1.5) -> dict:
-  """Reads WORKDIR/traces/step_<step> (0: the latest), writes WORKDIR/traces/analysis/;
-  returns a summary (paths, clock shifts, collective end spread, stragglers)."""
-  traces = os.path.join(workdir, TRACES)
-  step_dir = os.path.join(traces, f"step_{step}") if step else analysis.latest_step_dir(traces)
+def _analyse_step(step_dir: str, reference: int, threshold: float):
   ranks = analysis.load_ranks(step_dir)
   shifts = analysis.align(ranks, reference)
+  return ranks, shifts, analysis.heat_map(ranks), analysis.find_stragglers(ranks, threshold)
+
+
+def analyse(workdir: str, steps: list[int] | None = None, reference: int = 0, threshold: float = 1.5) -> dict:
+  """Reads WORKDIR/traces/step_<n> for each of `steps` (None: the latest traced step), writes
+  WORKDIR/traces/analysis/ (the merged trace of the last of them); returns a summary (clock
+  shifts, collective end spread, stragglers).
+
+  Over several steps the heat map is their mean, and a straggler must be flagged in every one
+  of them: a persistent straggler is, while a rank that one step's noise slowed is not.
+  """
+  traces = os.path.join(workdir, TRACES)
+  step_dirs = ([os.path.join(traces, f"step_{n}") for n in steps] if steps
+               else [analysis.latest_step_dir(traces)])
+  per_step = [_analyse_step(d, reference, threshold) for d in step_dirs]
+  ranks, shifts, _, last_findings = per_step[-1]
   out = os.path.join(traces, "analysis")
   os.makedirs(out, exist_ok=True)
   with gzip.open(os.path.join(out, "merged_trace.json.gz"), "wt") as f:
     json.dump(analysis.merged_trace(ranks), f)
-  rows = analysis.heat_map(ranks)
+  rows = analysis.mean_heat_map([rows for _, _, rows, _ in per_step])
   with open(os.path.join(out, "heatmap.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
   plot_heat_map(rows, os.path.join(out, "heatmap.png"))
-  findings = analysis.find_stragglers(ranks, threshold)
-  traced_step = int(os.path.basename(step_dir).split("_")[1])
+  persistent = set.intersection(*({s["rank"] for s in findings["stragglers"]} for *_, findings in per_step))
+  findings = {"threshold": threshold,
+              "stragglers": [s for s in last_findings["stragglers"] if s["rank"] in persistent],
+              "victims": [v for v in last_findings["victims"] if v["evidence"]["waits_for"] in persistent]}
   spreads = analysis.collective_end_spreads(ranks)
-  summary = {"step": traced_step, "ranks": len(ranks), "clock_shift_us": shifts,
+  traced = [int(os.path.basename(d).split("_")[1]) for d in step_dirs]
+  summary = {"step": traced[-1], "steps": traced, "ranks": len(ranks), "clock_shift_us": shifts,
              "collective_end_spread_us": {"median": float(np.median(spreads)) if spreads.size else 0.0,
                                           "max": float(spreads.max()) if spreads.size else 0.0,
                                           "collectives": int(spreads.size)}}
@@ -92,13 +108,17 @@ def analyse(workdir: str, step: int = 0, reference: int = 0, threshold: float = 
 
 def main(argv):
   if len(argv) != 2:
-    cli.fail(PROGRAM, "usage", "megajax-trace WORKDIR [--step=N] [--reference_process=P] [--threshold=X]")
+    cli.fail(PROGRAM, "usage", "megajax-trace WORKDIR [--steps=N,M,...] [--reference_process=P] [--threshold=X]")
   try:
-    result = analyse(argv[1], _STEP.value, _REFERENCE.value, _THRESHOLD.value)
+    steps = [int(n) for n in _STEPS.value]
+  except ValueError:
+    cli.fail(PROGRAM, "flag error", f"--steps={','.join(_STEPS.value)}: not step numbers; e.g. --steps=400,500")
+  try:
+    result = analyse(argv[1], steps, _REFERENCE.value, _THRESHOLD.value)
   except (FileNotFoundError, ValueError) as error:
     cli.fail(PROGRAM, "cannot analyse", f"{argv[1]}: {error}")
   spread = result["collective_end_spread_us"]
-  print(f"step {result['step']}: {result['ranks']} ranks; clocks aligned on the ends of {spread['collectives']} "
+  print(f"step{'s' if len(result['steps']) > 1 else ''} {','.join(map(str, result['steps']))}: {result['ranks']} ranks; clocks aligned on the ends of {spread['collectives']} "
         f"cross-process collectives (gap between participants' ends: median {spread['median']:.0f} us, "
         f"max {spread['max']:.0f} us; shifts "
         + ", ".join(f"process {p}: {s / 1e3:+.1f} ms" for p, s in sorted(result["clock_shift_us"].items())) + ")")

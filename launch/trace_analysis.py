@@ -234,6 +234,13 @@ def heat_map(ranks: list[Rank]) -> list[dict]:
   return rows
 
 
+def mean_heat_map(per_step: list[list[dict]]) -> list[dict]:
+  """Several steps' heat maps (same ranks, same order) -> their mean."""
+  keys = [f"{c}_ms" for c in CATEGORIES]
+  return [{**rows[0], **{k: round(float(np.mean([r[k] for r in rows])), 3) for k in keys}}
+          for rows in zip(*per_step)]
+
+
 def compute_ms(row: dict) -> float:
   return row["forward_ms"] + row["backward_ms"] + row["optimizer_ms"]
 

@@ -14,14 +14,16 @@ from tests.conftest import launch_two_processes
 
 MESH = ["--config.parallel.dp=2", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
         "--config.parallel.tp=4", "--config.parallel.tp_overlap=none", "--config.model.num_layers=2"]
-RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=4",
+RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=7",
        "--config.optimizer.warmup_steps=1", "--config.model.compute_dtype=float32",
        "--config.checkpoint.every_steps=0", "--config.checkpoint.save_params=False",
-       "--config.observe.trace_every=2", *MESH]
+       "--config.observe.trace_every=1", *MESH]
 SLOW = (1, 0, 2)
-# CPU "devices" are threads sharing 2 cores: a clean run's ranks differ by up to ~1.5x in
-# compute time; the drill's rank is several times slower.
+# CPU "devices" are threads sharing 2 cores (and the other test worker's): one step of a
+# clean run has shown a rank 2x slower than its groups. The drill's rank is several times
+# slower in every step; the detector takes 3 traced steps and flags only persistent ones.
 THRESHOLD = 2.0
+CLEAN, SLOW_STEPS = [2, 3], [5, 6, 7]
 
 
 def traced_job(workdir, *overrides):
@@ -32,14 +34,14 @@ def traced_job(workdir, *overrides):
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
-  """Steps 2 and 4 traced; from step 3 on, rank DP1-PP0-TP2 (process 1) does extra forward
-  work (the straggler drill): step 2 is the clean run, step 4 the slow one, one program."""
+  """Every step traced; from step 5 on, rank DP1-PP0-TP2 (process 1) does extra forward work
+  (the straggler drill): steps 2-3 are the clean run, 5-7 the slow one, one program."""
   return traced_job(tmp_path_factory.mktemp("drill"), "--config.debug.slow_rank=1,0,2",
-                    "--config.debug.slow_rank_work=200", "--config.debug.slow_rank_from_step=3")
+                    "--config.debug.slow_rank_work=200", "--config.debug.slow_rank_from_step=5")
 
 
 def test_the_detector_names_the_slow_rank_and_its_victims(drill):
-  result = analyse(str(drill), step=4, threshold=THRESHOLD)
+  result = analyse(str(drill), SLOW_STEPS, threshold=THRESHOLD)
   assert [s["rank"] for s in result["stragglers"]] == [analysis.rank_label(SLOW)], result
   evidence = result["stragglers"][0]["evidence"]
   assert evidence["dp_group_compute_ratio"] >= THRESHOLD and evidence["tp_group_compute_ratio"] >= THRESHOLD
@@ -55,12 +57,12 @@ def test_the_detector_names_the_slow_rank_and_its_victims(drill):
 
 
 def test_a_clean_step_flags_nobody(drill):
-  result = analyse(str(drill), step=2, threshold=THRESHOLD)
+  result = analyse(str(drill), CLEAN, threshold=THRESHOLD)
   assert result["stragglers"] == [] and result["victims"] == []
 
 
 def test_the_merged_trace_has_a_track_per_rank_on_one_clock(drill):
-  analyse(str(drill), step=4, threshold=THRESHOLD)
+  analyse(str(drill), SLOW_STEPS, threshold=THRESHOLD)
   with gzip.open(drill / "traces" / "analysis" / "merged_trace.json.gz") as f:
     trace = json.load(f)
   names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
@@ -75,7 +77,7 @@ def test_alignment_recovers_a_clock_skew(drill):
   """Each process's trace has its own time origin. Skewing process 1 by a further 7 s must be
   undone to within a millisecond, and the participants of each cross-process collective then
   end together (median gap within 20 ms: CPU threads on 2 shared cores)."""
-  step_dir = analysis.latest_step_dir(str(drill / "traces"))
+  step_dir = str(drill / "traces" / f"step_{SLOW_STEPS[-1]}")
   ranks = analysis.load_ranks(step_dir)
   shift = analysis.align(ranks)[1]
   skewed = analysis.load_ranks(step_dir)
