@@ -35,6 +35,7 @@ from megajax.launch.hang_view import classify, format_hang_view
 from megajax.launch.local import LocalJob
 
 POLL_SECONDS = 0.1
+CRASH_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 NOT_RETRIED = (2,)     # megajax-train's exit code for a config / checkpoint / topology error
 
 
@@ -234,8 +235,13 @@ class Supervisor:
         return None
       failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
       if failed:
-        code = codes[failed[0]]
-        blamed = failed if len(codes) > 1 else classify(last_seen, last_progress, now, s.heartbeat_timeout_s)[0]
+        # A worker that crashed or was killed takes its peers down with it (they lose the
+        # coordinator or a collective), and one poll can find them all gone: blame the ones a
+        # crash signal ended when there are any.
+        crashed = [i for i in failed if _crash_signal(codes[i])]
+        code = codes[(crashed or failed)[0]]
+        blamed = (crashed or failed) if len(codes) > 1 else classify(last_seen, last_progress, now,
+                                                                      s.heartbeat_timeout_s)[0]
         if code == 143 and not self.stop_requested:
           detail = f"process(es) {failed} stopped by SIGTERM (preempted by the cluster?)"
         else:
@@ -382,3 +388,11 @@ def job_wait(job, timeout: float = math.inf) -> int | None:
     time.sleep(POLL_SECONDS)
   job.stop()
   return code
+
+
+def _crash_signal(code: int) -> bool:
+  """An exit code that says a crash signal ended the process: -N from Popen, 128 + N from a
+  shell or srun."""
+  number = -code if code < 0 else code - 128 if code > 128 else 0
+  return number in CRASH_SIGNALS
+

@@ -265,3 +265,10 @@ def test_megajax_local_passes_a_failing_process_exit_code_on():
   failed = subprocess.run([*local, "--config=configs/default.py", "--workdir=/tmp/unused", "--config.parallel.tp=3"],
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)
   assert failed.returncode == 2 and "parallel.tp" in failed.stderr
+
+
+def test_a_crash_signal_is_told_from_a_peers_exit():
+  """When a killed worker takes its peers down, the one a crash signal ended is blamed."""
+  from megajax.launch.supervisor import _crash_signal
+  assert _crash_signal(-9) and _crash_signal(128 + 9) and _crash_signal(-11)
+  assert not _crash_signal(1) and not _crash_signal(-6) and not _crash_signal(143) and not _crash_signal(0)
