@@ -12,9 +12,7 @@ tp=4; one GPU: 1 device). Measured side by side in one run against the bare comp
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 
 
 def _config(devices: int):
@@ -28,45 +26,25 @@ def _config(devices: int):
   return c
 
 
-def _median(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def observe(repeats: int) -> None:
   import jax
-  import numpy as np
   from megajax.heartbeat import Heartbeat
+  from megajax.launch.bench_train import CompiledStep
+  from megajax.launch.timing import median_seconds
   from megajax.metrics import MetricsWriter
-  from megajax.model import GPT, ModelConfig
-  from megajax.parallel import ParallelPlan, make_mesh
   from megajax.tracing import StepTracer
 
   config = _config(len(jax.devices()))
   p = config.parallel
-  mesh = make_mesh(config, jax.devices()[:p.dp * p.pp * p.tp])
-  plan = ParallelPlan.build(config, GPT(ModelConfig.from_config(config.model)), mesh)
-  shape = (config.train.batch_size, config.model.seq_len)
-  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
-  batch = plan.put_batch({"inputs": tokens, "targets": tokens, "loss_mask": np.ones(shape, np.float32)})
-  holder = {"state": plan.init_state(jax.random.key(0))}
-  step = plan.train_step().lower(holder["state"], batch).compile()
-
-  def one_step():
-    holder["state"], metrics = step(holder["state"], batch)
-    return jax.block_until_ready(metrics)
+  step = CompiledStep(config, jax.devices()[:p.dp * p.pp * p.tp])
+  mesh, one_step = step.mesh, step.run
 
   with tempfile.TemporaryDirectory() as workdir:
     tracer = StepTracer(config, mesh, workdir)
-    tracer.describe(step)
+    tracer.describe(step.compiled)
     writer = MetricsWriter(workdir, 10 ** 6, progress=False)
     heartbeat = Heartbeat(workdir, 0, [], interval=1.0)
-    one_step()                                                   # warm
-    bare = _median(one_step, repeats)
+    bare = median_seconds(one_step, repeats=repeats)            # after one untimed step
     metrics = jax.device_get(one_step())
     record = {k: float(v) for k, v in metrics.items()}
     counter = iter(range(1, 10 ** 9))
@@ -77,15 +55,15 @@ def observe(repeats: int) -> None:
       writer.write(n, record)
       tracer.wants(n)
 
-    always_on = _median(bookkeeping, repeats * 20)
+    always_on = median_seconds(bookkeeping, repeats=repeats * 20)
 
     def traced_step():
       tracer.start(next(counter))
       one_step()
       tracer.stop()
 
-    traced_step()                                                # the profiler's first start is slower
-    traced = _median(traced_step, max(3, repeats // 4))
+    # The untimed first run: the profiler's first start is slower.
+    traced = median_seconds(traced_step, repeats=max(3, repeats // 4))
     heartbeat.close(done=True)
     writer.close()
 

@@ -15,9 +15,6 @@ suite end to end (the tests run it); the 1.3B and 3B rows are for a GPU.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 SIZES = {   # layers, hidden, heads (head dim 128 for the GPU sizes), batch B per step
     "tiny": dict(num_layers=2, hidden_dim=64, num_heads=4, vocab_size=256, batch=4),
     "1.3b": dict(num_layers=24, hidden_dim=2048, num_heads=16, vocab_size=64000, batch=8),
@@ -48,34 +45,44 @@ def row_config(size: str, seq: int, window: int, row: int, on_gpu: bool):
   return c
 
 
+class CompiledStep:
+  """The config's compiled train step on `devices`, a synthetic batch of random tokens, and
+  the state it threads from call to call: `run()` is one step, waited for."""
+
+  def __init__(self, config, devices):
+    import jax
+    import numpy as np
+    from megajax.model import GPT, ModelConfig
+    from megajax.parallel import ParallelPlan, make_mesh
+
+    self.mesh = make_mesh(config, devices)
+    self.plan = ParallelPlan.build(config, GPT(ModelConfig.from_config(config.model)), self.mesh)
+    shape = (config.train.batch_size, config.model.seq_len)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
+    self.batch = self.plan.put_batch({"inputs": tokens, "targets": tokens, "loss_mask": np.ones(shape, np.float32)})
+    self.state = self.plan.init_state(jax.random.key(0))
+    self.compiled = self.plan.train_step().lower(self.state, self.batch).compile()
+    self.tokens_per_step = shape[0] * shape[1]
+
+  def run(self) -> dict:
+    import jax
+    self.state, metrics = self.compiled(self.state, self.batch)
+    return jax.block_until_ready(metrics)
+
+
 def measure(config, repeats: int) -> dict:
   """Median step time of the compiled step on one device, and what it makes."""
   import jax
-  import numpy as np
   from megajax.flops import mfu, training_flops_per_token
-  from megajax.model import GPT, ModelConfig
-  from megajax.parallel import ParallelPlan, make_mesh
+  from megajax.launch.timing import median_seconds
 
   device = jax.devices()[0]
-  plan = ParallelPlan.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config, [device]))
-  shape = (config.train.batch_size, config.model.seq_len)
-  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
-  batch = plan.put_batch({"inputs": tokens, "targets": tokens, "loss_mask": np.ones(shape, np.float32)})
-  state = plan.init_state(jax.random.key(0))
-  step = plan.train_step().lower(state, batch).compile()
-  state, metrics = step(state, batch)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  seconds = statistics.median(times)
-  tokens_per_sec = shape[0] * shape[1] / seconds
-  tflops = tokens_per_sec * training_flops_per_token(plan.model.config) / 1e12
+  step = CompiledStep(config, [device])
+  seconds = median_seconds(step.run, repeats=repeats)      # after one untimed step
+  tokens_per_sec = step.tokens_per_step / seconds
+  tflops = tokens_per_sec * training_flops_per_token(step.plan.model.config) / 1e12
   return {"step_s": seconds, "tokens_per_sec": tokens_per_sec, "tflops": tflops,
-          "mfu": mfu(tflops, device.device_kind), "loss": float(metrics["loss"])}
+          "mfu": mfu(tflops, device.device_kind), "loss": float(step.run()["loss"])}
 
 
 def train_suite(size: str, seq: int, window: int, repeats: int) -> list[dict]:

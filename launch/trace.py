@@ -65,7 +65,8 @@ def plot_heat_map(rows: list[dict], path: str) -> None:
 def _analyse_step(step_dir: str, reference: int, threshold: float):
   ranks = analysis.load_ranks(step_dir)
   shifts = analysis.align(ranks, reference)
-  return ranks, shifts, analysis.heat_map(ranks), analysis.find_stragglers(ranks, threshold)
+  rows = analysis.heat_map(ranks)
+  return ranks, shifts, rows, analysis.find_stragglers(ranks, threshold, rows)
 
 
 def analyse(workdir: str, steps: list[int] | None = None, reference: int = 0, threshold: float = 1.5) -> dict:

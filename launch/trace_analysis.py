@@ -50,7 +50,7 @@ class Rank:
 
   @property
   def label(self) -> str:
-    return "DP{}-PP{}-TP{}".format(*self.coords)
+    return rank_label(self.coords)
 
 
 def rank_label(coords) -> str:
@@ -257,7 +257,7 @@ def _last_to_start(ranks: list[Rank]) -> dict[str, dict[str, float]]:
           for label, c in counts.items()}
 
 
-def find_stragglers(ranks: list[Rank], threshold: float = 1.5) -> dict:
+def find_stragglers(ranks: list[Rank], threshold: float = 1.5, rows: list[dict] | None = None) -> dict:
   """Root causes and victims (MegaScan's heuristic, on per-rank totals of the traced step).
 
   A rank is a straggler when, in every group it joins that has other members — its dp peers
@@ -265,7 +265,7 @@ def find_stragglers(ranks: list[Rank], threshold: float = 1.5) -> dict:
   the group's largest and at least `threshold` x the others' median. Its victims are the
   other members of those groups, whose extra communication time is the wait for it.
   """
-  rows = {row["rank"]: row for row in heat_map(ranks)}
+  rows = {row["rank"]: row for row in rows or heat_map(ranks)}
   groups = collections.defaultdict(list)
   for row in rows.values():
     groups[("dp", row["pp"], row["tp"])].append(row["rank"])

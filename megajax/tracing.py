@@ -18,7 +18,8 @@ import os
 import re
 
 import jax
-import numpy as np
+
+from megajax.parallel.mesh import local_device_coordinates
 
 TRACES = "traces"
 META = "trace_meta.json"
@@ -68,11 +69,6 @@ def module_name(hlo_text: str) -> str:
   return match.group(1) if match else ""
 
 
-def device_coordinates(mesh) -> dict[int, tuple[int, int, int]]:
-  """Device id -> its (dp, pp, tp) coordinates in the mesh."""
-  return {mesh.devices[index].id: tuple(int(i) for i in index) for index in np.ndindex(*mesh.devices.shape)}
-
-
 class StepTracer:
   """Decides which steps to trace and records them (one step, every process)."""
 
@@ -89,13 +85,10 @@ class StepTracer:
   def describe(self, compiled) -> None:
     """The compiled step's operations and this process's devices (for trace_meta.json)."""
     text = compiled.as_text()
-    coords = device_coordinates(self.mesh)
-    local = [d for d in jax.local_devices() if d.id in coords]
     self.meta = {"process": jax.process_index(), "module": module_name(text),
-                 "platform": local[0].platform if local else "",
-                 # Trace events name a device by its local ordinal (CPU: args.device_ordinal;
-                 # GPU: the "/device:GPU:<ordinal>" track).
-                 "devices": [{"ordinal": i, "id": d.id, "coords": coords[d.id]} for i, d in enumerate(local)],
+                 # Trace events name a device by its id (CPU: args.device_ordinal) or its local
+                 # ordinal (GPU: the "/device:GPU:<ordinal>" track).
+                 "devices": [{"ordinal": i, **d} for i, d in enumerate(local_device_coordinates(self.mesh))],
                  "ops": operations(text)}
 
   def start(self, step: int) -> None:

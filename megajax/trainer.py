@@ -28,7 +28,7 @@ from megajax.config import validate
 from megajax.flops import mfu, training_flops_per_token
 from megajax.metrics import CompilationCacheCounter, MetricsWriter, seconds_since_process_start
 from megajax.model import GPT, ModelConfig, count_params
-from megajax.parallel import ParallelPlan, local_batch_slice, make_mesh
+from megajax.parallel import ParallelPlan, local_batch_slice, local_device_coordinates, make_mesh
 from megajax.probes import ActivationLog
 from megajax.tracing import StepTracer
 from megajax.parallel.schedule import ascii_paired_timeline, ascii_timeline
@@ -79,14 +79,6 @@ class PreemptionWatcher:
 
 def build_model(config: ml_collections.ConfigDict) -> GPT:
   return GPT(ModelConfig.from_config(config.model))
-
-
-def _device_coordinates(mesh) -> list[dict]:
-  """This process's devices and their (dp, pp, tp) coordinates on the mesh (for the hang view)."""
-  import numpy as np
-  mine = {d.id for d in jax.local_devices()}
-  return [{"id": int(device.id), "coords": [int(i) for i in index]}
-          for index, device in np.ndenumerate(mesh.devices) if device.id in mine]
 
 
 def should_log(step: int, config: ml_collections.ConfigDict) -> bool:
@@ -337,7 +329,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
 
   # --- Checkpoint and state: resume from the latest complete checkpoint, or initialize
   # (each device only its own shards).
-  heartbeat = Heartbeat(workdir, jax.process_index(), _device_coordinates(mesh),
+  heartbeat = Heartbeat(workdir, jax.process_index(), local_device_coordinates(mesh),
                         config.supervisor.heartbeat_interval_s) if workdir else None
   done = False
   try:

@@ -90,6 +90,13 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DP))
 
 
+def local_device_coordinates(mesh: Mesh) -> list[dict]:
+  """This process's devices of the mesh, in jax.local_devices() order (a trace names a
+  device by that local ordinal): [{"id", "coords": [dp, pp, tp]}]."""
+  coords = {device.id: [int(i) for i in index] for index, device in np.ndenumerate(mesh.devices)}
+  return [{"id": int(d.id), "coords": coords[d.id]} for d in jax.local_devices() if d.id in coords]
+
+
 def local_batch_slice(mesh: Mesh, global_batch: int) -> tuple[int, int]:
   """(index, count): this process holds rows index*B/count .. (index+1)*B/count - 1 of each batch.
 
