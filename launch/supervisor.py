@@ -35,6 +35,7 @@ from megajax.launch.hang_view import classify, format_hang_view
 from megajax.launch.local import LocalJob
 
 POLL_SECONDS = 0.1
+STACK_DUMP_SECONDS = 2.0
 CRASH_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 NOT_RETRIED = (2,)     # megajax-train's exit code for a config / checkpoint / topology error
 
@@ -180,6 +181,11 @@ class Supervisor:
       if failure.kind == "preempted":
         return 143
       logging.error("attempt %d failed: %s", attempt, failure.detail)
+      if failure.kind in ("hang", "heartbeat_lost"):
+        # Each live worker prints its threads' Python stacks to its log (SIGUSR1, launch/train.py):
+        # where the victims wait and what the suspects were doing.
+        job.signal(signal.SIGUSR1)
+        time.sleep(STACK_DUMP_SECONDS)
       job.stop(grace=1.0)       # a broken job cannot save anything: a moment for logs, then SIGKILL
       incident = self._incident(failure, attempt)
       if failure.exit_code in NOT_RETRIED:

@@ -9,6 +9,8 @@ Mistakes in the config or flags end the run with one line on stderr and exit cod
 before anything is compiled.
 """
 
+import faulthandler
+import signal
 import sys
 
 from absl import app
@@ -38,6 +40,9 @@ def _fail(kind: str, message) -> None:
 
 def main(argv):
   logging.get_absl_handler().addFilter(QuietLibraries())
+  # `kill -USR1 <pid>` prints every thread's Python stack to stderr and training goes on: what a
+  # hung worker is doing (the supervisor sends it before stopping a hung job).
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   # Validated before jax.distributed (which can wait minutes for peers) or any compile.
   config = validated_config("megajax-train", argv, _CONFIG)
   # Before jax starts a backend: XLA / NCCL presets (GPU), the persistent compilation cache.

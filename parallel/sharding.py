@@ -18,12 +18,13 @@ import dataclasses
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import optax
 
 from megajax.model import GPT, logical_axes
 from megajax.optim import TensorNorms
-from megajax.parallel.mesh import DP, PP, TP, to_varying
+from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
 
 # The logical axes tensor parallelism splits over the tp mesh axis; other axes stay whole.
 TENSOR_PARALLEL_AXES = ("heads", "kv_heads", "mlp", "vocab")
@@ -117,12 +118,66 @@ def _forward_order(name: str):
 
 
 @jax.named_scope("dp reduce-scatter")
-def reduce_scatter_grads(grads, layouts):
-  """Per-device gradients -> their dp sum, each dp rank keeping its shard (no all-reduce)."""
+def reduce_scatter_grads(grads, layouts, bucketed: bool | None = None):
+  """Per-device gradients -> their dp sum, each dp rank keeping its shard (no all-reduce).
+
+  One reduce-scatter per leaf, so that each can start as soon as the backward pass has
+  made its gradient. `bucketed` (default: on CPU across processes) packs every leaf into one
+  reduce-scatter and one all-reduce instead: XLA:CPU runs independent collectives
+  concurrently, and its gloo reduce-scatters on one communicator take their message slots
+  from a shared counter in whatever order their threads get there. Two processes can then
+  wait on different slots: a 30 s timeout whose error path hangs (jax-ml/jax#40831).
+  """
+  if bucketed is None:
+    bucketed = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+  if bucketed:
+    return _bucketed_reduce_scatter(grads, layouts)
   return jax.tree.map(
       lambda g, layout: lax.psum(g, DP) if layout.dp_dim is None
       else lax.psum_scatter(g, DP, scatter_dimension=layout.dp_dim, tiled=True),
       grads, layouts)
+
+
+def _bucketed_reduce_scatter(grads, layouts):
+  """reduce_scatter_grads with one collective per group of leaves, one after the other, same
+  values: each leaf split along its dp dimension into dp rows [dp, n], the rows of a group's
+  leaves side by side, one tiled reduce-scatter over the rows; leaves with no dp split, one psum."""
+  leaves, treedef = jax.tree.flatten(grads)
+  leaf_layouts = treedef.flatten_up_to(layouts)
+  dp = lax.axis_size(DP)
+  out = list(leaves)
+  previous = None
+
+  def in_turn(x):
+    # A data dependency on the previous collective's result (x + 0 * r: not folded away for
+    # floats) so that XLA:CPU starts this collective only after that one has finished. (Not
+    # where it would make x vary over more mesh axes; groups go from the least varying.)
+    if previous is None or not varying_axes(previous) <= varying_axes(x):
+      return x
+    return x + (previous * 0).astype(x.dtype)
+
+  # Packed together only leaves of one dtype that vary over the same mesh axes (shard_map's
+  # types: a tp-replicated leaf must not come back tp-varying).
+  kind = lambda g: (str(g.dtype), tuple(sorted(varying_axes(g))))
+  for group in sorted({kind(g) for g in leaves}, key=lambda k: (len(k[1]), k)):
+    scattered = [i for i, g in enumerate(leaves) if kind(g) == group and leaf_layouts[i].dp_dim is not None]
+    summed = [i for i, g in enumerate(leaves) if kind(g) == group and leaf_layouts[i].dp_dim is None]
+    if scattered:
+      moved = [jnp.moveaxis(leaves[i], leaf_layouts[i].dp_dim, 0) for i in scattered]
+      rows = jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1)
+      mine = lax.psum_scatter(in_turn(rows), DP, scatter_dimension=0, tiled=True)[0]
+      previous = mine[0]
+      offsets = np.cumsum([0] + [m.size // dp for m in moved])
+      for i, m, start, stop in zip(scattered, moved, offsets[:-1], offsets[1:]):
+        shard = mine[start:stop].reshape((m.shape[0] // dp, *m.shape[1:]))
+        out[i] = jnp.moveaxis(shard, 0, leaf_layouts[i].dp_dim)
+    if summed:
+      total = lax.psum(in_turn(jnp.concatenate([leaves[i].ravel() for i in summed])), DP)
+      previous = total[0]
+      offsets = np.cumsum([0] + [leaves[i].size for i in summed])
+      for i, start, stop in zip(summed, offsets[:-1], offsets[1:]):
+        out[i] = total[start:stop].reshape(leaves[i].shape)
+  return treedef.unflatten(out)
 
 
 def tensor_norms(layouts) -> TensorNorms:

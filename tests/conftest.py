@@ -65,19 +65,44 @@ def child_env(extra=None) -> dict:
 
 def launch_two_processes(args, timeout=300):
   """`python <args>` as a 2-process jax.distributed job on 127.0.0.1 (the launcher's topology
-  flags added): (return codes, stderrs)."""
+  flags added): (return codes, stderrs). A job still running after `timeout` s fails the test
+  with each process's Python stacks (SIGUSR1: megajax-train prints them) and log tail."""
+  import signal
   import socket
   import subprocess
+  import time
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
+  # stderr to files, not pipes: a pipe nobody reads while we wait on the other process can
+  # fill and block its writer (which then stops answering the collectives).
+  logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
   procs = [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                              f"--process_id={i}"],
-                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=logs[i], text=True)
            for i in range(2)]
+  deadline = time.monotonic() + timeout
   try:
-    errors = [p.communicate(timeout=timeout)[1] for p in procs]
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    hung = any(p.poll() is None for p in procs)
+    if hung:
+      for p in procs:
+        p.send_signal(signal.SIGUSR1)
+      time.sleep(3)
+    for p in procs:
+      p.kill()
+      p.wait()
+    errors = []
+    for log in logs:
+      log.seek(0)
+      errors.append(log.read())
   finally:
     for p in procs:
       p.kill()
+    for log in logs:
+      log.close()
+  if hung:
+    tails = [f"--- process {i} (exit code {p.returncode}):\n{e[-8000:]}" for i, (p, e) in enumerate(zip(procs, errors))]
+    raise AssertionError(f"the 2-process job did not end within {timeout} s\n" + "\n".join(tails))
   return [p.returncode for p in procs], errors

@@ -131,6 +131,10 @@ def test_fault_drills_nan_kill_hang_and_elastic_continue(tmp_path):
   view = (elastic / "hang_views.txt").read_text()
   assert "suspects: process 1" in view and "victims: process 0" in view, view
   assert "S p1" in view and "V p0" in view
+  # Before stopping the job the supervisor had each worker print its Python stacks (SIGUSR1):
+  # the victim's log shows it waiting inside the training loop.
+  victim_log = (elastic / "logs" / "attempt_0.process_0.log").read_text()
+  assert "(most recent call first)" in victim_log and "_run_loop" in victim_log, victim_log[-3000:]
   assert incident["action"] == "elastic" and incident["bad_processes"] == [1], incident
   assert incident["mesh_after"] == [1, 1, 4] and incident["processes_after"] == 1
   assert "train.microbatches=8 (the global batch stays 16)" in output

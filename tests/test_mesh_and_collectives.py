@@ -92,3 +92,40 @@ def test_collective_matmuls_equal_the_plain_collectives(tp, chunks):
   for got, want in zip(jax.jit(jax.grad(row_loss(row_fn), argnums=(0, 1)))(y, w_row),
                        jax.grad(row_loss(lambda a, w: a @ w), argnums=(0, 1))(y, w_row)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_bucketed_gradient_reduce_scatter_equals_one_per_leaf():
+  """ZeRO's gradient reduce-scatter packed into one collective per group of leaves (what CPU
+  jobs across processes use) keeps each dp rank the same shard of the same sum as one
+  collective per leaf: leaves split on dim 0, on a dim also split over tp, on a middle dim,
+  unsplit (psum), bf16, and tp-replicated leaves (which must stay tp-replicated)."""
+  from megajax.parallel.mesh import DP
+  from megajax.parallel.sharding import Layout, reduce_scatter_grads
+  mesh = make_mesh(mesh_config(4, 1, 2))
+  per_device = {"a": ((8, 6), Layout(None, 0)), "b": ((4, 8), Layout(1, 1)), "c": ((3, 5), Layout(None, None)),
+                "d": ((2, 8, 4), Layout(None, 1)), "e": ((4, 3), Layout(None, 0))}
+  per_dp_rank = {"f": ((4, 6), Layout(None, 0)), "g": ((5,), Layout(None, None))}
+  dtypes = {"d": jnp.bfloat16}
+  layouts = {k: layout for k, (_, layout) in (per_device | per_dp_rank).items()}
+  keys = iter(jax.random.split(jax.random.key(0), len(layouts)))
+  # Small integers: every order of summation gives the same floats, so the two must match exactly.
+  def make(shapes, n):
+    return {k: jax.random.randint(next(keys), (n, *shape), -8, 8).astype(dtypes.get(k, jnp.float32))
+            for k, (shape, _) in shapes.items()}
+  grads = (make(per_device, 8), make(per_dp_rank, 4))
+  specs = ({k: P((DP, TP)) for k in per_device}, {k: P(DP) for k in per_dp_rank})
+
+  def run(bucketed):
+    def body(tree):
+      local = jax.tree.map(lambda x: x[0], tree)
+      out = reduce_scatter_grads(local[0] | local[1], layouts, bucketed=bucketed)
+      return jax.tree.map(lambda x: x[None], ({k: out[k] for k in per_device}, {k: out[k] for k in per_dp_rank}))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs))(grads)
+
+  one_per_leaf, bucketed = run(False), run(True)
+  for got, want in zip(jax.tree.leaves(bucketed), jax.tree.leaves(one_per_leaf)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # And the values are the dp sums: leaf "a" (split on dim 0) on dp rank 1, tp rank 0.
+  total = grads[0]["a"].reshape(4, 2, 8, 6)[:, 0].sum(0)
+  np.testing.assert_array_equal(bucketed[0]["a"][1 * 2 + 0], total[2:4])
