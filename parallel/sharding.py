@@ -122,8 +122,9 @@ def reduce_scatter_grads(grads, layouts, bucketed: bool | None = None):
   """Per-device gradients -> their dp sum, each dp rank keeping its shard (no all-reduce).
 
   One reduce-scatter per leaf, so that each can start as soon as the backward pass has
-  made its gradient. `bucketed` (default: on CPU across processes) packs every leaf into one
-  reduce-scatter and one all-reduce instead: XLA:CPU runs independent collectives
+  made its gradient. `bucketed` (default: on CPU across processes) packs the leaves into one
+  reduce-scatter (and one psum) per group of leaves instead, run one after the other
+  (_bucketed_reduce_scatter; the same values): XLA:CPU runs independent collectives
   concurrently, and its gloo reduce-scatters on one communicator take their message slots
   from a shared counter in whatever order their threads get there. Two processes can then
   wait on different slots: a 30 s timeout whose error path hangs (jax-ml/jax#40831).
