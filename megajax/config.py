@@ -160,8 +160,9 @@ def default_config() -> ml_collections.ConfigDict:
   # (merge, heat map and stragglers: megajax-trace WORKDIR); 0: off.
   c.observe.trace_every = 0
   # Observation points "layer:tensor,...", tensor one of CAPTURE_TENSORS, layer an index or *
-  # (e.g. "0:attn_probs,*:residual"): statistics (and a small sample) of each, read one step
-  # late and appended to WORKDIR/activations.jsonl every `capture_every` steps. "": off.
+  # (e.g. "0:attn_probs,*:residual"): statistics (and a small sample) of each, computed every
+  # step, read one step late and appended to WORKDIR/activations.jsonl every `capture_every`
+  # steps (the device work does not thin out: capture few points on big runs). "": off.
   c.observe.capture = ""
   c.observe.capture_every = 1
   c.observe.capture_sample = 0      # Also the first N values of each captured tensor (0: none).
@@ -180,8 +181,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.debug.fail_process = -1         # ... only this process (-1: every process).
   c.debug.nonfinite_steps = ""      # Fault injection: "8,9,10" makes those steps' loss NaN.
   c.debug.diagnose_slow_process = -1  # Fault injection: megajax-diagnose sees this process slow.
-  # Straggler drill: the rank "dp,pp,tp" adds `slow_rank_work` extra matmuls of the hidden size
-  # to each layer's forward (megajax-trace should name it; "": off).
+  # Straggler drill: the rank "dp,pp,tp" runs `slow_rank_work` extra matmuls of the hidden size
+  # once per step, after its gradients, under the "forward" scope (megajax-trace should name it; "": off).
   c.debug.slow_rank = ""
   c.debug.slow_rank_work = 8
   c.debug.slow_rank_from_step = 0   # ... from this step on (one compiled program, before and after).

@@ -28,16 +28,22 @@ def attention_keys_per_query(seq_len: int, window: int | None) -> int:
   return seq_len if window is None else min(window, seq_len)
 
 
-def forward_flops_per_token(config: ModelConfig) -> float:
+def projection_macs_per_token(config: ModelConfig) -> int:
+  """One layer's weight matmuls per token, in multiply-adds: q, k, v, out, MLP in and out."""
   h = config.hidden_dim
   q_dim = config.num_heads * config.head_dim
   kv_dim = config.num_kv_heads * config.head_dim
-  projections = h * (q_dim + 2 * kv_dim) + q_dim * h + 2 * h * config.mlp_dim   # multiply-adds
+  return h * (q_dim + 2 * kv_dim) + q_dim * h + 2 * h * config.mlp_dim
+
+
+def forward_flops_per_token(config: ModelConfig) -> float:
+  q_dim = config.num_heads * config.head_dim
+  projections = projection_macs_per_token(config)
   total = 0.0
   for layer in range(config.num_layers):
     keys = attention_keys_per_query(config.seq_len, config.layer_window(layer))
     total += projections + 2 * keys * q_dim                                    # + QK^T and PV
-  total += h * config.vocab_size                                               # logits
+  total += config.hidden_dim * config.vocab_size                               # logits
   return 2.0 * total
 
 

@@ -19,12 +19,11 @@ import re
 
 import jax
 
-from megajax.parallel.mesh import local_device_coordinates
+from megajax.parallel.mesh import MESH_AXES, local_device_coordinates
 
 TRACES = "traces"
 META = "trace_meta.json"
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
-AXES = ("dp", "pp", "tp")
 
 # An HLO instruction line: "%name = type opcode(operands), ..., metadata={op_name="..." ...}"
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z\-]*)\(")
@@ -39,7 +38,7 @@ def classify(opcode: str, op_name: str) -> tuple[str, str]:
     # The innermost scope that names an axis ("tp all-gather", "pp send-recv", ...); the
     # opcode says what the collective does (a backward of an all-gather is a reduce-scatter).
     axis = next((part.split()[0] for part in reversed(op_name.split("/"))
-                 if part.split() and part.split()[0] in AXES), None)
+                 if part.split() and part.split()[0] in MESH_AXES), None)
     return "communication", f"{axis} {base}" if axis else base
   if "transpose(" in op_name:
     return "backward", "backward"

@@ -57,10 +57,10 @@ class Hardware:
 
 HARDWARE = {
     # A100 SXM: NVLink 3 600 GB/s both ways; 8 x 200 Gb/s NICs per node = 25 GB/s per GPU.
-    "a100-80g": Hardware("a100-80g", 312.0, 80.0, 2039.0, 300.0, 25.0, 8),
+    "a100-80g": Hardware("a100-80g", flops.PEAK_BF16_TFLOPS["a100"], 80.0, 2039.0, 300.0, 25.0, 8),
     # H100 / H200 SXM: NVLink 4 900 GB/s both ways; 8 x 400 Gb/s NICs per node = 50 GB/s per GPU.
-    "h100-80g": Hardware("h100-80g", 989.0, 80.0, 3350.0, 450.0, 50.0, 8),
-    "h200-141g": Hardware("h200-141g", 989.0, 141.0, 4800.0, 450.0, 50.0, 8),
+    "h100-80g": Hardware("h100-80g", flops.PEAK_BF16_TFLOPS["h100"], 80.0, 3350.0, 450.0, 50.0, 8),
+    "h200-141g": Hardware("h200-141g", flops.PEAK_BF16_TFLOPS["h200"], 141.0, 4800.0, 450.0, 50.0, 8),
 }
 
 # --- Calibration constants (the only fitted numbers; all in one place) -----------------------
@@ -362,14 +362,13 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   o, p, v, m, n = plan.opts, plan.pp, plan.virtual_stages, plan.microbatches, plan.tp
   tokens = plan.micro_batch * c.seq_len
   layers = c.num_layers // p
-  h, q, kv = c.hidden_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  h, q = c.hidden_dim, c.num_heads * c.head_dim
   cb = _bytes(c.compute_dtype)
   peak = hw.peak_tflops * 1e12
   megajax = plan.executor == "megajax"
 
   # Compute per microbatch on the last stage (its layers and the head), forward FLOPs.
-  projection = h * (q + 2 * kv) + q * h + 2 * h * c.mlp_dim
-  gemm_fwd = 2 * tokens * (layers * projection + h * c.vocab_size) / n
+  gemm_fwd = 2 * tokens * (layers * flops.projection_macs_per_token(c) + h * c.vocab_size) / n
   keys = sum(flops.attention_keys_per_query(c.seq_len, c.layer_window(i)) for i in range(c.num_layers)) / c.num_layers
   attention_fwd = 2 * tokens * layers * 2 * keys * q / n
   # Forwards run again: megajax's pipeline backward recomputes its chunk; remat per policy

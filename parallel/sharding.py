@@ -159,10 +159,11 @@ def _bucketed_reduce_scatter(grads, layouts):
 
   # Packed together only leaves of one dtype that vary over the same mesh axes (shard_map's
   # types: a tp-replicated leaf must not come back tp-varying).
-  kind = lambda g: (str(g.dtype), tuple(sorted(varying_axes(g))))
-  for group in sorted({kind(g) for g in leaves}, key=lambda k: (len(k[1]), k)):
-    scattered = [i for i, g in enumerate(leaves) if kind(g) == group and leaf_layouts[i].dp_dim is not None]
-    summed = [i for i, g in enumerate(leaves) if kind(g) == group and leaf_layouts[i].dp_dim is None]
+  kinds = [(str(g.dtype), tuple(sorted(varying_axes(g)))) for g in leaves]
+  for group in sorted(set(kinds), key=lambda k: (len(k[1]), k)):
+    members = [i for i, k in enumerate(kinds) if k == group]
+    scattered = [i for i in members if leaf_layouts[i].dp_dim is not None]
+    summed = [i for i in members if leaf_layouts[i].dp_dim is None]
     if scattered:
       moved = [jnp.moveaxis(leaves[i], leaf_layouts[i].dp_dim, 0) for i in scattered]
       rows = jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1)

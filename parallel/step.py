@@ -88,7 +88,7 @@ class ParallelPlan:
                              opt_state=sharding.optimizer_specs(optimizer, params_like, param_specs))
     return cls(config, mesh, model, layouts, optimizer, state_specs, tables)
 
-  @property
+  @functools.cached_property
   def probes(self):
     """observe.capture / observe.perturb as megajax.probes.Probes; None (the default): off."""
     from megajax.probes import Probes    # here: megajax.probes imports megajax.parallel.mesh

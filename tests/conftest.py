@@ -68,12 +68,10 @@ def launch_two_processes(args, timeout=300):
   flags added): (return codes, stderrs). A job still running after `timeout` s fails the test
   with each process's Python stacks (SIGUSR1: megajax-train prints them) and log tail."""
   import signal
-  import socket
   import subprocess
   import time
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  from megajax.launch.local import free_port
+  port = free_port()
   # stderr to files, not pipes: a pipe nobody reads while we wait on the other process can
   # fill and block its writer (which then stops answering the collectives).
   logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
@@ -83,25 +81,24 @@ def launch_two_processes(args, timeout=300):
            for i in range(2)]
   deadline = time.monotonic() + timeout
   try:
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-      time.sleep(0.1)
-    hung = any(p.poll() is None for p in procs)
-    if hung:
+    try:
+      for p in procs:
+        p.wait(timeout=max(0.0, deadline - time.monotonic()))
+      hung = False
+    except subprocess.TimeoutExpired:
+      hung = True
       for p in procs:
         p.send_signal(signal.SIGUSR1)
       time.sleep(3)
-    for p in procs:
-      p.kill()
-      p.wait()
-    errors = []
-    for log in logs:
-      log.seek(0)
-      errors.append(log.read())
   finally:
     for p in procs:
       p.kill()
-    for log in logs:
-      log.close()
+      p.wait()
+  errors = []
+  for log in logs:
+    log.seek(0)
+    errors.append(log.read())
+    log.close()
   if hung:
     tails = [f"--- process {i} (exit code {p.returncode}):\n{e[-8000:]}" for i, (p, e) in enumerate(zip(procs, errors))]
     raise AssertionError(f"the 2-process job did not end within {timeout} s\n" + "\n".join(tails))
