@@ -8,7 +8,8 @@ A checkpoint at step n (WORKDIR/checkpoints/n/) holds three items:
   meta    JSON: the config, the layout the state was saved in (mesh, pipeline stages,
           virtual stages) and the RNG seed, so a restore can check and convert
 
-MegaScale 4.4's two stages are Orbax's asynchronous save: `save` returns once the arrays
+The checkpointer owns its cadence (`due`): every checkpoint.every_steps steps, the last step
+and a preemption. MegaScale 4.4's two stages are Orbax's asynchronous save: `save` returns once the arrays
 are copied device -> host (stage 1, the only time the step loop waits: `ckpt_blocking_s`);
 the write host -> storage runs in a background thread (stage 2), and the finalization
 callback records `ckpt_total_s`. Atomicity is Orbax's: items are written under a temporary
@@ -34,6 +35,7 @@ import orbax.checkpoint as ocp
 
 from megajax.checkpoint import reshard
 from megajax.model import GPT, ModelConfig, init_params
+from megajax.parallel import ParallelStep
 from megajax.parallel.mesh import DP
 
 STATE, DATA, META = "state", "data", "meta"
@@ -124,6 +126,12 @@ class TrainingCheckpointer:
         self.finished.append((step, now - start))
       self._pending.clear()
 
+  def due(self, step: int, preempted: bool = False) -> bool:
+    """Whether the state after `step` is to be saved: every checkpoint.every_steps steps (0:
+    never on a schedule), at train.steps, and when the job is preempted."""
+    every = self._config.checkpoint.every_steps
+    return preempted or step == self._config.train.steps or bool(every and step % every == 0)
+
   def save(self, step: int, state, data_state: dict) -> float:
     """Starts saving; returns the seconds the caller waited (stage 1, device -> host)."""
     start = time.perf_counter()
@@ -165,8 +173,8 @@ class TrainingCheckpointer:
   def path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def restore_latest(self, plan) -> Restored | None:
-    """The latest readable checkpoint, onto the plan's mesh and layout; None if there is none.
+  def restore_latest(self, parallel_step: ParallelStep) -> Restored | None:
+    """The latest readable checkpoint, onto the 3D step's mesh and layout; None if there is none.
 
     An unreadable one (truncated, corrupted) is reported and the previous complete one
     tried; one saved by a different model raises CheckpointError naming the differences.
@@ -180,9 +188,9 @@ class TrainingCheckpointer:
       except Exception as error:  # pylint: disable=broad-except  (any read failure: try the previous one)
         meta, failure = None, error
       if _all_processes_agree(meta is not None):
-        check_compatible(meta, self._config, plan, self.path(step))
+        check_compatible(meta, self._config, parallel_step, self.path(step))
         try:
-          restored = self._restore_onto(plan, step, meta)
+          restored = self._restore_onto(parallel_step, step, meta)
         except _PROGRAMMING_ERRORS:
           raise
         except Exception as error:  # pylint: disable=broad-except
@@ -199,36 +207,36 @@ class TrainingCheckpointer:
                             "move them aside to start fresh, or point --workdir elsewhere")
     return None
 
-  def _restore_onto(self, plan, step: int, meta: dict) -> Restored:
+  def _restore_onto(self, parallel_step: ParallelStep, step: int, meta: dict) -> Restored:
     before = _storage_bytes_read()
-    restored = self._restore_state(plan, step, meta)
+    restored = self._restore_state(parallel_step, step, meta)
     after = _storage_bytes_read()
     restored.bytes_read = None if before is None else after - before
     logging.info("restoring %s (%s): this process read %s bytes from storage", self.path(step),
                  self._config.checkpoint.restore_mode, restored.bytes_read)
     return restored
 
-  def _restore_state(self, plan, step: int, meta: dict) -> Restored:
+  def _restore_state(self, parallel_step: ParallelStep, step: int, meta: dict) -> Restored:
     current = layout_of(self._config)
     if reshard.same_structure(meta["layout"], current):   # Orbax reshards over dp and tp by itself
       if self._config.checkpoint.restore_mode == "broadcast":
-        return self._broadcast_restore(plan, step)
-      return self.restore(step, plan.abstract_inputs()[0])
+        return self._broadcast_restore(parallel_step, step)
+      return self.restore(step, parallel_step.abstract_inputs()[0])
     logging.info("checkpoint %s was saved with pp=%d, virtual_stages=%d; converting to pp=%d, virtual_stages=%d",
                  self.path(step), meta["layout"]["pp"], meta["layout"]["virtual_stages"], current["pp"],
                  current["virtual_stages"])
-    restored = self.restore(step, reshard.saved_abstract_state(plan, meta["layout"]))
-    state = reshard.convert_state(plan, restored.state, meta["layout"])
+    restored = self.restore(step, reshard.saved_abstract_state(parallel_step, meta["layout"]))
+    state = reshard.convert_state(parallel_step, restored.state, meta["layout"])
     return dataclasses.replace(restored, state=state)
 
-  def _broadcast_restore(self, plan, step: int) -> Restored:
+  def _broadcast_restore(self, parallel_step: ParallelStep, step: int) -> Restored:
     """MegaScale 4.4's restore: the devices of data-parallel replica 0 read the state from
     storage, the other replicas receive it over the interconnect (Orbax's
     SingleReplicaArrayHandler, in chunks of at most `broadcast_memory_limit_mib`). Each
     replica then keeps its own ZeRO shards (a local slice: no more traffic)."""
     from orbax.checkpoint import type_handlers
-    abstract = plan.abstract_inputs()[0]
-    mesh = plan.mesh
+    abstract = parallel_step.abstract_inputs()[0]
+    mesh = parallel_step.mesh
 
     def whole_over_dp(sharding):
       spec = [tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a != DP) or None
@@ -244,7 +252,7 @@ class TrainingCheckpointer:
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as checkpointer:
       state = checkpointer.restore(os.path.join(self.path(step), STATE),
                                    args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
-    state = jax.jit(lambda state: state, out_shardings=plan.state_shardings)(state)
+    state = jax.jit(lambda state: state, out_shardings=parallel_step.state_shardings)(state)
     rest = self._manager.restore(step, args=ocp.args.Composite(**{DATA: DataStateRestore(),
                                                                    META: ocp.args.JsonRestore()}))
     return Restored(step, state, rest[DATA], rest[META])
@@ -288,7 +296,8 @@ def _differences(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
   return lines
 
 
-def check_compatible(meta: dict, config: ml_collections.ConfigDict, plan, path: str) -> None:
+def check_compatible(meta: dict, config: ml_collections.ConfigDict, parallel_step: ParallelStep,
+                     path: str) -> None:
   """Raises CheckpointError when the checkpoint's parameters or optimizer state cannot fit this
   run's model; other differing model fields (window, dtypes, kernels) are only logged."""
   differences = _differences(meta["config"], config)
@@ -296,7 +305,7 @@ def check_compatible(meta: dict, config: ml_collections.ConfigDict, plan, path: 
     return
   shapes = lambda model: jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
   saved_model = GPT(ModelConfig.from_config(ml_collections.ConfigDict(meta["config"]["model"])))
-  saved, now = shapes(saved_model), shapes(plan.model)
+  saved, now = shapes(saved_model), shapes(parallel_step.model)
   same = (jax.tree.structure(saved) == jax.tree.structure(now)
           and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(now)))
           and meta["config"]["optimizer"]["name"] == config.optimizer.name)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from megajax.model import init_params
-from megajax.parallel import pipeline
-from megajax.step import TrainState
+from megajax.parallel import ParallelStep, pipeline
+from megajax.reference_step import TrainState
 
 
 def pipeline_layout_of(layout: dict) -> tuple[int, int] | None:
@@ -40,18 +40,18 @@ def spread_sharding(shape, mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def saved_abstract_state(plan, layout: dict) -> TrainState:
-  """The state as it was saved (its layout's structure), spread over the plan's mesh."""
+def saved_abstract_state(parallel_step: ParallelStep, layout: dict) -> TrainState:
+  """The state as it was saved (its layout's structure), spread over the step's mesh."""
   saved = pipeline_layout_of(layout)
 
   def structure():
-    params = init_params(plan.model, jax.random.key(0))
+    params = init_params(parallel_step.model, jax.random.key(0))
     if saved is not None:
       params = pipeline.to_pipeline_params(params, *saved)
-    return TrainState(jnp.zeros((), jnp.int32), params, plan.optimizer.init(params))
+    return TrainState(jnp.zeros((), jnp.int32), params, parallel_step.optimizer.init(params))
 
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=spread_sharding(s.shape, plan.mesh)),
-                      jax.eval_shape(structure))
+  spread = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=spread_sharding(s.shape, parallel_step.mesh))
+  return jax.tree.map(spread, jax.eval_shape(structure))
 
 
 def _map_param_trees(fn, tree, params_treedef):
@@ -60,16 +60,16 @@ def _map_param_trees(fn, tree, params_treedef):
   return jax.tree.map(lambda node: fn(node) if is_params(node) else node, tree, is_leaf=is_params)
 
 
-def convert_state(plan, state: TrainState, layout: dict) -> TrainState:
-  """A state read in the saved layout -> the plan's layout and shardings."""
+def convert_state(parallel_step: ParallelStep, state: TrainState, layout: dict) -> TrainState:
+  """A state read in the saved layout -> this run's layout and shardings."""
   saved = pipeline_layout_of(layout)
 
-  def to_plan(params):
+  def to_run(params):
     model_params = params if saved is None else pipeline.to_model_params(params, *saved)
-    return plan.from_model_params(model_params)
+    return parallel_step.from_model_params(model_params)
 
   def convert(state):
     treedef = jax.tree.structure(state.params)
-    return TrainState(state.step, to_plan(state.params), _map_param_trees(to_plan, state.opt_state, treedef))
+    return TrainState(state.step, to_run(state.params), _map_param_trees(to_run, state.opt_state, treedef))
 
-  return jax.jit(convert, out_shardings=plan.state_shardings)(state)
+  return jax.jit(convert, out_shardings=parallel_step.state_shardings)(state)

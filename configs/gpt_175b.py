@@ -8,7 +8,7 @@ Sliding window 1024: MegaScale runs SWA (Table 3), and its Table 2 MFU column im
 1.077e12 with full attention, which the Megatron-LM rows imply). For the Megatron-LM
 baseline: --config.model.window=0 --config.model.block=serial --config.optimizer.name=adamw.
 
-Plan it on a cluster (megajax.parallel.cost_model):
+Plan it on a cluster (megajax.parallel.planner.cost_model):
   megajax-plan --config=configs/gpt_175b.py --gpus=12288 --hardware=a100-80g --batch=6144
 """
 

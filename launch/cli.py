@@ -10,15 +10,34 @@ import sys
 
 from absl import flags
 from absl import logging
+from ml_collections import config_flags
 
+import megajax.checkpoint
+import megajax.config
+import megajax.launch
+import megajax.layers
+import megajax.parallel
 from megajax.config import ConfigError, default_config, validate
 from megajax.launch.cluster import expected_process_count, initialize_distributed, request_host_devices
 from megajax.parallel import mesh_shape
 
 # megajax's own source folders (megajax/, layers/, launch/, ... install as one namespace).
-_OUR_DIRS = tuple(os.path.dirname(os.path.abspath(__import__(name, fromlist=["_"]).__file__)) + os.sep
-                  for name in ("megajax", "megajax.layers", "megajax.parallel", "megajax.checkpoint",
-                               "megajax.launch"))
+_OUR_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                  for module in (megajax.config, megajax.layers, megajax.parallel, megajax.checkpoint, megajax.launch))
+
+
+def define_config_flag():
+  """--config: the experiment's config file, fields overridable as --config.a.b=v (locked:
+  an unknown field is an error). For a command's module level."""
+  return config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).", lock_config=True)
+
+
+def define_topology_flags():
+  """--coordinator_address, --num_processes, --process_id: joining a multi-process job by hand
+  (all three, or none to auto-detect SLURM / Open MPI / Kubernetes). For a command's module level."""
+  return (flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process)."),
+          flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process)."),
+          flags.DEFINE_integer("process_id", None, "This process's index (multi-process)."))
 
 
 class QuietLibraries(logging.logging.Filter):

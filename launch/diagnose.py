@@ -3,297 +3,54 @@ r"""megajax-diagnose: find the slow host or device of a job (MegaScale section 4
   megajax-diagnose --config=configs/default.py --output=/tmp/diagnose.json
   megajax-diagnose --config=... --coordinator_address=H:P --num_processes=N --process_id=I
 
-Every process of the job runs it on the training config's mesh and measures:
-  per device     matmul TFLOP/s, host->device and device->host bandwidth (GB/s);
-  collectives    all-reduce, all-gather and ppermute bus bandwidth (nccl-tests convention)
-                 over each (dp, pp, tp) axis larger than 1, and over "processes" (one device
-                 per process in each group) when the job has several processes; every process
-                 times the same collective, so one waiting on a slow peer is visible.
-Each figure is the median of `repeats` timed runs after a warm-up (on CPU the best run: there
-every device shares the host's cores with whatever else runs). A value below 0.9 x the job's
-median is an outlier. `bad_processes` lists the processes with a device outlier: a collective
-is timed by all its members at once, so a low figure there names a slow group (reported with
-the outliers) but not which member slowed it. Process 0 prints the table and writes the
-JSON report.
-
-Fault drill: `--config.debug.diagnose_slow_process=I` makes process I's per-device
-measurements run at half speed (each timed run sleeps as long as it took), so the tests can
-check that the slow process is the one reported. Collectives are never slowed.
+Every process of the job runs it on the training config's mesh: matmul TFLOP/s and host <->
+device GB/s per device, all-reduce / all-gather / ppermute bus bandwidth over each mesh axis
+and across processes, outliers below 0.9 x the job's median and the processes they name
+(megajax.launch.supervisor.diagnostics). Process 0 prints the tables and writes the JSON
+report. Fault drill: `--config.debug.diagnose_slow_process=I` (megajax.trainer.drills).
 """
-
-from __future__ import annotations
-
-import json
-import os
-import socket
-import statistics
-import time
 
 from absl import app
 from absl import flags
 from absl import logging
 import jax
-from jax import lax
-import jax.numpy as jnp
-from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-from ml_collections import config_flags
-import numpy as np
 
 from megajax.config import ConfigError
-from megajax.launch.cli import QuietLibraries, fail, flags_parser, join_job, validated_config
+from megajax.launch.cli import (QuietLibraries, define_config_flag, define_topology_flags, fail, flags_parser,
+                                join_job, validated_config)
 from megajax.launch.cluster import TopologyError
-from megajax.parallel import make_mesh
+from megajax.launch.supervisor.diagnostics import diagnose, format_report, write_report
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
-                                          lock_config=True)
+PROGRAM = "megajax-diagnose"
+_CONFIG = define_config_flag()
 _OUTPUT = flags.DEFINE_string("output", None, "Where process 0 writes the JSON report (optional).")
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", None, "Square matmul side (default by platform).")
 _TRANSFER_MIB = flags.DEFINE_float("transfer_mib", None, "Host<->device transfer size in MiB (default by platform).")
 _COLLECTIVE_MIB = flags.DEFINE_float("collective_mib", None, "Collective buffer size in MiB (default by platform).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed runs per measurement (default by platform).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
+_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = define_topology_flags()
 flags.mark_flags_as_required(["config"])
-
-# Sizes that keep an accelerator busy long enough to time, and a CPU run to a few seconds.
-ACCELERATOR_SIZES = dict(matmul_size=8192, transfer_mib=1024, collective_mib=256, repeats=10)
-CPU_SIZES = dict(matmul_size=256, transfer_mib=8, collective_mib=1, repeats=10)
-DEVICE_METRICS = ("matmul_tflops", "h2d_gbps", "d2h_gbps")
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "ppermute")
-PROCESSES = "processes"    # the cross-process group's axis name
-CALLS = 4                  # back-to-back calls per timed collective trial
-THRESHOLD = 0.9            # outlier: below this fraction of the job's median
-
-
-def find_outliers(values: list[dict], metric: str, threshold: float = THRESHOLD) -> list[dict]:
-  """The entries of `values` whose `metric` is below threshold x the median over all of them."""
-  if not values:
-    return []
-  median = statistics.median(v[metric] for v in values)
-  return [{"metric": metric, "process": v["process"], "host": v["host"], "device_id": v.get("device_id"),
-           "value": v[metric], "median": median}
-          for v in values if v[metric] < threshold * median]
-
-
-def _summary(platform: str):
-  """How repeats become one figure: the median on accelerators; on CPU the best run, since a
-  CPU device shares its cores with everything else on the host and slower runs time that."""
-  return min if platform == "cpu" else statistics.median
-
-
-def _timed(fn, slow: bool) -> float:
-  """Seconds of one fn() call; the fault drill sleeps as long again inside the timed region."""
-  start = time.perf_counter()
-  fn()
-  if slow:
-    time.sleep(time.perf_counter() - start)
-  return time.perf_counter() - start
-
-
-def _measure_devices(devices, coords_of, matmul_size: int, transfer_bytes: int, repeats: int,
-                     slow: bool) -> list[dict]:
-  """Matmul TFLOP/s and transfer GB/s of each local device (from `repeats` timed runs)."""
-  platform = devices[0].platform
-  summary = _summary(platform)
-  dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
-  matmul = jax.jit(jnp.matmul)   # runs on the device its (committed) inputs live on
-  square = np.ones((matmul_size, matmul_size), dtype)
-  operands = {d: jax.device_put(square, d) for d in devices}
-  host_buffer = np.ones(transfer_bytes // 4, np.float32)
-  for d in devices:            # warm-up: compile, first touches
-    matmul(operands[d], operands[d]).block_until_ready()
-    jax.device_put(host_buffer, d).block_until_ready()
-  # On CPU np.asarray can alias the device buffer; a copy makes it a real transfer.
-  to_host = (lambda x: np.array(x, copy=True)) if platform == "cpu" else np.asarray
-  times = {d: {m: [] for m in DEVICE_METRICS} for d in devices}
-  # Repeats go round the devices, so a burst of load elsewhere on the host hits them all alike.
-  for _ in range(repeats):
-    for d in devices:
-      a = operands[d]
-      times[d]["matmul_tflops"].append(_timed(lambda: matmul(a, a).block_until_ready(), slow))
-      put = []
-      times[d]["h2d_gbps"].append(_timed(lambda: put.append(jax.device_put(host_buffer, d).block_until_ready()), slow))
-      times[d]["d2h_gbps"].append(_timed(lambda: to_host(put[0]), slow))   # a fresh array: nothing cached
-  flops = 2 * matmul_size ** 3
-  host = socket.gethostname()
-  return [{"process": d.process_index, "host": host, "device_id": d.id, "coords": coords_of(d),
-           "matmul_tflops": flops / summary(times[d]["matmul_tflops"]) / 1e12,
-           "h2d_gbps": transfer_bytes / summary(times[d]["h2d_gbps"]) / 1e9,
-           "d2h_gbps": transfer_bytes / summary(times[d]["d2h_gbps"]) / 1e9}
-          for d in devices]
-
-
-def _collective_programs(mesh: Mesh, axis: str) -> dict:
-  """op -> the jitted shard_map program doing it over `axis` on every device's block."""
-  n = mesh.shape[axis]
-  spec = P(tuple(mesh.axis_names))    # every device holds its own row
-  ring = [(i, (i + 1) % n) for i in range(n)]
-  bodies = {"all_reduce": lambda x: lax.psum(x, axis),
-            "all_gather": lambda x: lax.all_gather(x, axis, tiled=True),
-            "ppermute": lambda x: lax.ppermute(x, axis, ring)}
-  return {op: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-          for op, body in bodies.items()}
-
-
-def _bus_bandwidth(op: str, nbytes: int, seconds: float, n: int) -> float:
-  """GB/s by the nccl-tests convention, so figures compare across group sizes."""
-  algbw = nbytes / seconds / 1e9
-  return algbw * {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "ppermute": 1.0}[op]
-
-
-def _measure_collectives(mesh: Mesh, group: str, collective_bytes: int, repeats: int) -> list[dict]:
-  """This process's time and bus bandwidth of each op over the mesh axis `group`."""
-  n = mesh.shape[group]
-  elements = max(n, collective_bytes // 4 // n * n)    # all-gather: n equal pieces
-  sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))   # one row per device
-  host = socket.gethostname()
-  results = []
-  for op, program in _collective_programs(mesh, group).items():
-    # all_reduce / ppermute move one buffer per device; all_gather's bytes are the gathered size.
-    per_device = elements // n if op == "all_gather" else elements
-    x = jax.jit(lambda: jnp.ones((mesh.size, per_device), jnp.float32), out_shardings=sharding)()
-    program(x).block_until_ready()    # compile
-    trials = []
-    for _ in range(repeats):
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("megajax-diagnose")   # every process starts a trial together
-      trials.append(_time_calls(program, x))
-    seconds = _summary(mesh.devices.flat[0].platform)(trials)
-    results.append({"group": group, "op": op, "bytes": elements * 4, "process": jax.process_index(),
-                    "host": host, "seconds": seconds, "busbw_gbps": _bus_bandwidth(op, elements * 4, seconds, n)})
-  return results
-
-
-def _time_calls(program, x) -> float:
-  """Seconds per call of CALLS back-to-back calls (a process's start skew spread over them)."""
-  start = time.perf_counter()
-  for _ in range(CALLS):
-    y = program(x)
-  y.block_until_ready()
-  return (time.perf_counter() - start) / CALLS
-
-
-def _process_mesh() -> Mesh:
-  """(processes, local): the same local index on every process forms a cross-process group."""
-  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  grid = np.array(devices, dtype=object).reshape(jax.process_count(), jax.local_device_count())
-  return Mesh(grid, (PROCESSES, "local"), axis_types=(AxisType.Auto,) * 2)
-
-
-def _gather_from_processes(local) -> list:
-  """Every process's JSON-serialisable `local`, in process order, on every process."""
-  if jax.process_count() == 1:
-    return [local]
-  data = np.frombuffer(json.dumps(local).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  rows = np.asarray(multihost_utils.process_allgather(padded))
-  return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes)]
-
-
-def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None, repeats=None) -> dict:
-  """Measures this job's devices and collectives; every process must call it. Returns the whole
-  job's report (see the module docstring) on every process."""
-  start = time.perf_counter()
-  mesh = make_mesh(config)
-  platform = jax.devices()[0].platform
-  sizes = CPU_SIZES if platform == "cpu" else ACCELERATOR_SIZES
-  matmul_size = matmul_size or sizes["matmul_size"]
-  transfer_bytes = max(4, int((transfer_mib or sizes["transfer_mib"]) * 2**20))
-  collective_bytes = max(4, int((collective_mib or sizes["collective_mib"]) * 2**20))
-  repeats = repeats or sizes["repeats"]
-
-  def coords_of(device):
-    index = np.argwhere(mesh.devices == device)[0]
-    return {axis: int(i) for axis, i in zip(mesh.axis_names, index)}
-
-  slow = config.debug.diagnose_slow_process == jax.process_index()
-  devices = _measure_devices(jax.local_devices(), coords_of, matmul_size, transfer_bytes, repeats, slow)
-  collectives = []
-  for axis in mesh.axis_names:
-    if mesh.shape[axis] > 1:
-      collectives += _measure_collectives(mesh, axis, collective_bytes, repeats)
-  if jax.process_count() > 1:
-    collectives += _measure_collectives(_process_mesh(), PROCESSES, collective_bytes, repeats)
-
-  gathered = _gather_from_processes({"devices": devices, "collectives": collectives})
-  devices = sorted((d for g in gathered for d in g["devices"]), key=lambda d: (d["process"], d["device_id"]))
-  order = {(c["group"], c["op"]): i for i, c in enumerate(gathered[0]["collectives"])}   # the same everywhere
-  collectives = sorted((c for g in gathered for c in g["collectives"]),
-                       key=lambda c: (order[c["group"], c["op"]], c["process"]))
-  outliers = [o for metric in DEVICE_METRICS for o in find_outliers(devices, metric)]
-  for group in dict.fromkeys(c["group"] for c in collectives):
-    for op in COLLECTIVE_OPS:
-      for o in find_outliers([c for c in collectives if c["group"] == group and c["op"] == op], "busbw_gbps"):
-        outliers.append({**o, "metric": f"{op} over {group} busbw_gbps"})
-  return {"platform": platform, "process_count": jax.process_count(), "devices": devices,
-          "collectives": collectives, "outliers": outliers,
-          "bad_processes": sorted({o["process"] for o in outliers if o["device_id"] is not None}),
-          "seconds": time.perf_counter() - start}
-
-
-def format_report(report: dict) -> str:
-  """The report as tables: devices, collectives, outliers, then the bad processes."""
-  axes = list(report["devices"][0]["coords"]) if report["devices"] else []
-  lines = [f"megajax-diagnose: {report['platform']}, {report['process_count']} process(es), "
-           f"{len(report['devices'])} devices, {report['seconds']:.1f} s",
-           "", f"{'process':>7}  {'host':<16} {'device':>6}  " + " ".join(f"{a:>3}" for a in axes)
-           + f"  {'matmul TFLOP/s':>14} {'h2d GB/s':>9} {'d2h GB/s':>9}"]
-  for d in report["devices"]:
-    lines.append(f"{d['process']:>7}  {d['host'][:16]:<16} {d['device_id']:>6}  "
-                 + " ".join(f"{d['coords'][a]:>3}" for a in axes)
-                 + f"  {d['matmul_tflops']:>14.3f} {d['h2d_gbps']:>9.2f} {d['d2h_gbps']:>9.2f}")
-  lines += ["", f"{'group':<9} {'op':<10} {'MiB':>8} {'process':>7}  {'host':<16} {'ms':>9} {'busbw GB/s':>10}"]
-  for c in report["collectives"]:
-    lines.append(f"{c['group']:<9} {c['op']:<10} {c['bytes'] / 2**20:>8.2f} {c['process']:>7}  "
-                 f"{c['host'][:16]:<16} {c['seconds'] * 1e3:>9.3f} {c['busbw_gbps']:>10.2f}")
-  lines += ["", f"outliers (below {THRESHOLD} x the job's median): {len(report['outliers']) or 'none'}"]
-  for o in report["outliers"]:
-    where = f"process {o['process']} ({o['host']})" + ("" if o["device_id"] is None else f" device {o['device_id']}")
-    lines.append(f"  {o['metric']:<32} {where}: {o['value']:.3f} (median {o['median']:.3f})")
-  hosts = {o["process"]: o["host"] for o in report["outliers"]}
-  bad = ", ".join(f"{p} (host {hosts[p]})" for p in report["bad_processes"]) or "none"
-  lines.append(f"bad processes: {bad}")
-  return "\n".join(lines)
-
-
-def _write_atomically(path: str, text: str) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)   # a reader never sees half a report
-
-
-def _fail(kind: str, message) -> None:
-  fail("megajax-diagnose", kind, message)
 
 
 def main(argv):
   logging.get_absl_handler().addFilter(QuietLibraries())
-  config = validated_config("megajax-diagnose", argv, _CONFIG)
+  config = validated_config(PROGRAM, argv, _CONFIG)
   try:
     join_job(config, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     report = diagnose(config, matmul_size=_MATMUL_SIZE.value, transfer_mib=_TRANSFER_MIB.value,
                       collective_mib=_COLLECTIVE_MIB.value, repeats=_REPEATS.value)
   except TopologyError as error:
-    _fail("topology error", error)
+    fail(PROGRAM, "topology error", error)
   except ConfigError as error:
-    _fail("config error", error)
+    fail(PROGRAM, "config error", error)
   if jax.process_index() == 0:
     print(format_report(report), flush=True)
     if _OUTPUT.value:
-      _write_atomically(_OUTPUT.value, json.dumps(report, indent=1) + "\n")
-
-
-parse_flags = flags_parser("megajax-diagnose")
+      write_report(_OUTPUT.value, report)
 
 
 def run():
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=flags_parser(PROGRAM))
 
 
 if __name__ == "__main__":

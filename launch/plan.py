@@ -13,22 +13,22 @@ and when that is compute, the largest loss beside it).
   --runtime      megajax (this repository's step: fp32 ZeRO gathers, a reduce-scatter per
                  microbatch, the pipeline backward recomputes its chunk) or paper
                  (Megatron-LM / MegaScale's runtime, the one the paper measured).
-The model is megajax/parallel/cost_model.py (its calibration: `python -m megajax.launch.bench
+The model is megajax.parallel.planner.cost_model (its calibration: `python -m megajax.launch.bench
 planner`). Mistakes in flags or config are one line on stderr and exit code 2.
 """
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
-from megajax.launch.cli import fail, flags_parser, validated_config
+from megajax.launch.cli import define_config_flag, fail, flags_parser, validated_config
+from megajax.model import ModelConfig
+from megajax.parallel.planner import cost_model, plans
 
 PROGRAM = "megajax-plan"
 RUNTIMES = ("megajax", "paper")
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
-                                          lock_config=True)
+_CONFIG = define_config_flag()
 _GPUS = flags.DEFINE_integer("gpus", None, "Devices in the job.")
-_HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Device type (megajax.parallel.cost_model.HARDWARE).")
+_HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Device type (megajax.parallel.planner.cost_model.HARDWARE).")
 _BATCH = flags.DEFINE_integer("batch", 0, "Global batch in sequences (0: the config's train.batch_size).")
 _TOP = flags.DEFINE_integer("top", 5, "Plans to print.")
 _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaScale switch off.")
@@ -43,8 +43,6 @@ def _flag_error(flag: str, value, problem: str, fix: str) -> None:
 
 def main(argv):
   config = validated_config(PROGRAM, argv, _CONFIG)
-  from megajax.model import ModelConfig
-  from megajax.parallel import cost_model, planner
 
   hw = cost_model.HARDWARE.get(_HARDWARE.value)
   if hw is None:
@@ -61,14 +59,14 @@ def main(argv):
   opts = cost_model.MEGATRON if _MEGATRON.value else cost_model.MEGASCALE
   c = ModelConfig.from_config(config.model)
   remat = _REMAT.value or c.remat
-  best, even = planner.search(c, gpus, batch, hw, opts, _RUNTIME.value, remat)
+  best, even = plans.search(c, gpus, batch, hw, opts, _RUNTIME.value, remat)
   if not even:
     _flag_error("batch", batch, f"no (dp, pp, tp, v, microbatch) divides {gpus} GPUs and this batch evenly "
                 f"(dp must divide the batch; tp <= {hw.gpus_per_node}, pp * v divides {c.num_layers} layers)",
                 "use a batch with more factors of 2, e.g. a multiple of --gpus / 64")
   if not best:
-    smallest = min(planner.evaluate(c, p, hw, remat).memory.total
-                   for p in planner.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value))
+    smallest = min(plans.evaluate(c, p, hw, remat).memory.total
+                   for p in plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value))
     _flag_error("gpus", gpus, f"none of the {even} even plans fits in {hw.memory_gb:g} GB per device "
                 f"(the smallest needs {smallest / cost_model.GB:.1f} GB)",
                 "use more GPUs, --remat=full, or --hardware with more memory")
@@ -82,10 +80,10 @@ def main(argv):
         f"{c.num_heads} heads, seq {c.seq_len}, vocab {c.vocab_size}) on {gpus} {hw.name}, batch {batch}")
   print(f"switches: {switches}; runtime {_RUNTIME.value}; remat {remat}")
   print(f"{even} plans divide evenly, {len(best)} fit in {hw.memory_gb - cost_model.MEMORY_RESERVED_GB:g} GB")
-  print(planner.PLAN_HEADER)
+  print(plans.PLAN_HEADER)
   for i, candidate in enumerate(best[:top], 1):
-    print(planner.plan_line(i, candidate))
-  print(f"best: {planner.describe(best[0].plan)}: {planner.breakdown(best[0].time)}")
+    print(plans.plan_line(i, candidate))
+  print(f"best: {plans.describe(best[0].plan)}: {plans.breakdown(best[0].time)}")
 
 
 parse_flags = flags_parser(PROGRAM)

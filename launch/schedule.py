@@ -10,14 +10,15 @@ import sys
 from absl import app
 from absl import flags
 
-from megajax.parallel import schedule as pipeline
+from megajax.config import SCHEDULE_CHOICES, TRAVERSAL_CHOICES
+from megajax.parallel.pipeline import schedule as schedules
 
 _PP = flags.DEFINE_integer("pp", 4, "Pipeline stages p.")
 _VPP = flags.DEFINE_integer("vpp", 1, "Virtual stages (model chunks) per stage v.")
 _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m per step.")
-_SCHEDULE = flags.DEFINE_enum("schedule", None, pipeline.SCHEDULES,
+_SCHEDULE = flags.DEFINE_enum("schedule", None, SCHEDULE_CHOICES,
                               "Default: interleaved_1f1b when --vpp > 1, else 1f1b.")
-_TRAVERSAL = flags.DEFINE_enum("traversal", "depth_first", pipeline.TRAVERSALS, "MegaDPP traversal policy.")
+_TRAVERSAL = flags.DEFINE_enum("traversal", "depth_first", TRAVERSAL_CHOICES, "MegaDPP traversal policy.")
 _OUT = flags.DEFINE_string("out", None, "PNG file to write.")
 _PAIRED = flags.DEFINE_bool("paired", False, "Draw the executor's ticks (forward slot | backward slot).")
 
@@ -26,16 +27,16 @@ def main(argv):
   del argv
   name = _SCHEDULE.value or ("interleaved_1f1b" if _VPP.value > 1 else "1f1b")
   try:
-    timeline = pipeline.simulate(name, _PP.value, _VPP.value, _MICROBATCHES.value, _TRAVERSAL.value)
+    timeline = schedules.simulate(name, _PP.value, _VPP.value, _MICROBATCHES.value, _TRAVERSAL.value)
   except ValueError as error:
     print(f"megajax-schedule: {error}", file=sys.stderr)
     sys.exit(2)
-  print(pipeline.ascii_timeline(timeline))
-  print(pipeline.ascii_paired_timeline(timeline))
+  print(schedules.ascii_timeline(timeline))
+  print(schedules.ascii_paired_timeline(timeline))
   print(f"bubble: {timeline.bubble_ticks} idle ticks per stage = {timeline.bubble_fraction:.4f} of ideal; "
-        f"microbatch-chunks in flight per stage: {pipeline.in_flight(timeline)}")
+        f"microbatch-chunks in flight per stage: {schedules.in_flight(timeline)}")
   if _OUT.value:
-    pipeline.render_png(timeline, _OUT.value, paired=_PAIRED.value)
+    schedules.render_png(timeline, _OUT.value, paired=_PAIRED.value)
     print(f"picture written to {_OUT.value}")
 
 

@@ -16,21 +16,18 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 from megajax import trainer
 from megajax.checkpoint import CheckpointError
 from megajax.config import ConfigError
-from megajax.launch.cli import QuietLibraries, fail, flags_parser, join_job, validated_config
+from megajax.launch.cli import (QuietLibraries, define_config_flag, define_topology_flags, fail, flags_parser,
+                                join_job, validated_config)
 from megajax.launch.cluster import TopologyError
 from megajax.launch.runtime import configure_runtime
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
-                                          lock_config=True)
+_CONFIG = define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory: metrics.jsonl, TensorBoard, params.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
+_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = define_topology_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 

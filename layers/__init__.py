@@ -1,4 +1,9 @@
-"""Model building blocks: attention (with its reference and kernel back ends), MLP, norms."""
+"""Model building blocks (Flax): attention with its back ends, MLP, LayerNorm, initializers.
+
+`ATTENTION_IMPLS` maps `model.attention_impl` to an attention function: `xla` (the reference
+every kernel is tested against), `pallas` (our sliding-window kernels, `kernels/`) and
+`cudnn` (jax.nn.dot_product_attention, the comparator).
+"""
 
 from megajax.layers.attention import (ATTENTION_IMPLS, Attention, cudnn_attention, rotary_embedding,
                                      sliding_window_mask, xla_attention)

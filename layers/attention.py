@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.layers import initializers
+from megajax.layers.kernels import pallas_attention
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -68,13 +69,9 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
                                       local_window_size=None if window is None else (window - 1, 0))
 
 
-def _pallas_attention(q, k, v, window):
-  from megajax.layers.pallas_attention import pallas_attention  # Pallas loads only when used.
-  return pallas_attention(q, k, v, window)
-
-
-# model.attention_impl -> (q, k, v, window) -> out; every entry is tested against "xla".
-ATTENTION_IMPLS = {"xla": xla_attention, "pallas": _pallas_attention, "cudnn": cudnn_attention}
+# model.attention_impl -> (q, k, v, window) -> out; every entry is tested against "xla". The
+# names a config may give are megajax.config.ATTENTION_IMPL_CHOICES (kept equal, tested).
+ATTENTION_IMPLS = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_attention}
 
 
 class Attention(nn.Module):

@@ -6,6 +6,13 @@ serial block (GPT / Megatron pre-LN):
     z = x + Attn(LN1(x));  y = z + MLP(LN2(z))
 
 Parameters are fp32 (param_dtype), matmuls run in compute_dtype, logits are fp32.
+
+Which code trains: not these Flax modules' __call__. Training runs the 3D-parallel forward
+pass (megajax.parallel.tensor_parallel, inside megajax.parallel.ParallelStep) on the very
+parameter pytree `init_params` returns, each device holding its shards; that path is tested
+equal to this module (loss, gradients, parameters after steps) on every mesh shape. This
+module defines the parameters (names, shapes, initializers, logical axes), and is the model
+of the Python API and of the single-device reference step (megajax.reference_step).
 """
 
 from __future__ import annotations
@@ -104,7 +111,10 @@ class SerialBlock(nn.Module):
     return z + _mlp(self.config)(_norm(self.config, "mlp_norm")(z))
 
 
-BLOCKS = {"parallel": ParallelBlock, "serial": SerialBlock}
+# model.block -> the Flax block (keys: megajax.config.BLOCK_CHOICES; the 3D step's sharded
+# blocks are megajax.parallel.tensor_parallel.BLOCK_FUNCTIONS).
+BLOCK_MODULES = {"parallel": ParallelBlock, "serial": SerialBlock}
+# model.remat -> what a recomputed block saves for its backward ("none": no recomputation).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
@@ -125,7 +135,7 @@ class GPT(nn.Module):
     x = jnp.take(embedding, tokens, axis=0).astype(c.compute_dtype)       # [b, s, hidden]
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
 
-    block_cls = BLOCKS[c.block]
+    block_cls = BLOCK_MODULES[c.block]
     if c.remat != "none":
       block_cls = nn.remat(block_cls, policy=REMAT_POLICIES[c.remat])
     for layer in range(c.num_layers):

@@ -29,10 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from megajax.config import TP_OVERLAP_MODES as OVERLAP_MODES
 from megajax.parallel.mesh import TP, varying_axes
 
-__all__ = ["OVERLAP_MODES", "all_gather_matmul", "chunked_all_gather_matmul", "chunked_matmul_reduce_scatter",
+__all__ = ["all_gather_matmul", "chunked_all_gather_matmul", "chunked_matmul_reduce_scatter",
            "column_parallel_linear", "matmul_reduce_scatter", "row_parallel_linear"]
 
 

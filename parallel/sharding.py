@@ -100,7 +100,7 @@ def gather_params(params, layouts):
   Leaves ZeRO could not split are marked per-device on dp, like the gathered ones: every
   gradient then comes back per device and reduce_scatter_grads does the one dp reduction.
   """
-  @jax.named_scope("dp all-gather")    # trace scopes name each collective kind (megajax.tracing)
+  @jax.named_scope("dp all-gather")    # trace scopes name each collective kind (megajax.observe.traces)
   def gather(p, layout):
     return to_varying(p, (DP,)) if layout.dp_dim is None else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True)
   # Traced in the order the forward pass needs them (a dict would be walked alphabetically).

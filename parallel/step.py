@@ -17,13 +17,15 @@ Per device, one step is:
 
 State crossing the step boundary is a TrainState of global arrays: params and optimizer
 state sharded 1/dp (ZeRO) and 1/tp where tensor-parallel. The same step runs every mesh,
-1x1x1 included.
+1x1x1 included, and is what the trainer runs; the single-device reference step
+(megajax.reference_step) is what it is tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 from jax import lax
@@ -37,10 +39,10 @@ from megajax.config import ConfigError
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding
-from megajax.parallel.mesh import DP, PP, TP, batch_sharding, to_varying
-from megajax.parallel.schedule import simulate
+from megajax.parallel.mesh import DP, PP, TP, batch_sharding
+from megajax.parallel.pipeline import simulate
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
-from megajax.step import TrainState, accumulate_gradients
+from megajax.reference_step import TrainState, accumulate_gradients
 
 # tp_overlap="xla": plain collectives, and XLA's own windowed-einsum rewrite of them (GPU).
 XLA_WINDOWED_EINSUM_OPTIONS = {
@@ -50,8 +52,9 @@ XLA_WINDOWED_EINSUM_OPTIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelPlan:
-  """The mesh, each parameter's layout and the optimizer that goes with them."""
+class ParallelStep:
+  """The 3D-parallel step of one config on one mesh: each parameter's layout, the optimizer
+  that goes with them, the state's specs, and the jitted step (`train_step()`)."""
 
   config: ml_collections.ConfigDict
   mesh: Mesh
@@ -60,9 +63,16 @@ class ParallelPlan:
   optimizer: optax.GradientTransformation   # LAMB / AdamW with whole-tensor norms
   state_specs: TrainState                   # PartitionSpecs of the TrainState
   pipeline: pipeline.Tables | None          # the schedule's tables when pp > 1
+  # What the step observes and perturbs (megajax.observe.Probes.from_config(config)); None: off,
+  # and the step traces exactly as without it.
+  probes: object = None
+  # (batch, step) -> a scalar the step must compute, on every device (a drill: the straggler's
+  # extra work, megajax.trainer.drills); None: nothing.
+  extra_work: Callable | None = None
 
   @classmethod
-  def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh) -> "ParallelPlan":
+  def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh, probes=None,
+            extra_work: Callable | None = None) -> "ParallelStep":
     platform, impl = mesh.devices.flat[0].platform, config.model.attention_impl
     if impl == "pallas" and platform == "cpu":
       raise ConfigError("model.attention_impl", impl,
@@ -86,13 +96,7 @@ class ParallelPlan:
     param_specs = sharding.param_specs(layouts, params_like)
     state_specs = TrainState(step=P(), params=param_specs,
                              opt_state=sharding.optimizer_specs(optimizer, params_like, param_specs))
-    return cls(config, mesh, model, layouts, optimizer, state_specs, tables)
-
-  @functools.cached_property
-  def probes(self):
-    """observe.capture / observe.perturb as megajax.probes.Probes; None (the default): off."""
-    from megajax.probes import Probes    # here: megajax.probes imports megajax.parallel.mesh
-    return Probes.from_config(self.config)
+    return cls(config, mesh, model, layouts, optimizer, state_specs, tables, probes, extra_work)
 
   @property
   def overlap(self) -> Overlap:
@@ -181,8 +185,8 @@ class ParallelPlan:
 
   def _train_step(self, state: TrainState, batch: dict, with_gradients: bool = False):
     grads, metrics = self._gradients(state.params, batch, state.step)
-    if self.config.debug.slow_rank:
-      extra = _straggler_work(batch["inputs"], state.step + 1, self.config)
+    if self.extra_work is not None:    # its scalar joins the loss times 0: XLA must compute it
+      extra = self.extra_work(batch, state.step + 1)
       metrics["loss"] = metrics["loss"] + lax.psum(0.0 * extra, (DP, PP, TP))
     with jax.named_scope("optimizer"):
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -204,7 +208,7 @@ class ParallelPlan:
 
   def summed_gradients(self, gradients_fn=None):
     """(params, batch) -> (gradient shards, loss stats), both summed over the batch: the step
-    without its optimizer (benchmarks, memory checks). `gradients_fn` replaces the plan's
+    without its optimizer (benchmarks, memory checks). `gradients_fn` replaces the step's
     own (params, batch) -> ... per-device function, e.g. the pipeline baseline."""
     return jax.jit(jax.shard_map(gradients_fn or self._summed_gradients, mesh=self.mesh,
                                  in_specs=(self.state_specs.params, P(DP)),
@@ -222,26 +226,3 @@ class ParallelPlan:
   def compiler_options(self) -> dict | None:
     """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"."""
     return XLA_WINDOWED_EINSUM_OPTIONS if self.config.parallel.tp_overlap == "xla" else None
-
-
-@jax.named_scope("forward")
-def _straggler_work(tokens, step, config: ml_collections.ConfigDict):
-  """Straggler drill (debug.slow_rank "dp,pp,tp"): from step debug.slow_rank_from_step on,
-  that rank alone runs slow_rank_work extra [hidden, hidden] matmuls over its tokens, as a
-  slow GPU would take longer for the same forward. A scalar that depends on the work, so XLA
-  keeps it; 0 elsewhere."""
-  coords = [int(x) for x in config.debug.slow_rank.split(",")]
-  here = (lax.axis_index(DP) == coords[0]) & (lax.axis_index(PP) == coords[1]) & (lax.axis_index(TP) == coords[2])
-  here = here & (step >= config.debug.slow_rank_from_step)
-  hidden = config.model.hidden_dim
-  weight = jnp.full((hidden, hidden), 1.0 / hidden, jnp.float32)
-
-  tokens = to_varying(tokens, (DP, PP, TP))     # the branches' results vary like `here`
-
-  def work(tokens):
-    x = jnp.broadcast_to(tokens[..., None].astype(jnp.float32) / config.model.vocab_size, (*tokens.shape, hidden))
-    x = lax.fori_loop(0, config.debug.slow_rank_work, lambda _, x: jnp.tanh(x @ weight), x)
-    return jnp.mean(x)
-
-  return lax.cond(here, work, lambda tokens: jnp.mean(tokens * 0.0), tokens)
-

@@ -32,7 +32,7 @@ from megajax.parallel.mesh import TP
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-  """How the tp collectives run: `mode` in OVERLAP_MODES, `chunks` per ring step; ring=False
+  """How the tp collectives run: `mode` in megajax.config.TP_OVERLAP_CHOICES, `chunks` per ring step; ring=False
   (inside pipeline branches) runs collective matmul as chunked all-gathers / reduce-scatters."""
   mode: str
   chunks: int
@@ -81,7 +81,7 @@ def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=
 
 
 def _observe(probe, captured: dict, tensor: str, x):
-  """x, its statistics added to `captured` when the layer's probe (megajax.probes) asks for them."""
+  """x, its statistics added to `captured` when the layer's probe (megajax.observe.probes) asks for them."""
   if probe is not None and probe.wants(tensor):
     captured[tensor] = probe.capture(tensor, x)
   return x
@@ -138,7 +138,8 @@ def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, prob
   return z + out + _bias_sum([mlp["wo"].get("bias")], c), captured
 
 
-BLOCKS = {"parallel": parallel_block, "serial": serial_block}
+# model.block -> this device's block (keys: megajax.config.BLOCK_CHOICES, like megajax.model.BLOCK_MODULES).
+BLOCK_FUNCTIONS = {"parallel": parallel_block, "serial": serial_block}
 
 
 @jax.named_scope("tp embedding")
@@ -184,9 +185,9 @@ def apply_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
 
 
 def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe):
-  """apply_block with a megajax.probes.LayerProbe (or None): (y, {tensor: statistics}).
+  """apply_block with a megajax.observe.probes.LayerProbe (or None): (y, {tensor: statistics}).
   The perturbation and the residual's capture sit outside the remat: y is kept anyway."""
-  block = lambda p, x: BLOCKS[c.block](p, x, positions, window, c, overlap, probe)
+  block = lambda p, x: BLOCK_FUNCTIONS[c.block](p, x, positions, window, c, overlap, probe)
   if c.remat != "none":
     block = jax.checkpoint(block, policy=REMAT_POLICIES[c.remat])
   y, captured = block(p, x)
@@ -212,7 +213,7 @@ def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0
   """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
 
   The pipeline (megajax.parallel.pipeline) runs the same pieces split into stages. With
-  `probes` (megajax.probes.Probes, bound to the step; the batch then has "rows") the stats
+  `probes` (megajax.observe.probes.Probes, bound to the step; the batch then has "rows") the stats
   also hold the captured statistics under "capture", {"<layer>:<tensor>": {...}}.
   """
   tokens = batch["inputs"]                                                # [b, s], every tp rank

@@ -1,0 +1,52 @@
+r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.launch.bench, by name.
+
+  python -m megajax.launch.bench pipeline [--stages=4] [--repeats=20]
+  python -m megajax.launch.bench attention|operators|observe [--repeats=20]
+  python -m megajax.launch.bench checkpoint [--checkpoint_hidden=1024]
+  python -m megajax.launch.bench startup
+  python -m megajax.launch.bench faults [--trials=20]
+  python -m megajax.launch.bench planner
+  python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+
+from megajax.launch.bench import attention, checkpoint, faults, observe, operators, pipeline, planner, startup, train
+from megajax.launch.cluster import request_host_devices
+
+_STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
+_CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
+                                          "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
+_TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
+_SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the train (MFU) benchmark.")
+_SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
+_WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
+
+# name -> what runs it, with the flags it reads.
+BENCHMARKS = {
+    "pipeline": lambda: pipeline.pipeline(_STAGES.value, _REPEATS.value),
+    "attention": lambda: attention.attention(_REPEATS.value),
+    "operators": lambda: operators.operators(_REPEATS.value),
+    "checkpoint": lambda: checkpoint.checkpoint(_CHECKPOINT_HIDDEN.value),
+    "startup": lambda: startup.startup(),
+    "faults": lambda: faults.faults(_TRIALS.value),
+    "observe": lambda: observe.observe(_REPEATS.value),
+    "planner": lambda: planner.planner(),
+    "train": lambda: train.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
+}
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in BENCHMARKS:
+    print(f"usage: python -m megajax.launch.bench {{{'|'.join(BENCHMARKS)}}}", file=sys.stderr)
+    sys.exit(2)
+  request_host_devices(8)   # CPU: enough devices for every mesh of the benchmarks (ignored on GPU)
+  BENCHMARKS[argv[1]]()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,18 @@
+"""Our Pallas kernels: sliding-window flash attention (forward and backward; a Hopper Mosaic
+GPU forward), fused LayerNorm (+ residual add) and fused bias + GeLU.
+
+Each is tested against the XLA code it replaces (interpret mode on CPU) and reached from the
+model through `megajax.layers` (attention: `ATTENTION_IMPLS["pallas"]`).
+
+  attention.py         the portable (Triton) forward, dq and dk/dv kernels, custom_vjp, dispatch
+  attention_hopper.py  the Hopper forward (TMA ring, wgmma, warp specialization)
+  band.py              the band geometry: which KV / query blocks a window makes each program visit
+  layer_norm.py, gelu.py  the fused operators
+  support.py           what the kernels share: interpret mode on CPU, Triton params, output types
+"""
+
+from megajax.layers.kernels.attention import default_backend, pallas_attention
+from megajax.layers.kernels.gelu import fused_bias_gelu
+from megajax.layers.kernels.layer_norm import fused_layer_norm
+
+__all__ = ["default_backend", "fused_bias_gelu", "fused_layer_norm", "pallas_attention"]

@@ -1,0 +1,267 @@
+"""Sliding-window flash attention as Pallas kernels: forward, and backward (dq, dk, dv).
+
+Token i attends to key j when i - window < j <= i (window=None: plain causal), the same
+mask as `xla_attention`, which these kernels are tested against. Layout [b, s, heads, d]
+like the model's; grouped KV heads (heads % kv_heads == 0) are read in place.
+
+  forward   grid (q blocks, b, heads): online softmax over the KV blocks the q block can
+            see, fp32 statistics and accumulator; writes out and the logsumexp.
+  dq        grid (q blocks, b, heads): the same KV blocks, recomputing the probabilities
+            from the saved logsumexp.
+  dk, dv    grid (kv blocks, b, kv_heads): the q blocks (of every head sharing the KV
+            head) that can see the KV block.
+
+Block skipping: each program loops only over the blocks that intersect its window band
+(`band`), so the work is O(s * w), not O(s^2). The band is
+split Splash-style into partial blocks (the window's left edge and the diagonal, masked)
+and full blocks between them, which skip the mask. Sequences that are not a block
+multiple are zero-padded: padded keys lie right of every real query's diagonal, and padded
+queries get zero cotangents, so neither changes a real value.
+
+Back ends (`backend`): "triton", these kernels lowered through Triton (requested explicitly
+with Triton compiler params); "mosaic", the Hopper forward (`attention_hopper`: TMA,
+wgmma, warp specialization) with these backward kernels. None picks "mosaic" on H100/H200
+for bf16/fp16, "triton" otherwise. On CPU both run in interpret mode (the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+
+from megajax.layers.kernels import attention_hopper as hopper
+from megajax.layers.kernels.band import DEFAULT_BLOCK, kv_block_ranges, padded_length, q_block_ranges
+from megajax.layers.kernels.attention_hopper import hopper_attention_forward
+from megajax.layers.kernels.support import compiler_params, out_struct, use_interpret
+
+# A large finite negative for masked scores: exp() of it vanishes without inf - inf = nan.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _visible(rows, cols, window):
+  mask = cols[None, :] <= rows[:, None]
+  if window is not None:
+    mask &= cols[None, :] > rows[:, None] - window
+  return mask
+
+
+def _dot(a, b, transpose_b=False):
+  dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _band_loop(bounds, step, carry):
+  """Runs step(block, carry, masked) over the partial, full and partial ranges of a band."""
+  lo, full_lo, full_hi, hi = bounds
+  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+# --- Forward.
+
+def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, window, block_q, block_k, kv_blocks):
+  q_block = pl.program_id(0)
+  q = q_ref[...]                                                     # [block_q, d]
+  rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+
+  def step(kv_block, carry, masked):
+    m, l, acc = carry
+    start = pl.multiple_of(kv_block * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = _dot(q, k, transpose_b=True) * scale                         # [block_q, block_k] fp32
+    if masked:
+      cols = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      s = jnp.where(_visible(rows, cols, window), s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None])
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+
+  d = q.shape[-1]
+  carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+           jnp.zeros((block_q, d), jnp.float32))
+  m, l, acc = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks), step, carry)
+  out_ref[...] = (acc / l[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def _forward(q, k, v, window, block_q, block_k, interpret, backend):
+  if backend == "mosaic":
+    return hopper_attention_forward(q, k, v, window, interpret=interpret)
+  b, s, heads, d = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(d), window=window, block_q=block_q,
+                             block_k=block_k, kv_blocks=s // block_k)
+  return pl.pallas_call(
+      kernel,
+      grid=(s // block_q, b, heads),
+      in_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, n, h: (n, i, h, 0)),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0))],
+      out_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, n, h: (n, i, h, 0)),
+                 pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
+      out_shape=[out_struct(q.shape, q.dtype, q), out_struct((b, heads, s), jnp.float32, q)],
+      compiler_params=compiler_params(interpret, 4, 2),
+      interpret=interpret,
+      name="sliding_window_attention_forward",
+  )(q, k, v)
+
+
+# --- Backward.
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, block_q, block_k,
+               kv_blocks):
+  q_block = pl.program_id(0)
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+
+  def step(kv_block, dq, masked):
+    start = pl.multiple_of(kv_block * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    p = jnp.exp(_dot(q, k, transpose_b=True) * scale - lse[:, None])
+    if masked:
+      cols = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      p = jnp.where(_visible(rows, cols, window), p, 0.0)
+    ds = p * (_dot(do, v, transpose_b=True) - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dq = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks), step, dq)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, window, block_q,
+                 block_k, q_blocks, group):
+  kv_block = pl.program_id(0)
+  k, v = k_ref[...], v_ref[...]                                      # [block_k, d]
+  cols = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+  bounds = q_block_ranges(kv_block, block_q, block_k, window, q_blocks)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for head in range(group):                                          # the q heads sharing this KV head
+    def step(q_block, carry, masked, head=head):
+      dk, dv = carry
+      start = pl.multiple_of(q_block * block_q, block_q)
+      q = q_ref[pl.ds(start, block_q), head, :]
+      do = do_ref[pl.ds(start, block_q), head, :]
+      lse = lse_ref[head, pl.ds(start, block_q)]
+      delta = delta_ref[head, pl.ds(start, block_q)]
+      p = jnp.exp(_dot(q, k, transpose_b=True) * scale - lse[:, None])   # [block_q, block_k]
+      if masked:
+        rows = start + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+        p = jnp.where(_visible(rows, cols, window), p, 0.0)
+      dv = dv + _dot(p.T.astype(do.dtype), do)
+      ds = p * (_dot(do, v, transpose_b=True) - delta[:, None])
+      return dk + _dot(ds.T.astype(q.dtype), q), dv
+    dk, dv = _band_loop(bounds, step, (dk, dv))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
+  b, s, heads, d = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  scale = 1.0 / math.sqrt(d)
+  # delta_i = sum_d out_id * d_out_id: one fused elementwise pass, left to XLA.
+  delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  params = compiler_params(interpret, 4, 2)
+  row_block = lambda i, n, h: (n, i, h, 0)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                        kv_blocks=s // block_k),
+      grid=(s // block_q, b, heads),
+      in_specs=[pl.BlockSpec((None, block_q, None, d), row_block),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, block_q, None, d), row_block),
+                pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i)),
+                pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
+      out_specs=pl.BlockSpec((None, block_q, None, d), row_block),
+      out_shape=out_struct(q.shape, q.dtype, q),
+      compiler_params=params, interpret=interpret, name="sliding_window_attention_dq",
+  )(q, k, v, d_out, lse, delta)
+  kv_block = lambda j, n, g: (n, j, g, 0)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                        q_blocks=s // block_q, group=group),
+      grid=(s // block_k, b, kv_heads),
+      in_specs=[pl.BlockSpec((None, s, group, d), lambda j, n, g: (n, 0, g, 0)),
+                pl.BlockSpec((None, block_k, None, d), kv_block),
+                pl.BlockSpec((None, block_k, None, d), kv_block),
+                pl.BlockSpec((None, s, group, d), lambda j, n, g: (n, 0, g, 0)),
+                pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0)),
+                pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0))],
+      out_specs=[pl.BlockSpec((None, block_k, None, d), kv_block),
+                 pl.BlockSpec((None, block_k, None, d), kv_block)],
+      out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
+      compiler_params=params, interpret=interpret, name="sliding_window_attention_dkdv",
+  )(q, k, v, d_out, lse, delta)
+  return dq, dk, dv
+
+
+# --- The op.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _attention(q, k, v, window, block_q, block_k, interpret, backend):
+  return _forward(q, k, v, window, block_q, block_k, interpret, backend)[0]
+
+
+def _attention_fwd(q, k, v, window, block_q, block_k, interpret, backend):
+  out, lse = _forward(q, k, v, window, block_q, block_k, interpret, backend)
+  return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(window, block_q, block_k, interpret, backend, residuals, d_out):
+  q, k, v, out, lse = residuals
+  return _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+BACKENDS = ("triton", "mosaic")
+
+
+def default_backend(dtype, head_dim: int) -> str:
+  """"mosaic" (the Hopper forward) where it runs and applies, else the portable "triton"."""
+  return "mosaic" if hopper.is_hopper(jax.devices()[0]) and hopper.supports(dtype, head_dim) else "triton"
+
+
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
+                     block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
+                     interpret: bool | None = None, backend: str | None = None) -> jax.Array:
+  """Sliding-window causal attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] -> [b, s, h, d].
+
+  interpret=None runs the kernels in interpret mode on CPU and lowers them on GPU.
+  backend: "triton" | "mosaic" | None (by device kind and dtype, `default_backend`).
+  """
+  b, s, heads, d = q.shape
+  if heads % k.shape[2]:
+    raise ValueError(f"{heads} query heads do not share {k.shape[2]} KV heads evenly")
+  backend = default_backend(q.dtype, d) if backend is None else backend
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r}: use one of {BACKENDS} or None")
+  if backend == "mosaic" and not hopper.supports(q.dtype, d):
+    raise ValueError(f"backend='mosaic' takes bf16/fp16 and head dim 64/128/256, got {q.dtype}, {d}: "
+                     "use backend='triton'")
+  interpret = use_interpret(interpret)
+  block_q, block_k = min(block_q, padded_length(s, 8, 8)), min(block_k, padded_length(s, 8, 8))
+  padded = padded_length(s, block_q, block_k)
+  if backend == "mosaic":                    # whole 128-row programs, and whole backward blocks
+    padded = padded_length(s, block_q, block_k, hopper.ROWS_PER_PROGRAM)
+  if padded != s:
+    pad = [(0, 0), (0, padded - s), (0, 0), (0, 0)]
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+  out = _attention(q, k, v, window, block_q, block_k, interpret, backend)
+  return out[:, :s]

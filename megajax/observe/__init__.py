@@ -1,0 +1,25 @@
+"""Observability: every artefact a run leaves for people to read, its writer and its reader.
+
+  records.py         the workdir's JSON-lines files (metrics, activations, incidents): names,
+                     append, read, and the records dropped when a run resumes
+  metrics.py         metrics.jsonl / TensorBoard / the terminal (MetricsWriter, read_metrics),
+                     throughput and MFU, the compilation cache's hits and misses
+  traces.py          sampled step traces: which steps, jax.profiler, each operation's category
+  trace_analysis.py  the traces merged on one clock, the per-rank heat map, stragglers and victims
+  probes.py          activation capture and perturbation inside the step (Probes, handed to
+                     megajax.parallel.ParallelStep), and activations.jsonl (ActivationLog)
+  report.py          the run's HTML page from all of the above
+
+The named scopes the traces classify by ("forward", "dp reduce-scatter", ...) are written
+where the step's code runs (megajax.parallel); the commands are megajax-trace and
+megajax-report (megajax.launch).
+"""
+
+from megajax.observe.metrics import CompilationCacheCounter, MetricsWriter, Throughput, read_metrics
+from megajax.observe.probes import ActivationLog, Probes, read_activations
+from megajax.observe.report import write_report
+from megajax.observe.trace_analysis import analyse
+from megajax.observe.traces import StepTracer
+
+__all__ = ["ActivationLog", "CompilationCacheCounter", "MetricsWriter", "Probes", "StepTracer", "Throughput", "analyse",
+           "read_activations", "read_metrics", "write_report"]

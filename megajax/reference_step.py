@@ -1,0 +1,110 @@
+"""The reference step: (state, batch) -> (state, metrics) on one device, with gradient accumulation.
+
+The step boundary carries plain pytrees (params, optax state). Nothing trains with it: the
+trainer runs the 3D step (megajax.parallel.ParallelStep: same (state, batch) -> (state,
+metrics) shape, on any mesh, 1x1x1 included), and every parallel path is tested equal to
+this one. `TrainState`, `accumulate_gradients` and `split_microbatches` are shared by both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from megajax.loss import cross_entropy_sums
+from megajax.model import GPT, init_params
+from megajax.optim import learning_rate_schedule
+
+
+class TrainState(NamedTuple):
+  step: jax.Array          # int32[], optimizer updates done
+  params: Any              # fp32 master parameters, a plain pytree
+  opt_state: Any           # optax state
+
+
+def make_loss_sums_fn(model: GPT, z_loss: float) -> Callable:
+  """(params, batch) -> (objective summed over masked tokens, stats with the token count)."""
+  def loss_sums(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])             # f32[b, s, vocab]
+    return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
+  return loss_sums
+
+
+def make_loss_fn(model: GPT, z_loss: float = 0.0) -> Callable:
+  """The pure loss: (params, batch) -> (mean objective per token, {"loss", "log_z_squared", "tokens"})."""
+  loss_sums = make_loss_sums_fn(model, z_loss)
+
+  def loss_fn(params, batch):
+    total, stats = loss_sums(params, batch)
+    tokens = jnp.maximum(stats["tokens"], 1.0)
+    return total / tokens, {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
+                            "tokens": stats["tokens"]}
+  return loss_fn
+
+
+def init_train_state(model: GPT, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+  params = init_params(model, rng)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params))
+
+
+def split_microbatches(batch: dict, microbatches: int) -> dict:
+  """[B, ...] -> [microbatches, B / microbatches, ...]; microbatch m is rows m*b:(m+1)*b."""
+  return jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+
+
+def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int,
+                         reduce_grads: Callable | None = None, zero_grads=None, probes=None):
+  """Summed gradients and stats over microbatches; one microbatch's activations live at a time.
+
+  `reduce_grads` maps each microbatch's gradients to what is summed (ZeRO-2: their dp
+  reduce-scatter, so only this device's shard is carried); `zero_grads` is then the zero
+  of that shape (default: zeros like `params`). `probes` (megajax.observe.Probes) when the
+  stats carry captured activation statistics: their zeros and how microbatches combine.
+  """
+  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  reduce_grads = reduce_grads or (lambda grads: grads)
+  if microbatches == 1:
+    (_, stats), grads = grad_fn(params, batch)
+    return reduce_grads(grads), stats
+
+  add_stats = probes.combine if probes is not None else lambda a, b: jax.tree.map(jnp.add, a, b)
+
+  def one_microbatch(carry, microbatch):
+    grads_sum, stats_sum = carry
+    (_, stats), grads = grad_fn(params, microbatch)
+    return (jax.tree.map(jnp.add, grads_sum, reduce_grads(grads)), add_stats(stats_sum, stats)), None
+
+  microbatches = split_microbatches(batch, microbatches)
+  if zero_grads is None:
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+  # Typed like the batch: inside a shard_map the stats vary over dp as the batch does.
+  zero = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)
+  zero_stats = {"nll_sum": zero, "z_sum": zero, "tokens": zero}
+  if probes is not None and probes.capturing:
+    zero_stats["capture"] = probes.zeros()
+  (grads, stats), _ = jax.lax.scan(one_microbatch, (zero_grads, zero_stats), microbatches)
+  return grads, stats
+
+
+def make_reference_step(model: GPT, optimizer: optax.GradientTransformation,
+                    config: ml_collections.ConfigDict) -> Callable:
+  """The jitted reference step. The input state is donated: its buffers become the output's."""
+  loss_sums = make_loss_sums_fn(model, config.train.z_loss)
+  schedule = learning_rate_schedule(config)
+  microbatches = config.train.microbatches
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    grads, stats = accumulate_gradients(loss_sums, state.params, batch, microbatches)
+    tokens = jnp.maximum(stats["tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)  # the mean over every token of the global batch
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
+               "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  return jax.jit(train_step, donate_argnums=0)

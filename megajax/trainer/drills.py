@@ -1,0 +1,83 @@
+"""Fault drills: every fault the config can inject (`debug.*`), in one place.
+
+Each drill is off by default and makes a training job fail the way a real fault would, so
+the tests (and an operator rehearsing) can check that what should notice it does:
+
+  debug.nonfinite_steps="7,8,9"   those steps' batches get a NaN loss mask, as a corrupt batch
+                                  would: the non-finite guard skips, then rolls back
+  debug.fail_at_step=n            SIGKILL after step n (on debug.fail_process, -1: every
+                                  process), as a crash would: resume, the supervisor's restart
+  debug.slow_rank="dp,pp,tp"      that rank runs debug.slow_rank_work extra matmuls per step
+                                  (from debug.slow_rank_from_step), as a slow GPU would:
+                                  megajax-trace's straggler detection
+  debug.diagnose_slow_process=i   megajax-diagnose measures process i at half speed, as a
+                                  bad host would: the supervisor's elastic continue
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Callable
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import ml_collections
+
+from megajax.parallel.mesh import DP, PP, TP, to_varying
+from megajax.trainer.callbacks import Callback, Loop
+
+
+class FaultDrills(Callback):
+  """The drills the loop runs: NaN batches before their step, the kill after its step (and
+  after that step's checkpoint: put this callback last)."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    d = config.debug
+    self.poisoned = {int(x) for x in d.nonfinite_steps.split(",") if x.strip()}
+    self.kill_after = d.fail_at_step if d.fail_process in (-1, jax.process_index()) else 0
+
+  def before_step(self, loop: Loop) -> None:
+    if loop.step in self.poisoned:
+      loop.batch = {**loop.batch, "loss_mask": loop.batch["loss_mask"] * float("nan")}
+
+  def after_step(self, loop: Loop) -> None:
+    if self.kill_after and loop.step == self.kill_after and not loop.preempted:
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+def straggler_work(config: ml_collections.ConfigDict) -> Callable | None:
+  """debug.slow_rank as the 3D step's `extra_work` (ParallelStep.build), or None when off.
+
+  From step debug.slow_rank_from_step on, that rank alone runs slow_rank_work extra
+  [hidden, hidden] matmuls over its tokens under the "forward" scope, as a slow GPU would
+  take longer for the same forward. A scalar that depends on the work (XLA keeps it); 0
+  elsewhere. One compiled program before and after the step it starts at."""
+  if not config.debug.slow_rank:
+    return None
+  coords = [int(x) for x in config.debug.slow_rank.split(",")]
+  hidden, vocab = config.model.hidden_dim, config.model.vocab_size
+  rounds, from_step = config.debug.slow_rank_work, config.debug.slow_rank_from_step
+
+  @jax.named_scope("forward")
+  def extra_work(batch, step):
+    here = (lax.axis_index(DP) == coords[0]) & (lax.axis_index(PP) == coords[1]) & (lax.axis_index(TP) == coords[2])
+    here = here & (step >= from_step)
+    weight = jnp.full((hidden, hidden), 1.0 / hidden, jnp.float32)
+    tokens = to_varying(batch["inputs"], (DP, PP, TP))     # the branches' results vary like `here`
+
+    def work(tokens):
+      x = jnp.broadcast_to(tokens[..., None].astype(jnp.float32) / vocab, (*tokens.shape, hidden))
+      x = lax.fori_loop(0, rounds, lambda _, x: jnp.tanh(x @ weight), x)
+      return jnp.mean(x)
+
+    return lax.cond(here, work, lambda tokens: jnp.mean(tokens * 0.0), tokens)
+  return extra_work
+
+
+def diagnose_slowdown(config: ml_collections.ConfigDict, process: int) -> float:
+  """debug.diagnose_slow_process: how many times slower megajax-diagnose times this process's
+  device measurements (each timed run then sleeps as long again); 1 for every other process.
+  Collectives are never slowed."""
+  return 2.0 if config.debug.diagnose_slow_process == process else 1.0

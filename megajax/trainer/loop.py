@@ -1,0 +1,209 @@
+"""The training loop as a library: `train(config, workdir)` trains up to `config.train.steps`.
+
+`train` reads top to bottom as named sections, each one call: the model and the 3D-parallel
+step -> data -> the workdir (config, heartbeat, checkpointer) -> state (resume or init) ->
+compile -> the loop with its callbacks -> export. The launcher (megajax.launch.train) and the
+Python API both call it. Every run, one device or many, goes through the 3D-parallel step
+(megajax.parallel.ParallelStep). With a workdir, a run resumes from the latest complete
+checkpoint in WORKDIR/checkpoints (`train.steps` is the total target), saves on the
+checkpointer's cadence and when preempted (SIGTERM / SIGINT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+
+from absl import logging
+import jax
+from jax._src import distributed
+import ml_collections
+
+from megajax import data
+from megajax.checkpoint import TrainingCheckpointer, save_params
+from megajax.config import validate
+from megajax.model import GPT, ModelConfig, count_params
+from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
+from megajax.parallel import ParallelStep, local_batch_slice, local_device_coordinates, make_mesh
+from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
+from megajax.reference_step import TrainState
+from megajax.trainer import callbacks, drills
+from megajax.trainer.heartbeat import Heartbeat
+from megajax.trainer.nonfinite import NonFiniteGuard
+
+
+@dataclasses.dataclass
+class TrainResult:
+  state: TrainState
+  history: list[dict]       # the logged metrics, one dict per logged step
+  start_step: int = 0       # the checkpoint step this run resumed from (0: a fresh start)
+  preempted: bool = False   # stopped early by SIGTERM / SIGINT, after saving a checkpoint
+
+
+def build_model(config: ml_collections.ConfigDict) -> GPT:
+  return GPT(ModelConfig.from_config(config.model))
+
+
+def build_parallel_step(config: ml_collections.ConfigDict, devices=None) -> ParallelStep:
+  """The 3D-parallel step the trainer runs on `devices` (default: all of the job's): the
+  model, the mesh, what to observe (observe.*) and the straggler drill (debug.slow_rank)."""
+  return ParallelStep.build(config, build_model(config), make_mesh(config, devices),
+                            probes=Probes.from_config(config), extra_work=drills.straggler_work(config))
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | None = None,
+          progress: bool | None = None, devices=None) -> TrainResult:
+  """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
+  validate(config)
+
+  # --- Model, mesh and the 3D-parallel step (refusing what this build cannot run, before any compile).
+  parallel_step = build_parallel_step(config, devices)
+
+  # --- Data: one loader per process, reading only the rows of each global batch its devices
+  # hold (a bad token file fails here, before anything compiles).
+  iterator = data.make_iterator(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
+
+  finished = False                   # read by the heartbeat's last beat, at the exit below
+  with contextlib.ExitStack() as cleanup:
+    cache = cleanup.enter_context(CompilationCacheCounter())   # this run's compiles, from here on
+
+    # --- Workdir: the config, this process's heartbeat, the checkpointer.
+    _write_config(config, workdir)
+    heartbeat = _start_heartbeat(config, workdir, parallel_step)
+    if heartbeat:
+      cleanup.callback(lambda: heartbeat.close(done=finished))
+    checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config) if workdir else None
+    if checkpointer:
+      cleanup.callback(checkpointer.close)
+
+    # --- State: the latest complete checkpoint (and the data position it saved), or a fresh one.
+    state, start_step = _restore_or_init(config, parallel_step, checkpointer, iterator, heartbeat)
+    _describe(config, parallel_step, state)
+
+    # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
+    batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))
+
+    # --- Step: compiled ahead of time; with several processes, every one meets the others first.
+    step_fn = _compile_and_meet(parallel_step, heartbeat, config.supervisor.startup_timeout_s)
+
+    # --- Loop: the step, and its collaborators at fixed points of every step (closed in reverse).
+    is_chief = jax.process_index() == 0
+    writer = MetricsWriter(workdir, config.train.steps, enabled=is_chief, progress=progress, start_step=start_step)
+    cleanup.callback(writer.close)
+    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, writer, heartbeat)
+    collaborators = _callbacks(config, workdir, parallel_step, checkpointer, step_fn, cache, is_chief, start_step)
+    for collaborator in collaborators:
+      cleanup.callback(collaborator.close)
+    _run_loop(loop, step_fn, collaborators)
+    finished = not loop.preempted
+
+  # --- Export: the trained parameters, the model's own pytree whatever the mesh.
+  if workdir and config.checkpoint.save_params and finished:
+    _export(parallel_step, loop.state, workdir)
+  return TrainResult(state=loop.state, history=loop.history, start_step=start_step, preempted=loop.preempted)
+
+
+def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callback]) -> None:
+  """The steps from the one after loop.start_step to train.steps, each between its callbacks."""
+  for step in range(loop.start_step + 1, loop.config.train.steps + 1):
+    loop.step, loop.batch = step, next(loop.batches)
+    for collaborator in collaborators:
+      collaborator.before_step(loop)
+    loop.state, loop.metrics = step_fn(loop.state, loop.batch)
+    for collaborator in collaborators:
+      collaborator.after_step(loop)
+    if loop.preempted:
+      break
+  for collaborator in collaborators:
+    collaborator.on_end(loop)
+
+
+def _callbacks(config, workdir, parallel_step, checkpointer, step_fn, cache, is_chief, start_step) -> list:
+  """The loop's collaborators, in the order they are called at each point of a step."""
+  guard = NonFiniteGuard(config, checkpointer)
+  return [
+      callbacks.HeartbeatPhase(),                                        # which step this process is in
+      callbacks.Tracing(StepTracer(config, parallel_step.mesh, workdir), step_fn),   # observe.trace_every
+      guard,                                                             # non-finite: skip, roll back
+      callbacks.ActivationCapture(ActivationLog(config, workdir, enabled=is_chief, start_step=start_step)),
+      callbacks.StartupLog(cache),                                       # time to the first step
+      callbacks.Preemption(),                                            # SIGTERM: save and stop
+      callbacks.MetricsLog(config, parallel_step, lambda: guard.skipped),   # metrics.jsonl, progress
+      callbacks.Checkpointing(checkpointer, guard),                     # the checkpointer's cadence
+      drills.FaultDrills(config),                                        # debug.*: last, after the save
+  ]
+
+
+# --- The sections' one calls.
+
+def _write_config(config, workdir: str | None) -> None:
+  if workdir and jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json(indent=2))
+
+
+def _start_heartbeat(config, workdir: str | None, parallel_step: ParallelStep) -> Heartbeat | None:
+  if not workdir:
+    return None
+  return Heartbeat(workdir, jax.process_index(), local_device_coordinates(parallel_step.mesh),
+                   config.supervisor.heartbeat_interval_s)
+
+
+def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator, heartbeat):
+  """(state, its step): the latest readable checkpoint onto this run's mesh, with the data
+  iterator set to the position it saved; else a fresh state, each device initializing only
+  its own shards."""
+  if heartbeat:
+    heartbeat.update(phase="restore")
+  restored = checkpointer.restore_latest(parallel_step) if checkpointer else None
+  if restored is not None:
+    state, start_step = restored.state, restored.step
+    iterator.set_state(restored.data_state)
+    logging.info("resumed from %s (step %d of %d)", checkpointer.path(restored.step), restored.step,
+                 config.train.steps)
+  else:
+    state, start_step = parallel_step.init_state(jax.random.key(config.train.seed)), 0
+  if heartbeat:
+    heartbeat.update(start_step=start_step, step=start_step)
+  return state, start_step
+
+
+def _describe(config, parallel_step: ParallelStep, state) -> None:
+  logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
+               config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
+               *parallel_step.mesh.devices.shape, config.parallel.tp_overlap)
+  if parallel_step.pipeline is not None:
+    schedule = parallel_step.pipeline.schedule
+    logging.info("pipeline: %s, %d virtual stages, %s, %d microbatches: bubble %.3f of ideal (one op per "
+                 "tick), stash of up to %d activations per stage\n%s\n%s", schedule.name, schedule.virtual_stages,
+                 config.parallel.traversal, schedule.microbatches, schedule.bubble_fraction,
+                 parallel_step.pipeline.stash_slots, ascii_timeline(schedule), ascii_paired_timeline(schedule))
+
+
+_BARRIERS = itertools.count()
+
+
+def _compile_and_meet(parallel_step: ParallelStep, heartbeat, timeout_s: float):
+  """Compiles the step ahead of time (from its abstract inputs: the trace analysis reads its
+  operations); with several processes, then waits at a coordination-service barrier until
+  every process has: all enter the step's collectives together. Without it a process that
+  compiles much later (a cache miss, a loaded host) leaves the others waiting inside
+  collectives; on CPU, gloo's reduce-scatter has a fixed 30 s timeout whose error path can
+  hang (jax-ml/jax#40831), and 2-process CPU jobs hung, rarely, in their first step that way.
+  The coordination service's barrier waits as long as we say."""
+  if heartbeat:
+    heartbeat.update(phase="compiling the step")
+  compiled = parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile()
+  if jax.process_count() > 1:
+    # A barrier's name is used once per job: numbered, for a process that trains more than once.
+    distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}", int(timeout_s * 1000))
+  return compiled
+
+
+def _export(parallel_step: ParallelStep, state, workdir: str) -> None:
+  # Under jit: with several processes no process holds every stage's rows.
+  path = save_params(os.path.join(workdir, "params"), jax.jit(parallel_step.model_params)(state.params))
+  logging.info("parameters written to %s", path)

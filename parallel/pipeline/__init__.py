@@ -1,0 +1,19 @@
+"""Pipeline parallelism inside the one shard_map step.
+
+  schedule.py  which (forward | backward, microbatch, chunk) each stage runs, tick by tick:
+               gpipe, 1f1b, interleaved_1f1b; depth- or breadth-first traversal; pure Python
+  stacking.py  the parameter layout: the blocks stacked into one `layers` tree split over pp
+  tables.py    a schedule compiled into the int32 tables the executor reads each tick
+  executor.py  the tick scan: forward and backward slots, decoupled send / recv rings
+  baseline.py  GPipe by autodiff, the baseline the executor is measured against
+"""
+
+from megajax.parallel.pipeline.executor import pipeline_gradients, stage_params, sum_over_stages
+from megajax.parallel.pipeline.schedule import Schedule, paired_timeline, simulate
+from megajax.parallel.pipeline.stacking import (LAYERS, pipeline_layouts, stacked_layer_order, to_model_params,
+                                                to_pipeline_params)
+from megajax.parallel.pipeline.tables import Program, Tables
+
+__all__ = ["LAYERS", "Program", "Schedule", "Tables", "paired_timeline", "pipeline_gradients", "pipeline_layouts",
+           "simulate", "stacked_layer_order", "stage_params", "sum_over_stages", "to_model_params",
+           "to_pipeline_params"]

@@ -1,0 +1,198 @@
+"""The pipeline executor inside the one shard_map step: a static schedule run tick by tick.
+
+The layers are cut into p * v chunks of k layers (stacking.py: the stacked parameter
+layout); stage s holds chunks s, s+p, ... The embedding runs in the first chunk, the final
+norm, head and loss in the last.
+
+Per device the step is one lax.scan over the executor's ticks (schedule.paired_timeline):
+each tick a forward slot, then a backward slot, each a lax.switch over
+  idle | a chunk program's forward          idle | a chunk program's backward
+chosen by the stage's row of static tables (tables.py). A chunk program is (first?, last?,
+the windows of its k layers): one compiled body per distinct program, so every window stays
+static.
+Two separate ppermute rings over pp carry the tick's messages: the forward slot's
+activation to stage s+1, issued before the backward slot and depending on the forward
+alone, with nothing in the backward slot depending on it (MegaScale's decoupled
+send/recv: the scheduler may run it during the backward), and the backward slot's input
+cotangent to stage s-1. The rings run every tick (a collective cannot sit in a branch);
+idle slots send zeros. The last chunk's forward slot idles: its backward recomputes the
+loss and counts the statistics.
+
+  backward = jax.vjp of the chunk program on its stashed input (the forward is recomputed:
+             the stash holds one activation per microbatch-chunk in flight, not residuals).
+  stash    = [slots + 1, b, s/tp, hidden]: a received activation waits in its slot from
+             arrival to its backward; slots are assigned in Python, the extra one is a trash
+             slot for ticks with nothing to keep. Same for received cotangents. Arrivals
+             are written at the end of the tick, after all of its reads.
+  grads    = each backward's gradients are reduce-scattered over dp right away (ZeRO-2) and
+             added to this stage's shard at the chunk's rows; embedding / head gradients
+             are summed over pp at the end (only their stages have any).
+
+Lockstep SPMD compromises (docs/parallelism.md has the measured costs): the backward recomputes
+the forward; every stage walks the same ticks; inside a branch, collective matmul runs as
+chunked collectives instead of ppermute rings (a collective-permute spans every device of
+the program, a branch only one stage's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from megajax.model import ModelConfig
+from megajax.parallel import sharding
+from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
+from megajax.parallel.pipeline.stacking import LAYERS
+from megajax.parallel.pipeline.tables import Program, Tables
+from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
+                                              vocab_parallel_embed)
+from megajax.reference_step import split_microbatches
+
+STAT_NAMES = ("nll_sum", "z_sum", "tokens")
+
+
+def _matching(tree, like):
+  """`tree` cast to the per-device (varying) axes of `like`, leaf by leaf: switch branches
+  must return identically typed values."""
+  return jax.tree.map(lambda x, y: to_varying(x, tuple(varying_axes(y))), tree, like)
+
+
+def _shared_names(program: Program, c: ModelConfig) -> tuple:
+  """The non-block parameters a chunk program uses."""
+  names = ("embedding",) if program.first else ()
+  if program.last:
+    names += ("final_norm", "embedding" if c.tie_embeddings else "head")
+  return tuple(dict.fromkeys(names))
+
+
+def stage_params(params, layouts):
+  """ZeRO gather -> this stage's rows and this tp rank's shards, marked per device on pp like
+  everything a stage computes: a pp-invariant input's gradient would otherwise be summed
+  over pp inside the backward, a collective only its stage runs."""
+  return jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts))
+
+
+def sum_over_stages(grads: dict, stats: dict):
+  """Gradient shards of the non-block leaves (used by the first / last stage only) and the
+  loss statistics, summed over pp (and the statistics over dp)."""
+  grads = {name: g if name == LAYERS else jax.tree.map(lambda x: lax.psum(x, PP), g) for name, g in grads.items()}
+  return grads, {name: lax.psum(value, (DP, PP)) for name, value in stats.items()}
+
+
+def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
+                       z_loss: float, probes=None):
+  """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
+  whole batch (summed over dp and pp). `probes` (megajax.observe.probes, bound to the step; the
+  batch then has "rows"): perturb_at="stage:<s>" perturbs what stage s sends on."""
+  p, k = tables.schedule.stages, tables.layers_per_chunk
+  overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
+  full = stage_params(params, layouts)
+  stage = lax.axis_index(PP)
+  microbatches = split_microbatches(batch, tables.schedule.microbatches)   # [m, b, S]
+  b, seq = microbatches["inputs"].shape[1:]
+
+  def activation_buffer(slots):
+    shape = (slots, b, seq // lax.axis_size(TP), c.hidden_dim)
+    return to_varying(jnp.zeros(shape, c.compute_dtype), (DP, PP, TP))
+
+  zero_stat = to_varying(jnp.zeros((), jnp.float32), (DP, PP))
+  carry = dict(
+      stash=activation_buffer(tables.stash_slots + 1),
+      cotangents=activation_buffer(tables.cotangent_slots + 1),
+      grads=jax.tree.map(lambda x: to_varying(jnp.zeros_like(x), (PP,)), params),
+      stats={name: zero_stat for name in STAT_NAMES})
+  empty_message = activation_buffer(1)[0]
+
+  def chunk_params(chunk):
+    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, chunk * k, k), full[LAYERS])
+
+  def chunk_function(program: Program):
+    """(chunk params [k, ...], shared params, input activation, microbatch) -> (output, stats)."""
+    @jax.named_scope("forward")    # its vjp's ops: transpose(jvp(forward)), the backward
+    def run(layers, shared, x, mb):
+      positions = positions_of(mb["inputs"])
+      if program.first:
+        x = vocab_parallel_embed(shared["embedding"], mb["inputs"], c)
+      for j, window in enumerate(program.windows):
+        x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, window, c, overlap)
+      if program.last:
+        return head_loss_sums(shared, x, mb, c, overlap, z_loss)
+      return x, None
+    return run
+
+  def add_chunk_grads(grads, chunk_grads, shared_grads, chunk):
+    """ZeRO-2: reduce-scatter over dp now (one call: the chunk's and the shared leaves' in one
+    set, which CPU jobs across processes pack and order), add into the shard at the chunk's rows."""
+    names = [LAYERS, *shared_grads]
+    reduced = sharding.reduce_scatter_grads({LAYERS: chunk_grads, **shared_grads}, {n: layouts[n] for n in names})
+    def add_rows(buffer, g):
+      rows = lax.dynamic_slice_in_dim(buffer, chunk * k, k) + g
+      return lax.dynamic_update_slice_in_dim(buffer, rows, chunk * k, axis=0)
+    grads = dict(grads)
+    grads[LAYERS] = jax.tree.map(add_rows, grads[LAYERS], reduced[LAYERS])
+    for name in shared_grads:
+      grads[name] = jax.tree.map(jnp.add, grads[name], reduced[name])
+    return grads
+
+  def forward(program: Program):
+    run = chunk_function(program)
+    def branch(stash, op, mb):
+      shared = {name: full[name] for name in _shared_names(program, c)}
+      out, _ = run(chunk_params(op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
+      return _matching(out, empty_message)
+    return branch
+
+  def backward(program: Program):
+    run = chunk_function(program)
+    def branch(stash, cotangents, grads, stats, op, mb):
+      shared = {name: full[name] for name in _shared_names(program, c)}
+      loss_fn = lambda layers, shared, x: run(layers, shared, x, mb)
+      # Recompute the chunk's forward from its stashed input, then its backward.
+      out, vjp_fn, new_stats = jax.vjp(loss_fn, chunk_params(op["b_chunk"]), shared, stash[op["b_in_slot"]],
+                                       has_aux=True)
+      if program.last:     # the loss: seed its backward with 1, count its statistics
+        cotangent = to_varying(jnp.ones((), out.dtype), tuple(varying_axes(out)))
+        stats = _matching(jax.tree.map(jnp.add, stats, new_stats), stats)
+      else:
+        cotangent = cotangents[op["b_ct_slot"]]
+      layer_grads, shared_grads, x_grad = vjp_fn(cotangent)
+      grads = _matching(add_chunk_grads(grads, layer_grads, shared_grads, op["b_chunk"]), grads)
+      return grads, stats, empty_message if program.first else _matching(x_grad, empty_message)
+    return branch
+
+  # Branch 0 idles; a last program's forward branch is never selected (see Tables.build).
+  forwards = [lambda stash, op, mb: empty_message]
+  backwards = [lambda stash, cotangents, grads, stats, op, mb: (grads, stats, empty_message)]
+  for program in tables.programs:
+    forwards.append(forward(program) if not program.last else forwards[0])
+    backwards.append(backward(program))
+
+  def microbatch(index):
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), microbatches)
+
+  def tick(carry, rows):
+    op = {name: table[stage] for name, table in rows.items()}
+    stash, cotangents = carry["stash"], carry["cotangents"]
+    # Forward slot, then its send. Nothing the backward slot reads depends on the send (the
+    # arrival is written at the tick's end), so the collective can run during the backward:
+    # decoupled send/recv. Unconditional, so it stays outside any branch (idle ticks send zeros).
+    activation = lax.switch(op["f_branch"], forwards, stash, op, microbatch(op["f_microbatch"]))
+    if probes is not None and probes.perturb_site == "stage":
+      activation = probes.perturb_sent(activation, stage, op["f_chunk"], microbatch(op["f_microbatch"])["rows"], p, k)
+    with jax.named_scope("pp send-recv"):
+      activation = lax.ppermute(activation, PP, [(i, (i + 1) % p) for i in range(p)])
+    grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents, carry["grads"],
+                                         carry["stats"], op, microbatch(op["b_microbatch"]))
+    with jax.named_scope("pp send-recv"):
+      cotangent = lax.ppermute(cotangent, PP, [(i, (i - 1) % p) for i in range(p)])
+    # Arrivals are written at the tick's end, after every read of the tick.
+    return dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),
+                cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),
+                grads=grads, stats=stats), None
+
+  carry, _ = lax.scan(tick, carry, {name: jnp.asarray(table) for name, table in tables.per_stage.items()})
+
+  return sum_over_stages(carry["grads"], carry["stats"])

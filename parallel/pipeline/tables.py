@@ -1,0 +1,117 @@
+"""A schedule compiled into the static int32 tables the executor reads each tick.
+
+Per tick and stage: a forward slot and a backward slot (schedule.paired_timeline), each
+with its branch (idle, or a chunk program's forward / backward), microbatch, local chunk and
+the stash / cotangent buffer slots it reads; and where the tick's arrivals are written. A
+chunk program is (embeds?, ends in the loss?, the windows of its k layers): one compiled
+body per distinct program, so every window stays static (the Pallas kernels need that).
+Slots are assigned in Python, greedily, so the buffers are as small as the schedule allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megajax.model import ModelConfig
+from megajax.parallel.pipeline.schedule import BACKWARD, FORWARD, Schedule, paired_timeline
+from megajax.parallel.pipeline.stacking import stacked_layer_order
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What one chunk computes; chunks with equal programs share one compiled body."""
+  first: bool                      # embeds the tokens
+  last: bool                       # ends in the head and the loss
+  windows: tuple                   # each layer's attention window (None: global)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """A schedule compiled for the executor: its paired ticks (one forward slot, then one
+  backward slot per stage) as int32 tables [ticks, stages], and the buffer sizes."""
+  schedule: Schedule
+  layers_per_chunk: int
+  programs: tuple                  # branch i + 1 of either slot runs program i
+  stash_slots: int                 # activation slots (plus one trash slot)
+  cotangent_slots: int             # cotangent slots (plus one trash slot)
+  per_stage: dict                  # f_/b_ branch, microbatch, chunk, in_slot; b_ct_slot; recv_fwd, recv_bwd
+
+  @property
+  def ticks(self) -> int:
+    return self.per_stage["f_branch"].shape[0]
+
+  @classmethod
+  def build(cls, schedule: Schedule, c: ModelConfig) -> "Tables":
+    p, v = schedule.stages, schedule.virtual_stages
+    chunks = p * v
+    k = len(stacked_layer_order(c.num_layers, p, v)) // chunks   # (checks the cut)
+    program_of = {g: Program(g == 0, g == chunks - 1, tuple(c.layer_window(g * k + j) for j in range(k)))
+                  for g in range(chunks)}
+    programs = tuple(sorted(set(program_of.values()), key=lambda pr: (not pr.first, pr.last, str(pr.windows))))
+    pairs = paired_timeline(schedule)                          # [p, ticks, 2]
+    ticks = pairs.shape[1]
+    when = {(s, op): t for s in range(p) for t in range(ticks) for op in pairs[s, t] if op is not None}
+
+    names = ("f_branch", "f_microbatch", "f_chunk", "f_in_slot", "b_branch", "b_microbatch", "b_chunk",
+             "b_in_slot", "b_ct_slot", "recv_fwd", "recv_bwd")
+    tables = {name: np.zeros((ticks, p), np.int32) for name in names}
+    stash_slots = cotangent_slots = 1
+    for s in range(p):
+      # Per tick: the slots its ops read, the slots freed after them, the arrival at its end.
+      stash, cotangents = _SlotEvents(ticks), _SlotEvents(ticks)
+      for t in range(ticks):
+        forward, backward = pairs[s, t]
+        for prefix, op in (("f_", forward), ("b_", backward)):
+          if op is None:
+            continue
+          g = op.chunk * p + s
+          key = (op.microbatch, op.chunk)
+          # The last chunk's forward slot idles: its backward recomputes the loss anyway and
+          # counts the statistics there.
+          if not (op.kind == FORWARD and g == chunks - 1):
+            tables[prefix + "branch"][t, s] = 1 + programs.index(program_of[g])
+          tables[prefix + "microbatch"][t, s], tables[prefix + "chunk"][t, s] = key
+          if g > 0:                                          # reads its stashed input
+            stash.reads[t].append((prefix + "in_slot", key))
+          if op.kind == FORWARD and g > 0:                   # the input arrives from stage s-1
+            stash.arrivals[when[(s - 1) % p, dataclasses.replace(op, chunk=(g - 1) // p)]] = key
+          if op.kind == BACKWARD and g > 0:
+            stash.frees[t].append(key)
+          if op.kind == BACKWARD and g < chunks - 1:         # its cotangent arrives from stage s+1
+            cotangents.reads[t].append(("b_ct_slot", key))
+            cotangents.frees[t].append(key)
+            cotangents.arrivals[when[(s + 1) % p, dataclasses.replace(op, chunk=(g + 1) // p)]] = key
+      stash_slots = max(stash_slots, stash.assign(s, tables, "recv_fwd"))
+      cotangent_slots = max(cotangent_slots, cotangents.assign(s, tables, "recv_bwd"))
+    # Ticks with no arrival write to the trash slot, one past the last real one.
+    for name, trash in (("recv_fwd", stash_slots), ("recv_bwd", cotangent_slots)):
+      tables[name][tables[name] < 0] = trash
+    return cls(schedule, k, programs, stash_slots, cotangent_slots, tables)
+
+
+class _SlotEvents:
+  """One stage's use of a buffer, tick by tick; `assign` gives every held message a slot."""
+
+  def __init__(self, ticks: int):
+    self.ticks = ticks
+    self.reads = [[] for _ in range(ticks)]      # (table, key) read during the tick
+    self.frees = [[] for _ in range(ticks)]      # keys no longer needed after the tick's reads
+    self.arrivals = {}                           # tick -> key written at the tick's end
+
+  def assign(self, s: int, tables: dict, recv_table: str) -> int:
+    """Greedy assignment; a slot freed at tick t takes the arrival at t's end. Returns the slots used."""
+    free, slot_of, used = [], {}, 0
+    tables[recv_table][:, s] = -1
+    for t in range(self.ticks):
+      for table, key in self.reads[t]:
+        tables[table][t, s] = slot_of[key]
+      for key in self.frees[t]:
+        free.append(slot_of.pop(key))
+      if t in self.arrivals:
+        if not free:
+          free.append(used)
+          used += 1
+        slot_of[self.arrivals[t]] = tables[recv_table][t, s] = free.pop()
+    return used

@@ -1,0 +1,19 @@
+"""The 3D-parallelism planner: a cost model of one training step, its calibration, the search.
+
+  cost_model.py   per-device memory and step time / MFU of a plan (dp, pp, tp, v, microbatch)
+                  on a device type; `Calibration`, the fitted step-time constants, a plain value
+  plans.py        every plan that divides evenly, the ones that fit, best predicted MFU first
+  paper.py        the MegaScale paper's Tables 2 and 3, predicted next to the published MFU
+  calibration.py  the least-squares fit of Calibration to the paper, and the memory model
+                  checked against XLA's memory analysis of the real compiled step
+
+The command line is `megajax-plan` (megajax.launch.plan); `python -m megajax.launch.bench
+planner` prints the fit, the tables and the memory check.
+"""
+
+from megajax.parallel.planner.cost_model import (CALIBRATION, HARDWARE, MEGASCALE, MEGATRON, Calibration, Hardware,
+                                                 Optimizations, Plan)
+from megajax.parallel.planner.plans import Candidate, enumerate_plans, evaluate, search
+
+__all__ = ["CALIBRATION", "Calibration", "Candidate", "HARDWARE", "Hardware", "MEGASCALE", "MEGATRON",
+           "Optimizations", "Plan", "enumerate_plans", "evaluate", "search"]

@@ -1,0 +1,456 @@
+"""A cost model of one training step: per-device memory and step time / MFU for a 3D plan.
+
+For a model (megajax.model.ModelConfig), a plan (dp, pp, tp, virtual stages v, microbatch
+size b, global batch B, which MegaScale optimizations are on, which runtime executes it)
+and a device (HARDWARE), it predicts:
+
+  memory     bytes per device: the training state (fp32 master params and optimizer
+             moments, ZeRO-sharded over dp), the compute copies and gradients, and the
+             activations the runtime keeps (`memory`);
+  time       one step on the slowest pipeline stage: compute (model FLOPs at a GEMM /
+             attention efficiency, recomputation, memory-bound operators), the pipeline
+             bubble (p-1)/(v m), exposed TP / PP / DP communication and per-step
+             overheads (`step_time`), and MFU from megajax.flops (as the trainer counts it).
+
+Two runtimes (`Plan.executor`):
+  "megajax"  this repository's step (parallel/step.py): fp32 parameters all-gathered over
+             dp, every microbatch's gradients reduce-scattered over dp as they come, and
+             with pp > 1 the lockstep executor that stashes only each microbatch-chunk's
+             input and recomputes the chunk's forward in its backward. Its memory model is
+             checked against XLA's buffer assignment (calibration.memory_check).
+  "paper"    Megatron-LM, which MegaScale builds on (the paper's Tables 2 and 3): bf16
+             weights, fp32 gradients reduced once per step, the distributed optimizer,
+             activations of the in-flight microbatches kept per Korthikanti et al. (2022).
+
+MFU counts model FLOPs (megajax.flops: forward + backward, recomputation not counted,
+attention over the keys each query's window covers). The paper counts the same way: its
+Megatron-LM rows imply 1.077e12 FLOPs per token (full attention, our count 1.0773e12) and
+its MegaScale rows 1.066e12 (a sliding window of about a thousand keys: 1.0628e12 at
+w = 1024), so SWA lowers the counted FLOPs and raises MFU only through the time it saves.
+Fitted numbers are the named constants below, in two groups: the step-time ones (to the
+paper's Table 3, one to Table 2) and the megajax memory ones (to XLA's buffer assignment).
+No MFU of the paper is an output or an input other than through that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megajax import flops
+from megajax.model import ModelConfig
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  name: str
+  peak_tflops: float        # bf16 dense tensor-core peak per GPU
+  memory_gb: float          # HBM per GPU
+  hbm_gbps: float           # HBM bandwidth per GPU, GB/s
+  nvlink_gbps: float        # NVLink bandwidth per GPU per direction, GB/s (tp collectives)
+  nic_gbps: float           # inter-node bandwidth per GPU per direction, GB/s (dp, pp)
+  gpus_per_node: int
+  nodes_per_tor: int = 64   # nodes under one set of top-of-rack switches (MegaScale 3.6)
+
+
+HARDWARE = {
+    # A100 SXM: NVLink 3 600 GB/s both ways; 8 x 200 Gb/s NICs per node = 25 GB/s per GPU.
+    "a100-80g": Hardware("a100-80g", flops.PEAK_BF16_TFLOPS["a100"], 80.0, 2039.0, 300.0, 25.0, 8),
+    # H100 / H200 SXM: NVLink 4 900 GB/s both ways; 8 x 400 Gb/s NICs per node = 50 GB/s per GPU.
+    "h100-80g": Hardware("h100-80g", flops.PEAK_BF16_TFLOPS["h100"], 80.0, 3350.0, 450.0, 50.0, 8),
+    "h200-141g": Hardware("h200-141g", flops.PEAK_BF16_TFLOPS["h200"], 141.0, 4800.0, 450.0, 50.0, 8),
+}
+
+# --- Calibration (the only fitted numbers; all in one place) ---------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """The step-time constants: a plain value, passed to `step_time` (no module state to patch).
+
+  `CALIBRATION` holds the least-squares fit (megajax.parallel.planner.calibration.fit,
+  reprinted by `python -m megajax.launch.bench planner`) to the paper's Table 3: 175B on 256
+  A100s, batch 256, the baseline MFU and the eight cumulative rows (the first 8 fields, 9
+  numbers). Table 2 (256 to 12,288 GPUs, Megatron-LM and MegaScale) is then predicted, except
+  for `scale_loss`, which only Table 2 can show (fitted to it with the others fixed).
+  """
+  gemm_efficiency: float = 0.77        # fraction of peak the transformer's large bf16 matmuls reach
+  attention_efficiency: float = 0.30   # unfused attention (QK^T, masked softmax, PV as separate kernels)
+  flash_attention_efficiency: float = 0.40  # fused attention (FlashAttention-2 / our Pallas kernels)
+  nvlink_efficiency: float = 0.45      # bus bandwidth tp all-gathers / reduce-scatters reach, of NVLink's
+  tp_overlap_hidden: float = 0.40      # share of tp communication collective matmul hides behind the GEMMs
+  p2p_latency_s: float = 0.19e-3       # per blocking pipeline send/recv pair (Megatron's synchronous p2p)
+  step_overhead_off_s: float = 0.72    # per step: data loading, host sync, launch gaps (misc off) ...
+  step_overhead_on_s: float = 0.52     # ... and with MegaScale's misc optimizations on
+  # Fitted to Table 2 with the above fixed (Table 3's 32 nodes sit under one ToR group):
+  scale_loss: float = 0.016            # step time lost per doubling of the job's nodes beyond one ToR
+                                       # group: stragglers and traffic crossing more switch tiers
+
+  def step_overhead_s(self, misc: bool) -> float:
+    return self.step_overhead_on_s if misc else self.step_overhead_off_s
+
+
+CALIBRATION = Calibration()
+
+# Set from hardware practice, not fitted:
+NET_EFFICIENCY = 0.8             # NCCL bus bandwidth over the inter-node NICs (nccl-tests)
+HBM_EFFICIENCY = 0.8             # achievable fraction of HBM bandwidth for streaming kernels
+ELEMENTWISE_PASSES = {"unfused": 12, "fused": 6}   # HBM passes over a layer's LayerNorm / bias /
+                                 # GeLU / dropout / residual tensors, forward + backward
+MEMORY_RESERVED_GB = 4.0         # CUDA context, NCCL buffers, allocator slack: not for the step
+# megajax executor's memory, fitted by least squares to XLA's buffer assignment of the real
+# compiled step on CPU (fp32, remat none, xla attention): 21 configs with pp = 1 and 22 with
+# pp = 2-4 (shapes, dp, tp, v, microbatches varied); calibration.MEMORY_CASES checks configs
+# outside those. Elements kept per token per layer, in units of each tensor's width:
+XLA_KEPT = dict(hidden=1.5,      # x [s, h] (LayerNorm input / gathered output), per LayerNorm
+                qkv=3.2,         # q, k, v and their rotated / attended copies [s, (q + 2 kv) / tp]
+                mlp=3.1,         # MLP input, GeLU output, the concatenated row-parallel input [s, f / tp]
+                scores=2.3,      # fp32 attention scores and probabilities [heads / tp, s, s]
+                logits=2.1)      # fp32 logits and their softmax [s, vocab / tp]
+XLA_PARAM_TEMPS = 1.1            # param-sized temporaries (gradients, optimizer) per tp-shard param
+XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps the gradients)
+# ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash buffers):
+XLA_PIPELINE = dict(params=2.2,  # param-sized temporaries per stage param (branch gradient buffers)
+                    gather=0.23,  # extra when dp > 1
+                    layer=0.28,  # of a layer's non-score activations above (XLA fuses the recompute)
+                    scores=2.4,  # of its attention scores (the backward holds more of them)
+                    logits=1.64,  # of the logits
+                    message=3.9)  # buffers per stash / cotangent slot [b, s / tp, h]
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizations:
+  """MegaScale's switches (paper section 3, Table 3)."""
+  ptb: bool = True          # parallel transformer block
+  swa: bool = True          # sliding-window attention (the model's window; off: full causal)
+  tp_overlap: bool = True   # collective matmul (all-gather / reduce-scatter fused with GEMMs)
+  pp_overlap: bool = True   # decoupled pipeline send / receive
+  dp_overlap: bool = True   # ZeRO all-gather / reduce-scatter per chunk, prefetched
+  fused_ops: bool = True    # FlashAttention-2, fused LayerNorm and GeLU
+  misc: bool = True         # data pipeline (async preprocessing, one loader per node), cleanups
+  lamb: bool = True         # LAMB (the optimizer; its batch x3 is the plan's batch)
+
+
+MEGASCALE = Optimizations()
+MEGATRON = Optimizations(False, False, False, False, False, False, False, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  dp: int
+  pp: int
+  tp: int
+  virtual_stages: int       # model chunks per stage (interleaved 1F1B); 1: plain 1F1B
+  micro_batch: int          # sequences per microbatch per dp rank
+  batch: int                # global batch, sequences
+  opts: Optimizations = MEGASCALE
+  executor: str = "megajax"  # "megajax" (this repository) or "paper" (Megatron-LM / MegaScale)
+
+  @property
+  def gpus(self) -> int:
+    return self.dp * self.pp * self.tp
+
+  @property
+  def microbatches(self) -> int:
+    """Microbatches per dp rank per step (m)."""
+    return self.batch // (self.dp * self.micro_batch)
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Idle over busy time per stage, (p-1)/(v m) (pipeline/schedule.py's simulated value)."""
+    return (self.pp - 1) / (self.virtual_stages * self.microbatches)
+
+
+def apply_switches(c: ModelConfig, opts: Optimizations) -> ModelConfig:
+  """The model a plan runs: PTB picks the block, SWA keeps the model's window (else full)."""
+  return dataclasses.replace(c, block="parallel" if opts.ptb else "serial", window=c.window if opts.swa else None)
+
+
+# --- Parameters, leaf by leaf (shapes as megajax.model creates them) -------------------------
+
+def param_leaves(c: ModelConfig):
+  """[(name, shape, tp_dim, in_block)]: every parameter of one layer (in_block) and the rest."""
+  h, d, q, kv, f = c.hidden_dim, c.head_dim, c.num_heads, c.num_kv_heads, c.mlp_dim
+  norms = ("norm",) if c.block == "parallel" else ("attention_norm", "mlp_norm")
+  layer = [(f"{n}.{w}", (h,), None, True) for n in norms for w in ("scale", "bias")]
+  layer += [("query.kernel", (h, q, d), 1, True), ("key.kernel", (h, kv, d), 1, True),
+            ("value.kernel", (h, kv, d), 1, True), ("out.kernel", (q, d, h), 0, True),
+            ("wi.kernel", (h, f), 1, True), ("wo.kernel", (f, h), 0, True)]
+  if c.use_bias:
+    layer += [("query.bias", (q, d), 0, True), ("key.bias", (kv, d), 0, True), ("value.bias", (kv, d), 0, True),
+              ("out.bias", (h,), None, True), ("wi.bias", (f,), 0, True), ("wo.bias", (h,), None, True)]
+  rest = [("embedding", (c.vocab_size, h), 0, False), ("final_norm.scale", (h,), None, False),
+          ("final_norm.bias", (h,), None, False)]
+  if not c.tie_embeddings:
+    rest.append(("head", (h, c.vocab_size), 1, False))
+  return layer + rest
+
+
+def _local(shape, tp_dim, tp):
+  return tuple(n // tp if i == tp_dim else n for i, n in enumerate(shape))
+
+
+def _zero_shard(shape, dp):
+  """Elements of one ZeRO shard: the largest dimension divisible by dp is split (sharding.py)."""
+  size = math.prod(shape)
+  return size // dp if dp > 1 and any(n % dp == 0 for n in shape) else size
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+  stage: int         # parameters this device computes with (its tp shard of its stage)
+  shard: int         # of those, the ZeRO shard it owns (master, gradient, moments)
+  model: int         # the whole model
+
+
+def param_counts(c: ModelConfig, plan: Plan) -> ParamCounts:
+  layers = c.num_layers // plan.pp
+  stage = shard = model = 0
+  for name, shape, tp_dim, in_block in param_leaves(c):
+    local = _local(shape, tp_dim, plan.tp)
+    # megajax keeps the embedding and head on every stage; Megatron on the first / last one
+    # (the busiest stage holds its layers plus one of them).
+    copies = layers if in_block else (1 if plan.executor == "megajax" or name != "head" or plan.pp == 1
+                                      or c.tie_embeddings else 0)
+    stage += copies * math.prod(local)
+    shard += copies * _zero_shard(local, plan.dp)
+    model += (c.num_layers if in_block else 1) * math.prod(shape)
+  return ParamCounts(stage, shard, model)
+
+
+# --- Memory ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Bytes per device (the busiest stage)."""
+  state: float          # master params + optimizer moments (+ Megatron's bf16 weights and grads)
+  params_temp: float    # gathered compute parameters and gradient buffers during the step
+  activations: float    # what the backward needs, for every in-flight microbatch
+  logits: float         # the head's fp32 logits of one microbatch
+  pipeline: float       # stashed stage inputs and cotangents (megajax pipeline)
+
+  @property
+  def total(self) -> float:
+    return self.state + self.params_temp + self.activations + self.logits + self.pipeline
+
+
+def _bytes(dtype) -> int:
+  return dtype.itemsize
+
+
+def stash_slots(plan: Plan) -> int:
+  """Activation slots of megajax's pipeline executor (pipeline.Tables.stash_slots)."""
+  p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
+  return min(2 * (p - 1) + (v - 1) * p - 1, m * v) if p > 1 else 0
+
+
+def _layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> tuple[float, float]:
+  """megajax: (bytes one layer keeps for its backward per microbatch, of which attention scores)."""
+  n, b, s = plan.tp, plan.micro_batch, c.seq_len
+  tokens, cb = b * s, _bytes(c.compute_dtype)
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  norms = 1 if c.block == "parallel" else 2
+  if remat == "full":
+    return tokens * c.hidden_dim / n * cb, 0.0                             # the block's input
+  if remat == "dots":     # projection outputs; attention and elementwise ops are recomputed
+    return tokens * ((q + 2 * kv + c.mlp_dim) / n + c.hidden_dim * (1 + 1 / n) * norms) * cb, 0.0
+  kept = tokens * (XLA_KEPT["hidden"] * c.hidden_dim * norms + XLA_KEPT["qkv"] * (q + 2 * kv) / n
+                   + XLA_KEPT["mlp"] * c.mlp_dim / n) * cb
+  scores = 0.0 if fused_attention else XLA_KEPT["scores"] * b * c.num_heads / n * s * s * 4
+  return kept + scores, scores
+
+
+def _megatron_layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> float:
+  """Megatron-LM with sequence parallelism (Korthikanti et al. 2022, Table 2): bytes per layer
+  per microbatch; 34 s b h / t, plus 5 a s^2 b / t for the unfused softmax without recompute."""
+  sbh = c.seq_len * plan.micro_batch * c.hidden_dim
+  if remat == "full":
+    return 2 * sbh / plan.tp
+  kept = 34 * sbh / plan.tp
+  if remat == "none" and not fused_attention:
+    kept += 5 * c.num_heads * c.seq_len * c.seq_len * plan.micro_batch / plan.tp
+  return kept
+
+
+def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None) -> Memory:
+  """Per-device bytes of `plan` on the model `c` (the switches applied here). `remat` defaults to
+  the model's policy; `fused_attention` (a kernel that never holds the [s, s] scores: Pallas,
+  cuDNN, FlashAttention) to the plan's fused_ops switch."""
+  c = apply_switches(c, plan.opts)
+  remat = remat or c.remat
+  counts = param_counts(c, plan)
+  pb = _bytes(c.param_dtype)
+  tokens = plan.micro_batch * c.seq_len
+  logits = tokens * c.vocab_size / plan.tp * 4
+  layers = c.num_layers // plan.pp
+  fused_attention = plan.opts.fused_ops if fused_attention is None else fused_attention
+  if plan.executor == "paper":
+    # bf16 weights, fp32 gradients, and the distributed optimizer's fp32 master + 2 moments.
+    state = counts.stage * (2 + 4) + counts.shard * 12
+    per_layer = _megatron_layer_kept(c, plan, remat, fused_attention)
+    in_flight = plan.pp * (1 + (plan.pp - 1) / (plan.pp * plan.virtual_stages)) if plan.pp > 1 else 1
+    kept = per_layer * layers * in_flight
+    if remat == "full":   # one layer's activations are rebuilt during its backward
+      kept += _megatron_layer_kept(c, plan, "none", fused_attention)
+    return Memory(state, 0.0, kept, 2 * logits, 0.0)
+
+  moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
+  state = counts.shard * pb * (1 + moments)
+  accumulator = counts.shard * pb if plan.microbatches > 1 else 0.0
+  per_layer, _ = _layer_kept(c, plan, remat, fused_attention)
+  transient = _layer_kept(c, plan, "none", fused_attention)[0] if remat != "none" else 0.0
+  if plan.pp == 1:
+    params_temp = counts.stage * pb * (XLA_PARAM_TEMPS + (XLA_GATHER_TEMPS if plan.dp > 1 else 0.0)) + accumulator
+    return Memory(state, params_temp, per_layer * layers + transient, XLA_KEPT["logits"] * logits, 0.0)
+  # Pipeline: one chunk's activations at a time (its backward recomputes it from the stash).
+  chunk_layers = layers // plan.virtual_stages
+  if remat == "none":
+    per_layer, scores = _layer_kept(c, plan, "none", fused_attention)
+    per_layer = XLA_PIPELINE["layer"] * (per_layer - scores) + XLA_PIPELINE["scores"] * scores
+  message = tokens * c.hidden_dim / plan.tp * _bytes(c.compute_dtype)
+  stash = XLA_PIPELINE["message"] * (stash_slots(plan) + 3) * message   # stash + trash, cotangents + trash
+  params_temp = counts.stage * pb * (XLA_PIPELINE["params"] + (XLA_PIPELINE["gather"] if plan.dp > 1 else 0.0))
+  return Memory(state, params_temp, per_layer * chunk_layers + transient, XLA_PIPELINE["logits"] * logits, stash)
+
+
+def usable_bytes(hw: Hardware) -> float:
+  return (hw.memory_gb - MEMORY_RESERVED_GB) * GB
+
+
+# --- Step time -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """Seconds per step on the slowest stage; the parts add up to `total`."""
+  gemm: float           # matmul compute, recomputation included
+  attention: float      # attention compute (QK^T, softmax, PV), recomputation included
+  memory_bound: float   # LayerNorm / bias / GeLU / dropout / residual kernels
+  tp_comm: float        # exposed tp all-gathers / reduce-scatters
+  pp_comm: float        # exposed pipeline sends / receives
+  bubble: float         # pipeline fill and drain
+  dp_comm: float        # exposed ZeRO reduce-scatter / all-gather over dp
+  optimizer: float      # the optimizer update on the dp shard
+  overhead: float       # per-step fixed costs (data loading, host sync)
+  stragglers: float     # the scale loss of a job beyond one ToR group (Calibration.scale_loss)
+  recompute: float      # of gemm + attention, the part spent recomputing forwards
+  mfu: float            # model FLOPs / (total x GPUs x peak)
+
+  @property
+  def total(self) -> float:
+    return (self.gemm + self.attention + self.memory_bound + self.tp_comm + self.pp_comm + self.bubble
+            + self.dp_comm + self.optimizer + self.overhead + self.stragglers)
+
+  def parts(self) -> dict:
+    """The step's parts by kind (seconds); compute is the model's matmul and attention work."""
+    return {"compute": self.gemm + self.attention - self.recompute, "recompute": self.recompute,
+            "memory-bound": self.memory_bound + self.optimizer, "tp-comm": self.tp_comm, "pp-comm": self.pp_comm,
+            "bubble": self.bubble, "dp-comm": self.dp_comm, "overhead": self.overhead,
+            "stragglers": self.stragglers}
+
+  @property
+  def bottleneck(self) -> str:
+    """The largest part of the step; when that is compute, also the largest loss beside it."""
+    parts = self.parts()
+    top = max(parts, key=parts.get)
+    if top != "compute":
+      return top
+    losses = {k: v for k, v in parts.items() if k != "compute"}
+    loss = max(losses, key=losses.get)
+    return f"compute (then {loss} {losses[loss] / self.total:.0%})"
+
+
+def _ring_seconds(nbytes: float, group: int, gbps: float) -> float:
+  """One ring all-gather or reduce-scatter of `nbytes` (the full tensor) over `group` devices."""
+  return (group - 1) / group * nbytes / (gbps * GB) if group > 1 else 0.0
+
+
+def scale_loss(plan: Plan, hw: Hardware, calibration: Calibration = CALIBRATION) -> float:
+  nodes = max(1, plan.gpus // hw.gpus_per_node)
+  return calibration.scale_loss * math.log2(nodes / hw.nodes_per_tor) if nodes > hw.nodes_per_tor else 0.0
+
+
+def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
+              calibration: Calibration = CALIBRATION) -> StepTime:
+  """The predicted step of `plan` on `hw` for the model `c` (the switches applied here), with
+  the step-time constants of `calibration`."""
+  k = calibration
+  c = apply_switches(c, plan.opts)
+  remat = remat or c.remat
+  o, p, v, m, n = plan.opts, plan.pp, plan.virtual_stages, plan.microbatches, plan.tp
+  tokens = plan.micro_batch * c.seq_len
+  layers = c.num_layers // p
+  h, q = c.hidden_dim, c.num_heads * c.head_dim
+  cb = _bytes(c.compute_dtype)
+  peak = hw.peak_tflops * 1e12
+  megajax = plan.executor == "megajax"
+
+  # Compute per microbatch on the last stage (its layers and the head), forward FLOPs.
+  gemm_fwd = 2 * tokens * (layers * flops.projection_macs_per_token(c) + h * c.vocab_size) / n
+  keys = sum(flops.attention_keys_per_query(c.seq_len, c.layer_window(i)) for i in range(c.num_layers)) / c.num_layers
+  attention_fwd = 2 * tokens * layers * 2 * keys * q / n
+  # Forwards run again: megajax's pipeline backward recomputes its chunk; remat per policy
+  # (full: everything; dots, like Megatron's selective recompute, and fused attention: attention).
+  again = (1 if megajax and p > 1 else 0) + (1 if remat == "full" else 0)
+  attention_again = again + (1 if remat == "dots" or o.fused_ops and again == 0 else 0)
+  attention_efficiency = k.flash_attention_efficiency if o.fused_ops else k.attention_efficiency
+  t_gemm = gemm_fwd * (3 + again) / (peak * k.gemm_efficiency)
+  t_attention = attention_fwd * (3 + attention_again) / (peak * attention_efficiency)
+  recompute = (gemm_fwd * again / (peak * k.gemm_efficiency)
+               + attention_fwd * attention_again / (peak * attention_efficiency))
+  norms = 1 if c.block == "parallel" else 2
+  elementwise = tokens * layers * (norms * h / n + c.mlp_dim / n) * cb
+  t_memory = elementwise * ELEMENTWISE_PASSES["fused" if o.fused_ops else "unfused"] / (hw.hbm_gbps * GB * HBM_EFFICIENCY)
+
+  # Tensor parallelism: per layer and direction one all-gather + one reduce-scatter per block
+  # half (serial: 2 + 2, parallel: 1 + 1); Megatron's sequence parallelism all-gathers the
+  # input once more per column-parallel GEMM for its weight gradient. Plus the head's pair.
+  collectives = layers * 4 * norms + 2
+  if not megajax:
+    collectives += layers * norms
+  t_tp = collectives * _ring_seconds(tokens * h * cb, n, hw.nvlink_gbps * k.nvlink_efficiency)
+  if o.tp_overlap:
+    t_tp *= 1 - k.tp_overlap_hidden
+
+  # Pipeline: per microbatch a stage sends v activations and v gradients (and receives as
+  # many, the other direction of the link), sequence-sharded over tp. Blocking pairs
+  # (Megatron) wait for each transfer; decoupled ones (MegaScale) hide behind the next op.
+  t_pp = 0.0
+  if p > 1:
+    transfers = 2 * v
+    t_pp = transfers * (tokens * h / n * cb / (hw.nic_gbps * GB * NET_EFFICIENCY) + k.p2p_latency_s)
+    if o.pp_overlap:
+      t_pp = max(0.0, t_pp - (t_gemm + t_attention) / (2 * v))   # what one chunk's op cannot hide
+
+  per_microbatch = t_gemm + t_attention + t_memory + t_tp + t_pp
+  bubble = plan.bubble_fraction * m * per_microbatch if p > 1 else 0.0
+
+  # Data parallelism (ZeRO-2): reduce-scatter of the gradients and all-gather of the
+  # parameters, over the NICs unless the whole dp group sits in one node. megajax
+  # reduce-scatters every microbatch's gradients in fp32 and gathers fp32 parameters;
+  # Megatron reduces fp32 gradients once per step and gathers bf16 weights.
+  counts = param_counts(c, plan)
+  link = hw.nvlink_gbps * k.nvlink_efficiency if plan.dp * n <= hw.gpus_per_node else hw.nic_gbps * NET_EFFICIENCY
+  pb = _bytes(c.param_dtype)
+  scatter_bytes = counts.stage * pb * (m if megajax else 1)
+  gather_bytes = counts.stage * (pb if megajax else cb)
+  t_dp = _ring_seconds(scatter_bytes + gather_bytes, plan.dp, link)
+  compute = m * (t_gemm + t_attention + t_memory)
+  if o.dp_overlap:   # per chunk, prefetched: the first gather and last scatter stay exposed
+    t_dp = t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute)
+
+  # Optimizer: a streaming pass over the dp shard (read param, grad, 2 moments; write 3),
+  # LAMB a second pass for its norms; Megatron also writes the bf16 copy.
+  per_param = 28 + (8 if o.lamb else 0) + (0 if megajax else 2)
+  t_optimizer = counts.shard * per_param / (hw.hbm_gbps * GB * HBM_EFFICIENCY)
+  overhead = k.step_overhead_s(o.misc)
+
+  total = compute + m * (t_tp + t_pp) + bubble + t_dp + t_optimizer + overhead
+  # A job beyond one ToR group waits longer at every synchronization (more stragglers,
+  # ECMP conflicts on the upper tiers).
+  stragglers = total * scale_loss(plan, hw, k)
+  total += stragglers
+  model_flops = flops.training_flops_per_token(c) * plan.batch * c.seq_len
+  mfu = model_flops / (total * plan.gpus * peak)
+  return StepTime(m * t_gemm, m * t_attention, m * t_memory, m * t_tp, m * t_pp, bubble, t_dp, t_optimizer,
+                  overhead, stragglers, m * recompute, mfu)

@@ -1,0 +1,93 @@
+"""The search: every (dp, pp, tp, v, microbatch size) plan, by the cost model.
+
+`search` enumerates the plans that divide evenly (tp within a node and dividing heads, KV
+heads, MLP width, vocabulary and sequence; pp * v dividing the layers; the global batch
+divisible by dp x microbatch size; interleaving needs the microbatches in groups of pp),
+drops those that do not fit in memory and sorts the rest by predicted MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megajax.model import ModelConfig
+from megajax.parallel.planner import cost_model
+from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, Calibration, Hardware, Optimizations, Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  plan: Plan
+  memory: cost_model.Memory
+  time: cost_model.StepTime
+  fits: bool            # the memory fits the device (cost_model.usable_bytes)
+
+
+def evaluate(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
+             calibration: Calibration = CALIBRATION) -> Candidate:
+  mem = cost_model.memory(c, plan, remat)
+  return Candidate(plan, mem, cost_model.step_time(c, plan, hw, remat, calibration),
+                   mem.total <= cost_model.usable_bytes(hw))
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tp_splits(c: ModelConfig, tp: int) -> bool:
+  """Tensor (+ sequence) parallelism splits heads, KV heads, MLP units, vocabulary and sequence."""
+  return all(x % tp == 0 for x in (c.num_heads, c.num_kv_heads, c.mlp_dim, c.vocab_size, c.seq_len))
+
+
+def enumerate_plans(c: ModelConfig, gpus: int, batch: int, hw: Hardware, opts: Optimizations = MEGASCALE,
+                    executor: str = "megajax", max_micro_batch: int = 16):
+  """Every plan for `gpus` devices that divides evenly (see the module docstring), with
+  microbatches of 1 to `max_micro_batch` sequences."""
+  for tp in _divisors(hw.gpus_per_node):
+    if gpus % tp or not tp_splits(c, tp):
+      continue
+    for pp in _divisors(c.num_layers):
+      if (gpus // tp) % pp:
+        continue
+      dp = gpus // (tp * pp)
+      for v in _divisors(c.num_layers // pp) if pp > 1 else [1]:
+        for b in _divisors(batch // dp) if batch % dp == 0 else []:
+          m = batch // (dp * b)
+          if b > max_micro_batch or (v > 1 and m % pp):
+            continue
+          yield Plan(dp, pp, tp, v, b, batch, opts, executor)
+
+
+def search(c: ModelConfig, gpus: int, batch: int, hw: Hardware, opts: Optimizations = MEGASCALE,
+           executor: str = "megajax", remat: str | None = None,
+           calibration: Calibration = CALIBRATION) -> tuple[list[Candidate], int]:
+  """(the plans that fit, best predicted MFU first; how many divided evenly)."""
+  candidates = [evaluate(c, plan, hw, remat, calibration)
+                for plan in enumerate_plans(c, gpus, batch, hw, opts, executor)]
+  fitting = [x for x in candidates if x.fits]
+  return sorted(fitting, key=lambda x: -x.time.mfu), len(candidates)
+
+
+# --- Printing ---------------------------------------------------------------------------------
+
+def describe(plan: Plan) -> str:
+  return (f"dp={plan.dp} pp={plan.pp} tp={plan.tp} v={plan.virtual_stages} b={plan.micro_batch} "
+          f"m={plan.microbatches}")
+
+
+PLAN_HEADER = (f"{'#':>2} {'dp':>5} {'pp':>3} {'tp':>3} {'v':>3} {'b':>3} {'m':>5} {'memory GB':>10} "
+               f"{'step s':>8} {'MFU':>6} {'bubble':>7}  bottleneck")
+
+
+def plan_line(i: int, x: Candidate) -> str:
+  p, t = x.plan, x.time
+  return (f"{i:>2} {p.dp:>5} {p.pp:>3} {p.tp:>3} {p.virtual_stages:>3} {p.micro_batch:>3} {p.microbatches:>5} "
+          f"{x.memory.total / cost_model.GB:>10.1f} {t.total:>8.2f} {100 * t.mfu:>5.1f}% "
+          f"{p.bubble_fraction:>7.3f}  {t.bottleneck}")
+
+
+def breakdown(t: cost_model.StepTime) -> str:
+  parts = [("gemm", t.gemm), ("attention", t.attention), ("memory-bound", t.memory_bound), ("tp", t.tp_comm),
+           ("pp", t.pp_comm), ("bubble", t.bubble), ("dp", t.dp_comm), ("optimizer", t.optimizer),
+           ("overhead", t.overhead), ("stragglers", t.stragglers)]
+  return ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts) + f" (recompute {t.recompute:.2f}) s"

@@ -1,0 +1,40 @@
+"""Each benchmark runs as a user runs it (python -m megajax.launch.bench NAME), small, on CPU,
+and prints its side-by-side figures."""
+
+import re
+
+from tests.support.processes import run_module
+
+
+def test_attention_benchmark_runs_side_by_side_on_cpu():
+  """`python -m megajax.launch.bench attention` on CPU: the reduced grid, said to be interpret mode."""
+  result = run_module(["-m", "megajax.launch.bench", "attention", "--repeats=1"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Pallas kernels in interpret mode (times the interpreter: no GPU figure)" in result.stdout
+  rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["128"], ["512"])]
+  assert {(row[0], row[1], row[2]) for row in rows} == {
+      (s, w, impl) for s in ("128", "512") for w in ("32", "None") for impl in ("pallas", "xla")}
+  assert "pallas fwd+bwd time(s=512) / time(s=128) at w=32:" in result.stdout
+
+
+def test_operators_benchmark_runs_side_by_side_on_cpu():
+  """`python -m megajax.launch.bench operators`: each fused kernel next to XLA, in one run."""
+  result = run_module(["-m", "megajax.launch.bench", "operators", "--repeats=1"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Pallas kernels in interpret mode (times the interpreter: no GPU figure)" in result.stdout
+  rows = {tuple(line.split()[:2]) for line in result.stdout.splitlines() if len(line.split()) == 4}
+  assert {(op, impl) for op in ("layer_norm", "add_layer_norm", "bias_gelu") for impl in ("pallas", "xla")} <= rows
+  for op in ("layer_norm", "add_layer_norm", "bias_gelu"):
+    assert f"{op}: xla / ours: forward " in result.stdout
+
+
+def test_pipeline_benchmark_prints_its_ratios():
+  """`python -m megajax.launch.bench pipeline` (small: p=2, few repeats) runs and prints the
+  memory, LAMB and lockstep figures side by side."""
+  result = run_module(["-m", "megajax.launch.bench", "pipeline", "--stages=2", "--repeats=2"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "bubble ticks cut by 75.0%, bubble fraction by 75.0%" in out
+  ours, baseline = re.search(r"m=16p over m=4p: ours ([\d.]+)x, GPipe by autodiff ([\d.]+)x", out).groups()
+  assert abs(float(ours) - 1) <= 0.1 and float(baseline) > 2
+  assert re.search(r"interleaved_1f1b p=2 v=2 m=4 .* 1\.000x", out)

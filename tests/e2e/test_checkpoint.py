@@ -1,0 +1,198 @@
+"""Training checkpoints across processes: exact resume after a kill, preemption, kills during
+saves, a mismatched checkpoint through the launcher, a 2-process job's resume and broadcast
+restore."""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from megajax.checkpoint import TrainingCheckpointer, load_params
+from megajax.config import load_config
+from tests.support import REPO
+from tests.support.checkpoints import parallel_step_for
+from tests.support.processes import child_env, launch_two_processes, run_module
+
+
+# The default 2x2x2 job (pipeline, tp, ZeRO-2 over dp), short and in fp32: the same program
+# as test_launcher.py's SHORT_RUN (checkpointing is host-side), so the compilation cache serves both.
+RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=12",
+       "--config.optimizer.warmup_steps=3", "--config.train.log_every=1", "--config.model.compute_dtype=float32",
+       "--config.checkpoint.every_steps=3"]
+
+
+def records(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(workdir) -> dict:
+  """step -> loss, the last record winning (a resumed run repeats the steps after its checkpoint)."""
+  return {r["step"]: r["loss"] for r in records(workdir) if "loss" in r}
+
+
+def launch(workdir, *overrides, timeout=300):
+  return run_module([*RUN, f"--workdir={workdir}", *overrides], timeout=timeout)
+
+
+def test_exact_resume_after_a_kill(tmp_path):
+  """12 steps straight vs killed (SIGKILL) after step 8 and relaunched with the same
+  command: the same losses, and bitwise the same parameters."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  result = launch(straight)
+  assert result.returncode == 0, result.stderr[-3000:]
+  crashed = launch(resumed, "--config.debug.fail_at_step=8")
+  assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+  assert not (resumed / "params").exists()
+  relaunched = launch(resumed)
+  assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+  start = int(relaunched.stderr.split("resumed from ")[1].split(" (step ")[1].split(" ")[0])
+  assert start in (3, 6)                     # the latest complete checkpoint when the process died
+  want, got = losses(straight), losses(resumed)
+  assert sorted(got) == list(range(1, 13))
+  assert [got[s] for s in range(start + 1, 13)] == [want[s] for s in range(start + 1, 13)]
+  for a, b in zip(jax.tree.leaves(load_params(str(straight / "params"))),
+                  jax.tree.leaves(load_params(str(resumed / "params")))):
+    np.testing.assert_array_equal(a, b)
+  saves = [r for r in records(resumed) if "ckpt_blocking_s" in r or "ckpt_total_s" in r]
+  assert {r["step"] for r in saves if "ckpt_total_s" in r} >= {9, 12}
+
+
+def two_process_launch(workdir, *overrides, timeout=300):
+  return launch_two_processes([*RUN, f"--workdir={workdir}", *overrides], timeout)
+
+
+# A small program, quick to compile: 2 layers, no pipeline, tp without the overlap rings.
+SMALL_MESH = ["--config.parallel.pp=1", "--config.parallel.virtual_stages=1", "--config.parallel.tp=4",
+              "--config.parallel.tp_overlap=none", "--config.model.num_layers=2"]
+
+
+SMALL_MESH_CONFIG = {"parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.tp": 4, "parallel.tp_overlap": "none",
+                     "model.num_layers": 2}
+
+
+def _start_endless_run(workdir, *overrides):
+  """The small-mesh run with train.steps=100000 (one compiled program for the tests below);
+  its stderr goes to WORKDIR.stderr (a pipe nobody reads would fill and stall it)."""
+  log = open(f"{workdir}.stderr", "w")
+  process = subprocess.Popen([sys.executable, *RUN, f"--workdir={workdir}", "--config.train.steps=100000",
+                              *SMALL_MESH, *overrides], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                             stderr=log)
+  log.close()
+  return process
+
+
+def test_preemption_saves_and_stops(tmp_path):
+  """SIGTERM mid-run: the step finishes, a checkpoint is saved, the launcher exits 143; a
+  relaunch would resume from that exact step and batch."""
+  workdir = tmp_path / "run"
+  process = _start_endless_run(workdir, "--config.checkpoint.every_steps=0")
+  deadline = time.time() + 240
+  while time.time() < deadline and len(losses(workdir) if (workdir / "metrics.jsonl").exists() else {}) < 3:
+    time.sleep(0.2)
+  process.send_signal(signal.SIGTERM)
+  process.wait(timeout=120)
+  stderr = open(f"{workdir}.stderr").read()
+  assert process.returncode == 143, stderr[-3000:]
+  assert "preempted at step" in stderr
+  step = int(stderr.split("preempted at step ")[1].split(":")[0])
+  config = _config(**{**SMALL_MESH_CONFIG, "train.steps": 100000})
+  checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+  assert checkpointer.all_steps() == [step]
+  restored = checkpointer.restore_latest(parallel_step_for(config))
+  checkpointer.close()
+  assert restored.step == step == max(losses(workdir)) and restored.data_state == {"next_index": step}
+
+
+def _config(**overrides):
+  """configs/default.py as RUN runs it, with {"parallel.tp": 4, ...} overrides."""
+  return load_config(os.path.join(REPO, "configs/default.py"),
+                     {"model.compute_dtype": "float32", "optimizer.warmup_steps": 3, **overrides})
+
+
+def test_the_launcher_reports_a_mismatched_checkpoint_in_one_line(two_checkpoints):
+  """The tiny model's checkpoint under configs/default.py's model: one line, exit 2, before
+  any compile."""
+  workdir, _, _ = two_checkpoints
+  result = launch(workdir, *SMALL_MESH)
+  assert result.returncode == 2
+  assert "checkpoint error: checkpoint" in result.stderr and "model.hidden_dim: checkpoint 32, this run 128" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_killing_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
+  """A save every step, SIGKILL at random moments (3 trials): the latest checkpoint Orbax
+  reports complete always restores, without falling back."""
+  rng, interrupted = random.Random(0), 0
+  for trial in range(3):
+    workdir = tmp_path / f"trial{trial}"
+    process = _start_endless_run(workdir, "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=2")
+    deadline = time.time() + 240
+    while time.time() < deadline and not (workdir / "checkpoints" / "2").exists():
+      time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 1.5))
+    process.kill()
+    process.wait(timeout=60)
+    interrupted += any("tmp" in name for name in os.listdir(workdir / "checkpoints"))
+    config = _config(**SMALL_MESH_CONFIG)
+    checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+    latest = checkpointer.latest_step()
+    assert latest is not None and latest >= 2
+    restored = checkpointer.restore_latest(parallel_step_for(config))
+    checkpointer.close()
+    assert restored.step == latest and int(restored.state.step) == latest
+    assert restored.data_state == {"next_index": latest}
+  assert interrupted >= 1     # some kill did land inside a save (its temporary directory was left)
+
+
+def test_two_process_job_resumes_after_a_kill_and_restores_by_broadcast(tmp_path):
+  """2 processes x 4 devices, mesh (2,1,4): the data-parallel replicas are the processes.
+
+  Kill and resume: both processes die after step 8; the relaunched job resumes from the
+  checkpoint both wrote and repeats the steps after it with the losses of before the crash
+  (to 1e-6, not bitwise: two straight 2-process runs already differ in the last bits, as
+  gloo's CPU reductions do not fix their summation order; a wrong restore, such as fresh
+  optimizer moments or another data position, moves the losses by far more).
+
+  Restore modes: `direct` (the resume): each process reads its own shards; `broadcast`
+  (relaunched at train.steps, the job restores and exports the parameters untouched):
+  process 0 (replica 0) reads, process 1 receives and reads (almost) nothing from storage,
+  and the values are the saved ones exactly."""
+  mesh = ["--config.parallel.dp=2", *SMALL_MESH]
+  source = tmp_path / "source"
+  codes, errors = two_process_launch(source, *mesh, "--config.debug.fail_at_step=8")
+  assert all(code != 0 for code in codes), errors[0][-2000:]
+  before = {r["step"]: r["loss"] for r in records(source) if "loss" in r}
+  assert max(before) == 8
+  codes, errors = two_process_launch(source, *mesh)
+  assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  direct = [int(re.search(r"\(direct\): this process read (\d+) bytes", e).group(1)) for e in errors]
+  start = int(errors[0].split("resumed from ")[1].split(" (step ")[1].split(" ")[0])
+  assert start in (3, 6)
+  after = losses(source)
+  assert sorted(after) == list(range(1, 13))
+  np.testing.assert_allclose([after[s] for s in range(start + 1, 9)], [before[s] for s in range(start + 1, 9)],
+                             rtol=1e-6)
+  data_files = sorted(os.listdir(source / "checkpoints" / "12" / "data"))
+  assert [f for f in data_files if f.startswith("process_")] == ["process_0.json", "process_1.json"]
+
+  # Broadcast: relaunched at train.steps, the job restores and exports the parameters untouched.
+  workdir = tmp_path / "broadcast"
+  shutil.copytree(source / "checkpoints", workdir / "checkpoints")
+  codes, errors = two_process_launch(workdir, *mesh, "--config.checkpoint.restore_mode=broadcast")
+  assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  broadcast = [int(re.search(r"\(broadcast\): this process read (\d+) bytes", e).group(1)) for e in errors]
+  for a, b in zip(jax.tree.leaves(load_params(str(source / "params"))), jax.tree.leaves(load_params(str(workdir / "params")))):
+    np.testing.assert_array_equal(a, b)
+  reads = {"direct": direct, "broadcast": broadcast}
+  (direct_0, direct_1), (broadcast_0, broadcast_1) = reads["direct"], reads["broadcast"]
+  assert broadcast_1 < 0.1 * broadcast_0, reads          # the receiving process read (almost) nothing
+  assert min(direct_0, direct_1) > 0.3 * max(direct_0, direct_1), reads   # each read its half
+  assert broadcast_0 > 1.5 * direct_0, reads               # replica 0 read the whole state

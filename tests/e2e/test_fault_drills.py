@@ -1,0 +1,193 @@
+"""Robust training's fault drills on a real 2-process job (local CPU, gloo), under megajax-supervise.
+
+The reference run meets injected NaN losses; the kill drill is compared with it bit for bit;
+the hang drill ends in an elastic continue whose losses are compared with it. The reference
+runs once per test run, whichever worker needs it first (tests.support.once).
+
+metrics.jsonl holds each step's records once: a run resumed from the checkpoint of step n
+drops the records after step n before it logs the steps again (megajax.observe.records), so
+the drills hold whether or not a restart happened; each asserts it.
+"""
+
+import collections
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from megajax.checkpoint import TrainingCheckpointer, load_params
+from megajax.config import load_config
+from megajax.trainer import build_parallel_step
+from megajax.trainer.heartbeat import read_heartbeats
+from tests.support import REPO
+from tests.support.once import once_per_run
+from tests.support.processes import child_env
+
+# 2 processes x 4 CPU devices, mesh (2,1,4): the data-parallel replicas are the processes.
+# Steps 7-9 get a NaN loss: skipped, then a rollback. Single-threaded Eigen in the workers:
+# XLA:CPU's multi-threaded contractions do not fix their summation order on a loaded machine,
+# and these runs are compared bit for bit.
+JOB = ["--config=configs/default.py", "--config.train.steps=12", "--config.optimizer.warmup_steps=3",
+       "--config.train.log_every=1", "--config.model.compute_dtype=float32", "--config.checkpoint.every_steps=3",
+       "--config.parallel.dp=2", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
+       "--config.parallel.tp=4", "--config.parallel.tp_overlap=none", "--config.model.num_layers=2",
+       "--config.supervisor.processes=2", "--config.supervisor.heartbeat_interval_s=0.25",
+       "--config.supervisor.heartbeat_timeout_s=3", "--config.supervisor.hang_timeout_s=90",
+       "--config.debug.nonfinite_steps=7,8,9"]
+HEARTBEAT_TIMEOUT = 3.0
+
+
+def start_supervisor(workdir, *overrides):
+  log = open(f"{workdir}.log", "w")
+  return subprocess.Popen([sys.executable, "-m", "megajax.launch.supervise", *JOB, f"--workdir={workdir}", *overrides],
+                          cwd=REPO, env=child_env({"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}), stdout=log,
+                          stderr=subprocess.STDOUT)
+
+
+def finish(process, workdir, timeout=400) -> str:
+  process.wait(timeout=timeout)
+  return open(f"{workdir}.log").read()
+
+
+def wait_for_step(process, workdir, step, timeout=300) -> dict:
+  """The heartbeats once both workers have finished `step` (polled: the workers' own files)."""
+  deadline = time.time() + timeout
+  while time.time() < deadline and process.poll() is None:
+    current = read_heartbeats(str(workdir))
+    if len(current) == 2 and min(b["step"] for b in current.values()) >= step:
+      return current
+    time.sleep(0.05)
+  raise AssertionError(f"the job never reached step {step}: {open(f'{workdir}.log').read()[-3000:]}")
+
+
+def incidents(workdir) -> list[dict]:
+  path = workdir / "incidents.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def step_records(workdir) -> list[dict]:
+  """metrics.jsonl's per-step metric records (not the checkpoint and start-up ones), after
+  checking that no (step, kind) of record is there twice, restarts or not."""
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  kinds = collections.Counter((r["step"], tuple(sorted(k for k in r if k != "step"))) for r in records)
+  assert all(n == 1 for n in kinds.values()), [key for key, n in kinds.items() if n > 1]
+  return [r for r in records if "skipped" in r]
+
+
+def losses(workdir) -> dict:
+  return {r["step"]: r["loss"] for r in step_records(workdir) if r.get("loss") is not None}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The uninterrupted job (no fault but the NaN steps): its workdir."""
+  def run(workdir):
+    output = finish(start_supervisor(workdir), workdir)
+    assert "training finished" in output, output[-3000:]
+  return once_per_run(tmp_path_factory, "fault_drills_reference", run)
+
+
+def test_nan_steps_are_skipped_then_rolled_back(reference):
+  """The injected NaN steps 7-9 are skipped, the third in a row rolls back to the latest
+  checkpoint (step 6), and no checkpoint holds a non-finite value."""
+  nonfinite = [i for i in incidents(reference) if i["kind"] == "nonfinite"]
+  assert len(nonfinite) == 1 and nonfinite[0]["action"] == "rollback", incidents(reference)
+  assert nonfinite[0]["resumed_from_step"] == 6 and nonfinite[0]["last_step"] == 9
+  assert [r["skipped"] for r in step_records(reference) if r["step"] in (7, 8, 9)] == [1, 1, 1]
+  _assert_checkpoints_finite(reference)
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, tmp_path):
+  """The same job with a kill -9 of a random worker at a random step: the supervisor restarts
+  it, the run finishes, and the final parameters equal the uninterrupted run's bit for bit;
+  the restart compiles from the workdir's persistent cache."""
+  killed = tmp_path / "killed"
+  rng = random.Random(os.getpid())
+  victim, at_step = rng.randrange(2), rng.randrange(2, 11)
+  process = start_supervisor(killed, f"--config.runtime.compilation_cache_dir={killed}/jax_cache",
+                             "--config.supervisor.diagnose=false")      # the same mesh after the restart
+  pid = wait_for_step(process, killed, at_step)[victim]["pid"]
+  os.kill(pid, signal.SIGKILL)
+  output = finish(process, killed)
+  assert "training finished" in output, output[-3000:]
+  crash = [i for i in incidents(killed) if i["kind"] == "exit"]
+  assert len(crash) == 1 and crash[0]["processes"] == [victim], incidents(killed)
+  assert crash[0]["steps_lost"] >= 0 and crash[0]["time_to_resume_s"] > 0
+  assert sorted(losses(killed)) == sorted(losses(reference))     # each step logged once, restart or not
+  for a, b in zip(jax.tree.leaves(load_params(str(reference / "params"))),
+                  jax.tree.leaves(load_params(str(killed / "params")))):
+    np.testing.assert_array_equal(a, b)
+  # The restart compiled from the workdir's persistent cache, which the first attempt filled
+  # (process 0 writes the entries, and on CPU only its cache keys match its own).
+  cache = [re.search(r"compilation cache: (\d+) hits, (\d+) misses", (killed / "logs" / f"attempt_{i}.process_0.log")
+                     .read_text()).groups() for i in (0, 1)]
+  # (A restart that restores a checkpoint may compile its restore program, which the first
+  # attempt never ran: fewer misses, not none.)
+  assert cache[0][0] == "0" and int(cache[0][1]) > 0, cache
+  assert int(cache[1][0]) > 0 and int(cache[1][1]) < int(cache[0][1]), cache
+
+
+def test_a_hung_worker_is_found_and_the_job_continues_without_it(reference, tmp_path):
+  """Process 1 is stopped (SIGSTOP) after step 5. Its heartbeat goes silent and the other,
+  blocked in a collective, keeps beating: detected within 2x the heartbeat timeout, the 3D
+  view names 1 the suspect and 0 the victim. The diagnostics find process 1 slow (the drill),
+  so the job continues on process 0 alone: dp 2 -> 1 with twice the accumulation and the
+  same global batch, so the steps after the restart have the uninterrupted run's losses."""
+  elastic = tmp_path / "elastic"
+  process = start_supervisor(elastic, "--config.debug.diagnose_slow_process=1")
+  os.kill(wait_for_step(process, elastic, 5)[1]["pid"], signal.SIGSTOP)   # before the NaN steps
+  output = finish(process, elastic)
+  assert "training finished" in output, output[-3000:]
+  incident = [i for i in incidents(elastic) if i["kind"] != "nonfinite"][-1]
+  assert incident["kind"] == "heartbeat_lost" and incident["processes"] == [1], incident
+  assert incident["time_to_detect_s"] <= 2 * HEARTBEAT_TIMEOUT, incident
+  view = (elastic / "hang_views.txt").read_text()
+  assert "suspects: process 1" in view and "victims: process 0" in view, view
+  assert "S p1" in view and "V p0" in view
+  # Before stopping the job the supervisor had each worker print its Python stacks (SIGUSR1):
+  # the victim's log shows it waiting inside the training loop.
+  victim_log = (elastic / "logs" / "attempt_0.process_0.log").read_text()
+  assert "(most recent call first)" in victim_log and "_run_loop" in victim_log, victim_log[-3000:]
+  assert incident["action"] == "elastic" and incident["bad_processes"] == [1], incident
+  assert incident["mesh_after"] == [1, 1, 4] and incident["processes_after"] == 1
+  assert "train.microbatches=8 (the global batch stays 16)" in output
+  report = json.loads(next((elastic / "diagnostics").glob("*.json")).read_text())
+  assert report["bad_processes"] == [1]
+  # The 1-process run meets the NaN steps too: skips, and the same rollback.
+  start, want, got = incident["resumed_from_step"], losses(reference), losses(elastic)
+  after = [s for s in range(start + 1, 13) if s not in (7, 8, 9)]     # NaN steps log a null loss
+  assert start in (3, 6) and sorted(got) == [s for s in range(1, 13) if s not in (7, 8, 9)]
+  np.testing.assert_allclose([got[s] for s in after], [want[s] for s in after], rtol=1e-5)
+
+
+def _assert_checkpoints_finite(workdir):
+  """Every checkpoint's state, restored onto the job's mesh (8 devices here), is finite."""
+  config = load_config(os.path.join(REPO, "configs/default.py"),
+                       {arg[len("--config."):].split("=")[0]: _value(arg.split("=")[1])
+                        for arg in JOB if arg.startswith("--config.")})
+  parallel_step = build_parallel_step(config, jax.devices())
+  checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+  steps = checkpointer.all_steps()
+  assert steps
+  for step in steps:
+    state = checkpointer.restore(step, parallel_step.abstract_inputs()[0]).state
+    for leaf in jax.tree.leaves(jax.device_get(state)):
+      assert np.all(np.isfinite(leaf)), f"checkpoint {step} holds a non-finite value"
+  checkpointer.close()
+
+
+def _value(text: str):
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text

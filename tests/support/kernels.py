@@ -1,0 +1,40 @@
+"""Kernels against the XLA code they replace: inputs, values and gradients, the tolerance rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from megajax.layers import xla_attention
+from megajax.layers.kernels import pallas_attention
+
+
+def inputs(b, s, heads, kv_heads, d, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (b, s, heads, d), dtype)
+  k = jax.random.normal(keys[1], (b, s, kv_heads, d), dtype)
+  v = jax.random.normal(keys[2], (b, s, kv_heads, d), dtype)
+  cotangent = jax.random.normal(keys[3], (b, s, heads, d), jnp.float32)
+  return q, k, v, cotangent
+
+
+def value_and_grads(attention, q, k, v, cotangent):
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * cotangent)
+  out = attention(q, k, v)
+  return (out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+
+
+def assert_close(got, want, tol):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  # Relative to the largest entry (at least 1: with one token dq is exactly 0 in both).
+  scale = max(float(np.max(np.abs(want))), 1.0)
+  assert np.max(np.abs(got - want)) <= tol * scale, np.max(np.abs(got - want)) / scale
+
+
+def check(b, s, heads, kv_heads, d, window, dtype, block=16, seed=0):
+  q, k, v, cotangent = inputs(b, s, heads, kv_heads, d, dtype, seed)
+  ours = value_and_grads(lambda q, k, v: pallas_attention(q, k, v, window, block, block), q, k, v, cotangent)
+  reference = value_and_grads(lambda q, k, v: xla_attention(q, k, v, window), q, k, v, cotangent)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    assert_close(got, want, tol)

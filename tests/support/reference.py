@@ -1,0 +1,160 @@
+"""The 3D step against the single-device reference step (megajax.reference_step).
+
+`assert_matches_reference(config)`: the sharded initial parameters equal the reference's,
+the first step's every gradient is within `rtol` (relative), and after 3 LAMB steps the
+losses, gradient norms and parameters are too. The reference runs once per model (cached).
+"""
+
+import functools
+
+import jax
+import numpy as np
+
+from megajax.config import default_config
+from megajax.model import GPT, ModelConfig
+from megajax.optim import make_optimizer
+from megajax.parallel import ParallelStep, make_mesh
+from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
+from megajax.reference_step import accumulate_gradients, init_train_state, make_loss_sums_fn, make_reference_step
+
+BATCH, SEQ, VOCAB = 16, 16, 64
+STEPS = 3
+
+
+def parallel_config(dp=1, tp=1, block="parallel", mode="none", microbatches=1, layers=2):
+  c = default_config()
+  c.model.num_layers = layers
+  c.model.hidden_dim = 32
+  c.model.num_heads = 8
+  c.model.num_kv_heads = 8 if tp == 8 else 4   # grouped KV heads wherever tp allows
+  c.model.seq_len = SEQ
+  c.model.vocab_size = VOCAB
+  c.model.window = 8
+  c.model.window_pattern = "LG"
+  c.model.block = block
+  c.model.compute_dtype = "float32"
+  c.train.batch_size = BATCH
+  c.train.microbatches = microbatches
+  c.train.steps = 10
+  c.train.z_loss = 1e-3
+  c.optimizer.warmup_steps = 2
+  c.optimizer.grad_clip_norm = 0.5   # clips the first steps (norms ~0.9, 0.6), not the third (~0.4)
+  c.parallel.dp, c.parallel.tp, c.parallel.tp_overlap = dp, tp, mode
+  return c
+
+
+def fixed_batch(rows=BATCH):
+  rng = np.random.default_rng(0)
+  mask = (rng.random((rows, SEQ)) > 0.2).astype(np.float32)  # unequal token counts per row
+  return {"inputs": rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32),
+          "targets": rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32), "loss_mask": mask}
+
+
+def relative_error(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@functools.cache
+def reference(block, microbatches, kv_heads, overrides=(), rows=BATCH):
+  """Single device (megajax.reference_step): the initial params, first gradients, losses, final params."""
+  config = parallel_config(block=block, microbatches=microbatches)
+  config.model.num_kv_heads = kv_heads
+  config.train.batch_size = rows
+  for field, value in overrides:
+    config.model[field] = value
+  model = GPT(ModelConfig.from_config(config.model))
+  optimizer = make_optimizer(config)
+  with jax.default_device(jax.devices()[0]):
+    state = init_train_state(model, optimizer, jax.random.key(0))
+    initial = jax.device_get(state.params)
+    loss_sums = make_loss_sums_fn(model, config.train.z_loss)
+    grads, stats = jax.jit(lambda p, b: accumulate_gradients(loss_sums, p, b, microbatches))(
+        state.params, fixed_batch(rows))
+    grads = jax.device_get(jax.tree.map(lambda g: g / stats["tokens"], grads))
+    step = make_reference_step(model, optimizer, config)
+    losses, grad_norms = [], []
+    for _ in range(STEPS):
+      state, metrics = step(state, fixed_batch(rows))
+      losses.append(float(metrics["loss"]))
+      grad_norms.append(float(metrics["grad_norm"]))
+  return initial, grads, (losses, grad_norms), jax.device_get(state.params)
+
+
+def assert_matches_reference(config, overrides=(), rtol=1e-5, reference_microbatches=None, param_leaf_rtol=None):
+  """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the
+  reference (with `reference_microbatches`, default the config's: the math is the same for any).
+
+  Final params: every leaf within `param_leaf_rtol` (default rtol) and the whole model within
+  rtol. A bias gradient component near Adam's eps (1e-6) turns a 1e-9 difference in summation
+  order into a 1e-3 difference in its step, so a leaf may exceed what the whole model does."""
+  microbatches = config.train.microbatches
+  rows = config.train.batch_size
+  initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
+      config.model.block, reference_microbatches or microbatches, config.model.num_kv_heads, overrides, rows)
+  parallel_step = build_parallel_step(config)
+  state = parallel_step.init_state(jax.random.key(0))
+  # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
+  model_params = lambda tree: parallel_step.model_params(jax.device_get(tree))
+  for got, want in zip(jax.tree.leaves(model_params(state.params)), jax.tree.leaves(initial)):
+    np.testing.assert_array_equal(got, want)   # sharded init = reference init
+
+  step = parallel_step.train_step(with_gradients=True)
+  losses, grad_norms = [], []
+  for i in range(STEPS):
+    state, metrics, grads = step(state, parallel_step.put_batch(fixed_batch(rows)))
+    losses.append(float(metrics["loss"]))
+    grad_norms.append(float(metrics["grad_norm"]))
+    if i == 0:  # the first step's gradients, from the same parameters as the reference's
+      errors = jax.tree.map(relative_error, model_params(grads), ref_grads)
+      worst = max(jax.tree_util.tree_flatten_with_path(errors)[0], key=lambda kv: kv[1])
+      assert worst[1] < rtol, f"gradient {jax.tree_util.keystr(worst[0])}: relative error {worst[1]:.2e}"
+  np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+  np.testing.assert_allclose(grad_norms, ref_grad_norms, rtol=rtol)  # the clipped steps' norm too
+  params = model_params(state.params)
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  assert relative_error(flat(params), flat(ref_params)) < rtol
+  if rtol <= 1e-5:  # (bf16: rounding-level agreement, Adam amplifies sign noise: the whole model only)
+    errors = jax.tree.map(relative_error, params, ref_params)
+    worst = max(jax.tree_util.tree_flatten_with_path(errors)[0], key=lambda kv: kv[1])
+    assert worst[1] < (param_leaf_rtol or rtol), \
+        f"param {jax.tree_util.keystr(worst[0])} after {STEPS} steps: {worst[1]:.2e}"
+  assert int(state.step) == STEPS
+
+
+def build_parallel_step(config):
+  """The 3D step on the first dp * pp * tp of the 8 test devices."""
+  size = config.parallel.dp * config.parallel.pp * config.parallel.tp
+  return ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config, jax.devices()[:size]))
+
+
+# --- Pipelines.
+
+ROWS = 32   # 4p microbatches of one row at p = 8
+
+
+def pipeline_config(mesh, schedule="interleaved_1f1b", virtual_stages=1, microbatches=None, layers=None,
+                    mode=None, traversal="depth_first", rows=ROWS):
+  dp, pp, tp = mesh
+  # tp meshes run the default collective matmul (chunked inside the pipeline's branches).
+  c = parallel_config(dp, tp, "parallel", mode or ("collective_matmul" if tp > 1 else "none"),
+                      microbatches or pp, layers=layers or max(pp * virtual_stages, 4))
+  c.train.batch_size = rows
+  c.parallel.pp, c.parallel.virtual_stages = pp, virtual_stages
+  c.parallel.schedule, c.parallel.traversal = schedule, traversal
+  return c
+
+
+def compiled_gradients(mesh, m, baseline=False):
+  """(the 3D step, its compiled gradient program) for a 1F1B pipeline of m one-row
+  microbatches; baseline=True: GPipe by autodiff in its place."""
+  config = pipeline_config(mesh, "1f1b", 1, microbatches=m, layers=mesh[1] * 2, mode="none", rows=m)
+  config.model.window_pattern = "L"
+  parallel_step = build_parallel_step(config)
+  fn = None
+  if baseline:
+    fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=mesh[1], virtual_stages=1,
+                           microbatches=m, c=parallel_step.model.config, overlap=parallel_step.overlap,
+                           z_loss=config.train.z_loss)
+  state, batch = parallel_step.abstract_inputs()
+  return parallel_step, parallel_step.summed_gradients(fn).lower(state.params, batch).compile()

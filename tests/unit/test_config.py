@@ -1,0 +1,116 @@
+"""Config validation: every bad field is named in a one-line error with its fix."""
+
+import pytest
+
+from megajax.config import ConfigError, default_config, load_config, validate
+from tests.support import REPO
+
+CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b"]
+
+# (field to set, value, field the message must name)
+INVALID = [
+    ("model.num_heads", 5, "model.num_heads"),              # 64 hidden not divisible by 5
+    ("model.num_heads", 0, "model.num_heads"),
+    ("model.num_kv_heads", 3, "model.num_kv_heads"),        # 4 heads not divisible by 3
+    ("model.hidden_dim", 36, "model.num_heads"),            # head dim 9 is odd (rotary)
+    ("model.window", 500, "model.window"),                  # larger than seq_len
+    ("model.window", -1, "model.window"),
+    ("model.window_pattern", "LXG", "model.window_pattern"),
+    ("model.block", "sandwich", "model.block"),
+    ("model.attention_impl", "flash3", "model.attention_impl"),
+    ("model.compute_dtype", "fp8", "model.compute_dtype"),
+    ("model.remat", "some", "model.remat"),
+    ("optimizer.name", "sgdm", "optimizer.name"),
+    ("optimizer.learning_rate", 0.0, "optimizer.learning_rate"),
+    ("optimizer.b2", 1.0, "optimizer.b2"),
+    ("optimizer.warmup_steps", 500, "optimizer.warmup_steps"),
+    ("train.microbatches", 3, "train.microbatches"),       # 16 not divisible by 3
+    ("train.batch_size", 0, "train.batch_size"),
+    ("train.steps", 0, "train.steps"),
+    ("data.source", "web", "data.source"),
+    ("model.mlp_dim", -8, "model.mlp_dim"),
+    ("parallel.tp_overlap", "async", "parallel.tp_overlap"),
+    ("parallel.tp_overlap_chunks", 0, "parallel.tp_overlap_chunks"),
+    ("parallel.tp_overlap_chunks", 3, "parallel.tp_overlap_chunks"),  # 128-token sequence: 3 does not divide
+]
+
+# Tensor + sequence parallelism over tp=4 with one dimension that does not split.
+INVALID_FOR_TP = [
+    ("model.vocab_size", 257, "model.vocab_size"),
+    ("model.seq_len", 130, "model.seq_len"),
+    ("model.mlp_dim", 250, "model.mlp_dim"),
+    ("model.num_kv_heads", 2, "model.num_kv_heads"),
+    ("parallel.tp_overlap_chunks", 64, "parallel.tp_overlap_chunks"),  # 32-token shards
+]
+
+
+@pytest.mark.parametrize("field,value,named", INVALID, ids=[f"{f}={v}" for f, v, _ in INVALID])
+def test_invalid_config_names_the_field(field, value, named):
+  config = default_config()
+  group, name = field.split(".")
+  config[group][name] = value
+  with pytest.raises(ConfigError) as error:
+    validate(config)
+  message = str(error.value)
+  assert message.startswith(named + "="), message
+  assert "\n" not in message
+  assert ";" in message  # problem; fix
+
+
+@pytest.mark.parametrize("field,value,named", INVALID_FOR_TP, ids=[f"{f}={v}" for f, v, _ in INVALID_FOR_TP])
+def test_tensor_parallel_splits_are_checked(field, value, named):
+  config = default_config()
+  config.parallel.tp = 4
+  validate(config)
+  group, name = field.split(".")
+  config[group][name] = value
+  with pytest.raises(ConfigError) as error:
+    validate(config)
+  message = str(error.value)
+  assert message.startswith(named + "=") and "parallel.tp" in message and "\n" not in message, message
+
+
+def test_heads_must_split_over_tp():
+  config = default_config()
+  config.model.hidden_dim, config.parallel.tp = 96, 4
+  config.model.num_heads = 6
+  with pytest.raises(ConfigError, match=r"^model\.num_heads=6: not divisible by parallel\.tp=4"):
+    validate(config)
+
+
+def test_every_3d_mesh_validates():
+  config = default_config()
+  config.model.num_layers, config.train.batch_size, config.train.microbatches = 4, 16, 2
+  for dp, pp, tp in [(8, 1, 1), (2, 2, 2), (1, 4, 1), (1, 2, 4)]:
+    config.parallel.dp, config.parallel.pp, config.parallel.tp = dp, pp, tp
+    validate(config)
+
+
+def test_token_source_needs_an_existing_file(tmp_path):
+  config = default_config()
+  config.data.source = "tokens"
+  config.data.path = str(tmp_path / "missing.bin")
+  with pytest.raises(ConfigError, match=r"^data\.path=.*file not found"):
+    validate(config)
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_config_files_validate(name):
+  config = load_config(f"{REPO}/configs/{name}.py")
+  assert config.model.num_layers >= 1
+
+
+def test_paper_table1_shapes():
+  c175 = load_config(f"{REPO}/configs/gpt_175b.py")
+  assert (c175.model.num_layers, c175.model.hidden_dim, c175.model.num_heads) == (96, 12288, 128)
+  assert (c175.parallel.tp, c175.parallel.pp, c175.model.seq_len, c175.model.vocab_size) == (8, 8, 2048, 64000)
+  c530 = load_config(f"{REPO}/configs/gpt_530b.py")
+  assert (c530.model.num_layers, c530.model.hidden_dim, c530.model.num_heads) == (105, 20480, 160)
+  assert (c530.parallel.tp, c530.parallel.pp) == (8, 35)
+
+
+def test_load_config_overrides_and_rejects_unknown_fields():
+  config = load_config(f"{REPO}/configs/default.py", {"model.num_layers": 8})
+  assert config.model.num_layers == 8
+  with pytest.raises(ConfigError, match=r"^model\.num_layer="):
+    load_config(f"{REPO}/configs/default.py", {"model.num_layer": 3})

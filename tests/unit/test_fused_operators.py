@@ -1,0 +1,63 @@
+"""The fused-operator Pallas kernels (interpret mode) against the XLA code they replace: the
+fused LayerNorm (+ residual add) against megajax.layers.layer_norm, the fused bias + GeLU
+against the MLP's GeLU."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from megajax.layers import layer_norm
+from megajax.layers.kernels import fused_bias_gelu, fused_layer_norm
+from tests.support.kernels import assert_close
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 64), (2, 16, 128)], ids=["padded_rows", "block_rows"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_matches_the_flax_layer_norm(shape, dtype, with_residual):
+  keys = jax.random.split(jax.random.key(0), 5)
+  x, residual = (jax.random.normal(k, shape, dtype) for k in keys[:2])
+  scale = 1 + 0.1 * jax.random.normal(keys[2], shape[-1:])
+  bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
+  cotangent = jax.random.normal(keys[4], shape)
+  module = layer_norm(1e-5, dtype, jnp.float32, "norm")
+  reference = lambda z, scale, bias: module.apply({"params": {"scale": scale, "bias": bias}}, z)
+
+  def loss(norm, x, residual, scale, bias):   # through y, and through z (the residual stream) when fused
+    if not with_residual:
+      return jnp.sum(norm(x, scale, bias).astype(jnp.float32) * cotangent)
+    z, y = norm(x, scale, bias, residual)
+    return jnp.sum((y.astype(jnp.float32) + z.astype(jnp.float32)) * cotangent)
+
+  ours = lambda x, scale, bias, residual=None: fused_layer_norm(x, scale, bias, residual, block_rows=8)
+  plain = lambda x, scale, bias, residual=None: (
+      reference(x, scale, bias) if residual is None else (x + residual, reference(x + residual, scale, bias)))
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for got, want in zip(jax.tree.leaves(ours(x, scale, bias, residual if with_residual else None)),
+                       jax.tree.leaves(plain(x, scale, bias, residual if with_residual else None))):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, tol)
+  grads = jax.grad(loss, argnums=(1, 2, 3, 4))
+  for got, want in zip(grads(ours, x, residual, scale, bias), grads(plain, x, residual, scale, bias)):
+    assert_close(got, want, tol)
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 64), (2, 16, 1024), (4, 8, 96)],
+                         ids=["padded_rows", "tiled_columns", "whole_row"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_matches_xla_gelu(shape, dtype):
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = 2 * jax.random.normal(keys[0], shape, dtype)
+  bias = 0.5 * jax.random.normal(keys[1], shape[-1:])
+  cotangent = jax.random.normal(keys[2], shape)
+  ours = lambda x, bias: fused_bias_gelu(x, bias, block_rows=8)
+  reference = lambda x, bias: nn.gelu(x + bias.astype(x.dtype), approximate=True)
+  got, want = ours(x, bias), reference(x, bias)
+  assert got.dtype == want.dtype and got.shape == want.shape
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  assert_close(got, want, tol)
+  loss = lambda f, x, bias: jnp.sum(f(x, bias).astype(jnp.float32) * cotangent)
+  grads = jax.grad(loss, argnums=(1, 2))
+  for got, want in zip(grads(ours, x, bias), grads(reference, x, bias)):
+    assert_close(got, want, tol)

@@ -1,0 +1,130 @@
+"""The (dp, pp, tp) mesh builder and the collective matmuls, on 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from megajax.config import ConfigError, default_config
+from megajax.parallel import TP, all_gather_matmul, local_batch_slice, make_mesh, matmul_reduce_scatter
+from megajax.parallel.mesh import DP, _host_split
+from megajax.parallel.sharding import Layout, reduce_scatter_grads
+
+
+def mesh_config(dp, pp, tp):
+  config = default_config()
+  config.parallel.dp, config.parallel.pp, config.parallel.tp = dp, pp, tp
+  return config
+
+
+def test_tp_is_innermost_and_dp_before_pp():
+  mesh = make_mesh(mesh_config(2, 2, 2))
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  assert mesh.axis_names == ("dp", "pp", "tp")
+  # Physical order (pp, dp, tp): a tp group is adjacent devices, then dp neighbours, then pp.
+  np.testing.assert_array_equal(ids, np.arange(8).reshape(2, 2, 2).transpose(1, 0, 2))
+  assert local_batch_slice(mesh, 16) == (0, 1)  # one process holds every row
+
+
+def test_mesh_size_must_match_the_devices():
+  with pytest.raises(ConfigError, match=r"^parallel='dp=2 pp=1 tp=2': the mesh has 4 devices but the job has 8; "
+                                        r"choose dp \* pp \* tp = 8"):
+    make_mesh(mesh_config(2, 1, 2))
+  assert make_mesh(mesh_config(2, 1, 2), jax.devices()[:4]).devices.shape == (2, 1, 2)
+
+
+@pytest.mark.parametrize("shape,per_host,in_host,across", [
+    ((4, 2, 8), 8, (1, 1, 8), (2, 4, 1)),   # 64 GPUs: tp fills a host, dp across hosts before pp
+    ((8, 1, 2), 4, (1, 2, 2), (1, 4, 1)),   # a host holds 2 tp groups of one dp group each
+    ((2, 4, 1), 4, (2, 2, 1), (2, 1, 1)),   # dp fills the host first, then pp
+])
+def test_multi_host_placement(shape, per_host, in_host, across):
+  assert _host_split(*shape, per_host) == (in_host, across)
+
+
+def test_chunks_must_divide_the_sequence_shard():
+  mesh = make_mesh(mesh_config(2, 1, 4))
+  ring = jax.shard_map(lambda x, w: all_gather_matmul(x, w, 3), mesh=mesh, in_specs=(P(None, TP), P(None, TP)),
+                       out_specs=P(None, None, TP))
+  with pytest.raises(ValueError, match="chunks=3 does not divide the 8-token sequence shard"):
+    ring(jnp.ones((1, 32, 8)), jnp.ones((8, 8)))
+
+
+def test_tp_must_stay_inside_a_host():
+  with pytest.raises(ConfigError, match=r"^parallel\.tp=16: a tensor-parallel group must fit on one host"):
+    _host_split(1, 1, 16, 8)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_collective_matmuls_equal_the_plain_collectives(tp, chunks):
+  """Values and gradients of both ring matmuls equal gather-then-matmul / matmul-then-scatter."""
+  mesh = make_mesh(mesh_config(8 // tp, 1, tp))
+  keys = jax.random.split(jax.random.key(tp * 10 + chunks), 5)
+  b, s, k, f = 2, 32, 16, 8 * tp
+  x = jax.random.normal(keys[0], (b, s, k))
+  w_column = jax.random.normal(keys[1], (k, f))
+  w_row = jax.random.normal(keys[2], (f, k))
+  y = jax.random.normal(keys[3], (b, s, f))
+  cot_column = jax.random.normal(keys[4], (b, s, f))
+
+  def column(x, w):  # x split over seq, w over its output features
+    return all_gather_matmul(x, w, chunks)
+
+  def row(y, w):     # y split over features, w over its input features; output split over seq
+    return matmul_reduce_scatter(y, w, chunks)
+
+  column_fn = jax.shard_map(column, mesh=mesh, in_specs=(P(None, TP), P(None, TP)), out_specs=P(None, None, TP))
+  row_fn = jax.shard_map(row, mesh=mesh, in_specs=(P(None, None, TP), P(TP)), out_specs=P(None, TP))
+
+  np.testing.assert_allclose(jax.jit(column_fn)(x, w_column), x @ w_column, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(jax.jit(row_fn)(y, w_row), y @ w_row, rtol=1e-5, atol=1e-4)
+
+  def column_loss(fn):
+    return lambda a, w: jnp.sum(fn(a, w) * cot_column)
+
+  def row_loss(fn):
+    return lambda a, w: jnp.sum(jnp.sin(fn(a, w)))
+
+  for got, want in zip(jax.jit(jax.grad(column_loss(column_fn), argnums=(0, 1)))(x, w_column),
+                       jax.grad(column_loss(lambda a, w: a @ w), argnums=(0, 1))(x, w_column)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  for got, want in zip(jax.jit(jax.grad(row_loss(row_fn), argnums=(0, 1)))(y, w_row),
+                       jax.grad(row_loss(lambda a, w: a @ w), argnums=(0, 1))(y, w_row)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_bucketed_gradient_reduce_scatter_equals_one_per_leaf():
+  """ZeRO's gradient reduce-scatter packed into one collective per group of leaves (what CPU
+  jobs across processes use) keeps each dp rank the same shard of the same sum as one
+  collective per leaf: leaves split on dim 0, on a dim also split over tp, on a middle dim,
+  unsplit (psum), bf16, and tp-replicated leaves (which must stay tp-replicated)."""
+  mesh = make_mesh(mesh_config(4, 1, 2))
+  per_device = {"a": ((8, 6), Layout(None, 0)), "b": ((4, 8), Layout(1, 1)), "c": ((3, 5), Layout(None, None)),
+                "d": ((2, 8, 4), Layout(None, 1)), "e": ((4, 3), Layout(None, 0))}
+  per_dp_rank = {"f": ((4, 6), Layout(None, 0)), "g": ((5,), Layout(None, None))}
+  dtypes = {"d": jnp.bfloat16}
+  layouts = {k: layout for k, (_, layout) in (per_device | per_dp_rank).items()}
+  keys = iter(jax.random.split(jax.random.key(0), len(layouts)))
+  # Small integers: every order of summation gives the same floats, so the two must match exactly.
+  def make(shapes, n):
+    return {k: jax.random.randint(next(keys), (n, *shape), -8, 8).astype(dtypes.get(k, jnp.float32))
+            for k, (shape, _) in shapes.items()}
+  grads = (make(per_device, 8), make(per_dp_rank, 4))
+  specs = ({k: P((DP, TP)) for k in per_device}, {k: P(DP) for k in per_dp_rank})
+
+  def run(bucketed):
+    def body(tree):
+      local = jax.tree.map(lambda x: x[0], tree)
+      out = reduce_scatter_grads(local[0] | local[1], layouts, bucketed=bucketed)
+      return jax.tree.map(lambda x: x[None], ({k: out[k] for k in per_device}, {k: out[k] for k in per_dp_rank}))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs))(grads)
+
+  one_per_leaf, bucketed = run(False), run(True)
+  for got, want in zip(jax.tree.leaves(bucketed), jax.tree.leaves(one_per_leaf)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # And the values are the dp sums: leaf "a" (split on dim 0) on dp rank 1, tp rank 0.
+  total = grads[0]["a"].reshape(4, 2, 8, 6)[:, 0].sum(0)
+  np.testing.assert_array_equal(bucketed[0]["a"][1 * 2 + 0], total[2:4])

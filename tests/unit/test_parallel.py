@@ -1,0 +1,94 @@
+"""The 3D-parallel step's structure (pp = 1): its compile options, the collectives in its
+compiled HLO (tp per layer, collective matmul's rings, ZeRO's reduce-scatter) and the
+optimizer state's bytes per device. Its values against the reference: tests/integration.
+"""
+
+import re
+
+import jax
+import pytest
+
+from tests.support.hlo import collective_counts, compiled_step_text, mesh_groups, replica_groups
+from tests.support.reference import build_parallel_step, parallel_config
+
+MODES = ["none", "collective_matmul", "xla"]
+
+
+def test_xla_mode_compiles_with_windowed_einsum_options():
+  steps = {mode: build_parallel_step(parallel_config(2, 4, mode=mode)) for mode in MODES}
+  assert steps["xla"].compiler_options == {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
+                                           "xla_gpu_multi_streamed_windowed_einsum": True}
+  assert steps["none"].compiler_options is None and steps["collective_matmul"].compiler_options is None
+
+
+# --- The compiled program.
+
+@pytest.mark.parametrize("layers", [2, 3])
+@pytest.mark.parametrize("block,per_layer", [("parallel", 1), ("serial", 2)])
+def test_tp_collectives_per_layer_without_overlap(block, per_layer, layers):
+  """mode none: per layer, forward, per_layer all-gathers and reduce-scatters over tp (and
+  their transposes backward); plus the head's all-gather and the embedding's reduce-scatter."""
+  parallel_step, text = compiled_step_text(2, 4, block, "none", layers)
+  counts = collective_counts(text, parallel_step.mesh)
+  for phase in ("forward", "backward"):
+    assert counts["all-gather", "tp", phase] == per_layer * layers + 1, (phase, counts)
+    assert counts["reduce-scatter", "tp", phase] == per_layer * layers + 1, (phase, counts)
+  assert counts["collective-permute", "tp", "forward"] == 0
+
+
+@pytest.mark.parametrize("block", ["parallel", "serial"])
+def test_collective_matmul_leaves_only_permutes_in_the_blocks(block):
+  """mode collective_matmul: no tp all-gather / reduce-scatter of activations in any block,
+  forward or backward. Left: the embedding's reduce-scatter (forward) and its transpose, an
+  all-gather (backward), the same for 2 and 3 layers."""
+  two = collective_counts(compiled_step_text(2, 4, block, "collective_matmul", 2)[1], build_parallel_step(
+      parallel_config(2, 4, block, "collective_matmul")).mesh)
+  parallel_step, text = compiled_step_text(2, 4, block, "collective_matmul", 3)
+  three = collective_counts(text, parallel_step.mesh)
+  for phase, (gathers, scatters) in {"forward": (0, 1), "backward": (1, 0)}.items():
+    assert three["all-gather", "tp", phase] == two["all-gather", "tp", phase] == gathers, three
+    assert three["reduce-scatter", "tp", phase] == two["reduce-scatter", "tp", phase] == scatters, three
+    assert three["collective-permute", "tp", phase] > two["collective-permute", "tp", phase] > 0
+    assert three["collective-permute", "other", phase] == three["collective-permute", "dp", phase] == 0
+
+
+def test_zero_reduce_scatters_gradients_and_never_all_reduces_them():
+  # The serial block: in the parallel one the two output biases share one gradient, and XLA
+  # rightly reduces it once.
+  parallel_step, text = compiled_step_text(2, 4, "serial", "none", 2)
+  counts = collective_counts(text, parallel_step.mesh)
+  leaves = len(jax.tree.leaves(parallel_step.layouts))
+  assert counts["reduce-scatter", "dp", "other"] == leaves   # one per gradient leaf
+  assert counts["all-gather", "dp", "other"] == leaves       # the ZeRO parameter gather
+  # Prefetch: the program's first collective is a ZeRO parameter gather over dp.
+  first = next(line for line in text.split("ENTRY", 1)[1].splitlines()
+               if re.search(r" (all-gather|reduce-scatter|all-reduce|collective-permute)(-start)?\(", line))
+  assert " all-gather" in first and replica_groups(first) == mesh_groups(parallel_step.mesh, "dp"), first.strip()[:160]
+  dp_groups = {frozenset(g) for g in mesh_groups(parallel_step.mesh, "dp")}
+  for line in text.splitlines():
+    if re.search(r" all-reduce(-start)?\(", line):
+      groups = replica_groups(line)
+      crosses_dp = any(not any(g <= t for t in mesh_groups(parallel_step.mesh, "tp")) for g in groups)
+      result_type = line.split("=", 1)[1].split(" all-reduce")[0]
+      dims = re.findall(r"[a-z0-9]+\[([\d,]*)\]", result_type)
+      if crosses_dp or groups == dp_groups:
+        assert all(d == "" for d in dims), f"a non-scalar all-reduce over dp: {line.strip()[:160]}"
+
+
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4)], ids=["8x1x1", "2x1x4"])
+def test_optimizer_state_is_split_over_dp(mesh):
+  dp, _, tp = mesh
+  config = parallel_config(dp, tp)
+  config.model.num_kv_heads = 8  # every leaf has a dimension that splits 8 ways
+  parallel_step = build_parallel_step(config)
+  state = parallel_step.init_state(jax.random.key(0))
+  moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim > 0]
+  assert len(moments) == 2 * len(jax.tree.leaves(state.params))  # Adam's mu and nu
+  layouts = jax.tree.leaves(parallel_step.layouts) * 2
+  per_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in moments)
+  expected = sum(leaf.nbytes // (dp * (tp if layout.tp_dim is not None else 1))
+                 for leaf, layout in zip(moments, layouts))
+  assert per_device == expected
+  if tp == 1:
+    assert per_device * dp == sum(leaf.nbytes for leaf in moments)  # exactly total / dp
+  assert all(layout.dp_dim is not None for layout in jax.tree.leaves(parallel_step.layouts))

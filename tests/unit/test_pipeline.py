@@ -1,0 +1,164 @@
+"""The pipeline's static parts: the executor's tables (bounded stash, every message routed),
+the two send rings in the compiled tick, the stacked parameter layout, the config's errors.
+Its values against the reference: tests/integration/test_pipeline_reference.py.
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from megajax.config import SCHEDULE_CHOICES, TRAVERSAL_CHOICES, ConfigError, default_config, validate
+from megajax.model import GPT, ModelConfig, init_params
+from megajax.parallel.pipeline import LAYERS, Tables, stacked_layer_order, to_model_params, to_pipeline_params
+from megajax.parallel.pipeline import schedule as schedules
+from tests.support.hlo import instructions
+from tests.support.reference import compiled_gradients, pipeline_config
+
+
+# --- Tables.
+
+def tables_for(name, p, v, m, traversal="depth_first", layers=None):
+  config = pipeline_config((1, p, 1), name, v, m, layers=layers)
+  return Tables.build(schedules.simulate(name, p, v, m, traversal), ModelConfig.from_config(config.model))
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_1f1b_stash_is_bounded_independently_of_microbatches(name, v):
+  p = 4
+  small, large = tables_for(name, p, v, 4 * p), tables_for(name, p, v, 16 * p)
+  # At most the microbatch-chunks in flight, plus an arrival waiting for its forward.
+  assert small.stash_slots == large.stash_slots <= max(schedules.in_flight(small.schedule)) + 1
+  assert small.cotangent_slots == large.cotangent_slots
+  gpipe = [tables_for("gpipe", p, v, m).stash_slots for m in (4 * p, 16 * p)]
+  assert gpipe == [4 * p * v, 16 * p * v]  # every microbatch-chunk held until the backwards start
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 2)])
+def test_tables_route_every_message(name, v):
+  """Replays the tables: each op reads the slot its input (or cotangent) was received into,
+  and no slot is overwritten while its message is still needed."""
+  p = 4
+  t = tables_for(name, p, v, 8)
+  pairs, last = schedules.paired_timeline(t.schedule), p * v - 1
+  received_at = {}   # (stage, kind, slot) -> (microbatch, chunk) held there
+  for tick in range(t.ticks):
+    for stage in range(p):
+      for prefix, op in zip(("f_", "b_"), pairs[stage, tick]):
+        if op is None:
+          assert t.per_stage[prefix + "branch"][tick, stage] == 0   # idle
+          continue
+        g, key = op.chunk * p + stage, (op.microbatch, op.chunk)
+        assert (t.per_stage[prefix + "microbatch"][tick, stage], t.per_stage[prefix + "chunk"][tick, stage]) == key
+        if g > 0:
+          assert received_at[stage, "F", t.per_stage[prefix + "in_slot"][tick, stage]] == key
+        if op.kind == schedules.BACKWARD and g < last:
+          assert received_at[stage, "B", t.per_stage["b_ct_slot"][tick, stage]] == key
+    for stage in range(p):   # the tick's arrivals, written after every read
+      sender, slot = pairs[(stage - 1) % p, tick, 0], t.per_stage["recv_fwd"][tick, stage]
+      if sender is not None and sender.chunk * p + (stage - 1) % p < last:
+        g = sender.chunk * p + (stage - 1) % p + 1
+        held = received_at.get((stage, "F", slot))
+        assert held is None or _done(pairs, stage, held, tick), (tick, stage, slot)
+        received_at[stage, "F", slot] = (sender.microbatch, g // p)
+      else:
+        assert slot == t.stash_slots            # nothing arrives: the trash slot
+      sender, slot = pairs[(stage + 1) % p, tick, 1], t.per_stage["recv_bwd"][tick, stage]
+      if sender is not None and sender.chunk * p + (stage + 1) % p > 0:
+        g = sender.chunk * p + (stage + 1) % p - 1
+        held = received_at.get((stage, "B", slot))
+        assert held is None or _done(pairs, stage, held, tick), (tick, stage, slot)
+        received_at[stage, "B", slot] = (sender.microbatch, g // p)
+      else:
+        assert slot == t.cotangent_slots
+
+
+def _done(pairs, stage, key, tick):
+  """Whether `stage` ran the backward of (microbatch, chunk) `key` by `tick` (its last use)."""
+  return any(op is not None and op.kind == schedules.BACKWARD and (op.microbatch, op.chunk) == key
+             for op in pairs[stage, :tick + 1, 1])
+
+
+# --- The compiled tick.
+
+def test_decoupled_send_rings_over_pp():
+  """Activations travel to stage s+1 and cotangents to s-1 in two collective-permutes of their
+  own, outside every branch, and nothing the backward slot computes depends on the forward's
+  send: the scheduler may run the send during the backward (decoupled send/recv)."""
+  _, compiled = compiled_gradients((1, 4, 1), 4)
+  text = compiled.as_text()
+  forward, backward = {(i, (i + 1) % 4) for i in range(4)}, {(i, (i - 1) % 4) for i in range(4)}
+  # The HLO's device ids are mesh positions; on a (1, 4, 1) mesh the id is the stage.
+  rings = {}
+  for computation in re.split(r"\n(?=\S)", text):
+    for line in computation.splitlines():
+      if re.search(r" collective-permute(-start)?\(", line):
+        pairs = {(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])}
+        name = re.match(r"\s*(?:ROOT )?%?([\w.-]+) =", line).group(1)
+        rings[name] = ("forward" if pairs == forward else "backward" if pairs == backward else "other", computation)
+  assert sorted(kind for kind, _ in rings.values()) == ["backward", "forward"], rings.keys()
+  (send, body), = [(name, body) for name, (kind, body) in rings.items() if kind == "forward"]
+  assert rings[next(n for n, (k, _) in rings.items() if k == "backward")][1] == body   # same tick body
+  found = instructions(body)
+  # Everything downstream of the send, inside the tick: no conditional (the slots' switches) among it.
+  downstream, frontier = set(), {send}
+  while frontier:
+    frontier = {name for name, (_, operands) in found.items() if operands & frontier} - downstream
+    downstream |= frontier
+  conditionals = [name for name, (op, _) in found.items() if op == "conditional"]
+  assert len(conditionals) >= 2                                   # the forward and backward slots
+  assert not downstream & set(conditionals), downstream & set(conditionals)
+  assert all(op != "conditional" for op, _ in (found[n] for n in downstream))
+
+
+# --- The stacked layout and the config.
+
+def test_stacked_layers_are_round_robin_chunks_and_round_trip():
+  assert stacked_layer_order(8, 2, 2) == [0, 1, 4, 5, 2, 3, 6, 7]  # stage 0: chunks 0, 2
+  config = pipeline_config((1, 2, 1), "interleaved_1f1b", 2, layers=8)
+  params = init_params(GPT(ModelConfig.from_config(config.model)), jax.random.key(0))
+  stacked = to_pipeline_params(params, 2, 2)
+  assert jax.tree.leaves(stacked[LAYERS])[0].shape[0] == 8
+  np.testing.assert_array_equal(stacked["layers"]["norm"]["scale"][2], params["layer_4"]["norm"]["scale"])
+  back = to_model_params(stacked, 2, 2)
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_every_schedule_and_traversal_the_config_names_is_implemented():
+  """The config's names are the ones the schedule module runs, and nothing else."""
+  for name in SCHEDULE_CHOICES:
+    for traversal in TRAVERSAL_CHOICES:
+      assert schedules.simulate(name, 2, 1, 4, traversal).name == name
+  with pytest.raises(ValueError, match="unknown"):
+    schedules.simulate("zero_bubble", 2, 1, 4)
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("model.num_layers", 6, r"^model\.num_layers=6: the pipeline cuts .* = 4 equal chunks; use a multiple of 4"),
+    ("train.microbatches", 3, r"^train\.microbatches=3: interleaved 1F1B .* groups of parallel\.pp=2; use a multiple of 2"),
+    ("parallel.schedule", "zero_bubble", r"^parallel\.schedule='zero_bubble': unknown name; choose one of gpipe"),
+    ("parallel.traversal", "random", r"^parallel\.traversal='random': unknown name"),
+    ("parallel.virtual_stages", 0, r"^parallel\.virtual_stages=0: must be a positive integer"),
+])
+def test_pipeline_config_errors_name_the_field_and_the_fix(field, value, pattern):
+  config = default_config()
+  config.model.num_layers, config.train.batch_size, config.train.microbatches = 4, 12, 2
+  config.parallel.pp, config.parallel.virtual_stages = 2, 2
+  validate(config)
+  group, name = field.split(".")
+  config[group][name] = value
+  with pytest.raises(ConfigError, match=pattern):
+    validate(config)
+
+
+def test_1f1b_with_virtual_stages_is_refused():
+  config = default_config()
+  config.model.num_layers, config.parallel.virtual_stages = 4, 2
+  config.parallel.schedule = "1f1b"
+  validate(config)   # pp = 1: the pipeline fields are unused
+  config.parallel.pp = 2
+  with pytest.raises(ConfigError, match=r"^parallel\.virtual_stages=2: the 1f1b schedule has one chunk"):
+    validate(config)

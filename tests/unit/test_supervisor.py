@@ -1,0 +1,62 @@
+"""The supervisor's pieces in process: the hang view's suspects and victims, the elastic
+layout, the command template, crash signals, its config checks. (The supervisor driving real
+jobs: tests/e2e.)"""
+
+import pytest
+
+from megajax.config import ConfigError, default_config, validate
+from megajax.launch.supervisor import elastic_layout, fill_template
+from megajax.launch.supervisor.driver import _crash_signal
+from megajax.launch.supervisor.hang_view import classify, format_hang_view
+
+
+def test_classify_names_the_silent_process_first():
+  now = 100.0
+  suspects, victims = classify({0: 99.5, 1: 90.0, 2: 95.0}, {0: 80.0, 1: 80.0, 2: 80.0}, now, 3.0)
+  assert suspects == [1, 2] and victims == [0]
+  suspects, victims = classify({0: 99.9, 1: 99.9}, {0: 50.0, 1: 70.0}, now, 3.0)   # all alive: stuck first
+  assert suspects == [0] and victims == [1]
+
+
+def test_hang_view_grid():
+  beats = {0: {"host": "a", "step": 9, "phase": "step 10", "devices": [{"id": 0, "coords": [0, 0, 0]},
+                                                                       {"id": 1, "coords": [0, 0, 1]}]},
+           1: {"host": "b", "step": 9, "phase": "step 10", "devices": [{"id": 2, "coords": [1, 0, 0]},
+                                                                       {"id": 3, "coords": [1, 0, 1]}]}}
+  view = format_hang_view(beats, (2, 1, 2), [1], [0])
+  assert view.count("S p1 step 10") == 2 and view.count("V p0 step 10") == 2
+  assert "suspects: process 1 (b, step 9)" in view and "victims: process 0 (a, step 9)" in view
+
+
+def test_elastic_layout_keeps_the_global_batch():
+  config = default_config()
+  config.parallel.dp, config.parallel.pp, config.parallel.tp, config.train.microbatches = 4, 2, 2, 4
+  # 4 processes x 4 devices (mesh 4x2x2); one bad: 3 usable -> 2 processes (dp must divide 4).
+  assert elastic_layout(config, 4, 4, 3) == {"processes": 2, "parallel.dp": 2, "train.microbatches": 8}
+  assert elastic_layout(config, 4, 4, 0) is None
+  config.parallel.dp = 3
+  assert elastic_layout(config, 3, 4, 2) == {"processes": 1, "parallel.dp": 1, "train.microbatches": 12}
+
+
+@pytest.mark.parametrize("field, value", [("supervisor.heartbeat_timeout_s", 0.1),
+                                          ("supervisor.command", "srun python train.py"),
+                                          ("debug.nonfinite_steps", "7;8")])
+def test_supervisor_fields_are_validated(field, value):
+  config = default_config()
+  group, name = field.split(".")
+  config[group][name] = value
+  with pytest.raises(ConfigError, match=field):
+    validate(config)
+
+
+def test_command_template_keeps_the_shells_own_braces():
+  line = fill_template("srun --nodes={processes} ${MEGAJAX_EXCLUDE_HOSTS:+--exclude=$MEGAJAX_EXCLUDE_HOSTS} {train}",
+                       ["megajax-train", "--config=c.py", "--workdir=/shared/run dir"], 3, ["h1"])
+  assert line == ("srun --nodes=3 ${MEGAJAX_EXCLUDE_HOSTS:+--exclude=$MEGAJAX_EXCLUDE_HOSTS} "
+                  "megajax-train --config=c.py '--workdir=/shared/run dir'")
+
+
+def test_a_crash_signal_is_told_from_a_peers_exit():
+  """When a killed worker takes its peers down, the one a crash signal ended is blamed."""
+  assert _crash_signal(-9) and _crash_signal(128 + 9) and _crash_signal(-11)
+  assert not _crash_signal(1) and not _crash_signal(-6) and not _crash_signal(143) and not _crash_signal(0)

@@ -1,0 +1,138 @@
+"""The training loop's parts in process: the callback protocol, the non-finite step, the fault
+drills, metrics records across a resume, and a short run through every collaborator."""
+
+import json
+
+import jax
+import numpy as np
+
+from megajax import data
+from megajax.observe import MetricsWriter, read_metrics
+from megajax.observe.records import METRICS, drop_after, read_jsonl
+from megajax.trainer import build_parallel_step, callbacks, drills, train
+from megajax.trainer.loop import _run_loop
+
+
+class _Recorder(callbacks.Callback):
+  """Records every call; replaces the batch before the step and the metrics after it."""
+
+  def __init__(self, name, calls):
+    self.name, self.calls = name, calls
+
+  def before_step(self, loop):
+    self.calls.append((self.name, "before", loop.step))
+    loop.batch = {"seen_by": self.name}
+
+  def after_step(self, loop):
+    self.calls.append((self.name, "after", loop.step, loop.metrics))
+    loop.metrics = {"from": self.name}
+
+  def on_end(self, loop):
+    self.calls.append((self.name, "end", loop.step))
+
+
+def _loop(config, start_step=0, batches=None):
+  return callbacks.Loop(config, parallel_step=None, start_step=start_step, state=0,
+                        batches=batches or iter(range(100)), writer=None, heartbeat=None)
+
+
+def test_callbacks_are_called_in_order_at_fixed_points_of_every_step(tiny_config):
+  """Before each step in list order (a callback's batch is the step's), after each step in
+  list order (each sees the metrics the one before left), on_end once; the state threads."""
+  tiny_config.train.steps = 5
+  calls, steps_run = [], []
+
+  def step_fn(state, batch):
+    steps_run.append((state, batch))
+    return state + 1, {"from": "step"}
+
+  loop = _loop(tiny_config, start_step=2)
+  _run_loop(loop, step_fn, [_Recorder("a", calls), _Recorder("b", calls)])
+  assert [c[:3] for c in calls] == [(n, point, s) for s in (3, 4, 5) for point in ("before", "after")
+                                    for n in ("a", "b")] + [("a", "end", 5), ("b", "end", 5)]
+  assert [c[3] for c in calls if c[1] == "after"] == [{"from": "step"}, {"from": "a"}] * 3
+  assert steps_run == [(0, {"seen_by": "b"}), (1, {"seen_by": "b"}), (2, {"seen_by": "b"})]
+  assert loop.state == 3
+
+
+def test_a_preemption_stops_the_loop_after_that_step(tiny_config):
+  class Preempt(callbacks.Callback):
+    def after_step(self, loop):
+      loop.preempted = loop.step == 2
+
+  calls = []
+  loop = _loop(tiny_config)
+  _run_loop(loop, lambda state, batch: (state, {}), [Preempt(), _Recorder("r", calls)])
+  assert [c[:3] for c in calls] == [("r", "before", 1), ("r", "after", 1), ("r", "before", 2), ("r", "after", 2),
+                                    ("r", "end", 2)]
+
+
+def test_fault_drills_poison_their_batches(tiny_config):
+  tiny_config.debug.nonfinite_steps = "2,3"
+  drill = drills.FaultDrills(tiny_config)
+  loop = _loop(tiny_config)
+  for step in (1, 2):
+    loop.step, loop.batch = step, {"loss_mask": np.ones(3, np.float32)}
+    drill.before_step(loop)
+    assert np.isnan(loop.batch["loss_mask"]).all() == (step == 2)
+  assert drills.straggler_work(tiny_config) is None
+  tiny_config.debug.slow_rank = "0,0,0"
+  assert callable(drills.straggler_work(tiny_config))
+  assert drills.diagnose_slowdown(tiny_config, 0) == 1.0
+  tiny_config.debug.diagnose_slow_process = 0
+  assert drills.diagnose_slowdown(tiny_config, 0) == 2.0
+
+
+def test_nonfinite_step_leaves_the_state_unchanged(tiny_config):
+  """A batch whose loss is NaN: the 3D step skips the update (state bitwise unchanged) and
+  says so; a finite batch then trains normally."""
+  tiny_config.parallel.dp = 2
+  parallel_step = build_parallel_step(tiny_config, jax.devices()[:2])
+  batch = parallel_step.put_batch(next(data.make_iterator(tiny_config, 0, 1)))
+  step = parallel_step.train_step()
+  state = parallel_step.init_state(jax.random.key(0))
+  before = jax.device_get(state)
+  poisoned = {**batch, "loss_mask": batch["loss_mask"] * float("nan")}
+  state, metrics = step(state, poisoned)
+  assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state))):
+    np.testing.assert_array_equal(a, b)
+  state, metrics = step(state, batch)
+  assert int(metrics["skipped"]) == 0 and int(state.step) == 1
+
+
+def test_a_resumed_run_drops_the_records_after_its_checkpoint(tmp_path):
+  """A run resumed from step 5 rewrites metrics.jsonl without steps 6..8 of the run before
+  (and without a half line a kill left), then logs those steps again: each step once."""
+  writer = MetricsWriter(str(tmp_path), total_steps=8, progress=False)
+  for step in range(1, 9):
+    writer.write(step, {"loss": float(10 - step)})
+  writer.write(6, {"ckpt_blocking_s": 0.1})
+  writer.close()
+  with open(tmp_path / METRICS, "a") as f:
+    f.write('{"step": 9, "lo')                       # killed mid-write
+  resumed = MetricsWriter(str(tmp_path), total_steps=8, progress=False, start_step=5)
+  for step in range(6, 9):
+    resumed.write(step, {"loss": float(step)})
+  resumed.close()
+  records = read_jsonl(str(tmp_path / METRICS))
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+  assert [r["loss"] for r in records[5:]] == [6.0, 7.0, 8.0]
+  assert dict(read_metrics(str(tmp_path / METRICS))["loss"])[8] == 8.0
+  assert drop_after(str(tmp_path / "missing.jsonl"), 3) == 0
+
+
+def test_a_short_run_through_every_collaborator(tmp_path, tiny_config):
+  """One process, a workdir: the heartbeat ends done, the metrics log steps 1, log_every and
+  the last, the checkpointer saves on its cadence and commits, activations are captured."""
+  tiny_config.train.steps, tiny_config.train.log_every, tiny_config.checkpoint.every_steps = 6, 4, 3
+  tiny_config.observe.capture = "0:residual"
+  result = train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
+  assert [h["step"] for h in result.history] == [1, 4, 6] and not result.preempted
+  beat = json.loads((tmp_path / "heartbeats" / "process_0.json").read_text())
+  assert beat["done"] and beat["phase"] == "done" and beat["step"] == 6 and beat["startup_s"] > 0
+  metrics = read_metrics(str(tmp_path / METRICS))
+  assert [s for s, _ in metrics["ckpt_blocking_s"]] == [3, 6] and [s for s, _ in metrics["ckpt_total_s"]] == [3, 6]
+  assert [s for s, _ in metrics["startup_s"]] == [1]
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
+  assert [r["step"] for r in read_jsonl(str(tmp_path / "activations.jsonl"))] == [1, 2, 3, 4, 5, 6]
