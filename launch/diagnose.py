@@ -16,6 +16,7 @@ from absl import logging
 import jax
 
 from megajax.config import ConfigError
+from megajax.launch import cli
 from megajax.launch.cli import (QuietLibraries, define_config_flag, define_topology_flags, fail, flags_parser,
                                 join_job, validated_config)
 from megajax.launch.cluster import TopologyError
@@ -30,6 +31,7 @@ _COLLECTIVE_MIB = flags.DEFINE_float("collective_mib", None, "Collective buffer 
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed runs per measurement (default by platform).")
 _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = define_topology_flags()
 flags.mark_flags_as_required(["config"])
+flags.adopt_module_key_flags(cli)     # --config (and the topology flags) in this command's --help
 
 
 def main(argv):

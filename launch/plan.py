@@ -20,6 +20,7 @@ planner`). Mistakes in flags or config are one line on stderr and exit code 2.
 from absl import app
 from absl import flags
 
+from megajax.launch import cli
 from megajax.launch.cli import define_config_flag, fail, flags_parser, validated_config
 from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model, plans
@@ -35,6 +36,7 @@ _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaS
 _RUNTIME = flags.DEFINE_enum("runtime", "megajax", RUNTIMES, "Whose runtime executes the plan.")
 _REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
 flags.mark_flags_as_required(["config", "gpus"])
+flags.adopt_module_key_flags(cli)     # --config (and the topology flags) in this command's --help
 
 
 def _flag_error(flag: str, value, problem: str, fix: str) -> None:

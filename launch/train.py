@@ -20,6 +20,7 @@ from absl import logging
 from megajax import trainer
 from megajax.checkpoint import CheckpointError
 from megajax.config import ConfigError
+from megajax.launch import cli
 from megajax.launch.cli import (QuietLibraries, define_config_flag, define_topology_flags, fail, flags_parser,
                                 join_job, validated_config)
 from megajax.launch.cluster import TopologyError
@@ -29,6 +30,7 @@ _CONFIG = define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory: metrics.jsonl, TensorBoard, params.")
 _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = define_topology_flags()
 flags.mark_flags_as_required(["config", "workdir"])
+flags.adopt_module_key_flags(cli)     # --config (and the topology flags) in this command's --help
 
 
 def _fail(kind: str, message) -> None:

@@ -82,6 +82,18 @@ class ParallelStep:
     if impl == "cudnn" and platform != "gpu":
       raise ConfigError("model.attention_impl", impl, f"cuDNN attention needs an NVIDIA GPU, this mesh is {platform}",
                         "use model.attention_impl=xla (or pallas on a GPU)")
+    # What observes or drills the step is handed in (this layer imports neither): a config that
+    # asks for them must get them, not a step that silently ignores the fields.
+    o, slow = config.observe, config.debug.slow_rank
+    if (o.capture or o.perturb) and probes is None:
+      field, value = ("observe.capture", o.capture) if o.capture else ("observe.perturb", o.perturb)
+      raise ConfigError(field, value, "the 3D step was built without its probes",
+                        "build it with megajax.trainer.build_parallel_step(config), or pass "
+                        "probes=megajax.observe.Probes.from_config(config)")
+    if slow and extra_work is None:
+      raise ConfigError("debug.slow_rank", slow, "the 3D step was built without the straggler drill's work",
+                        "build it with megajax.trainer.build_parallel_step(config), or pass "
+                        "extra_work=megajax.trainer.drills.straggler_work(config)")
     params_like = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     layouts = sharding.param_layouts(model, params_like, mesh.shape[DP], mesh.shape[TP])
     tables = None

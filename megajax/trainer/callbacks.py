@@ -1,19 +1,20 @@
 """The training loop's one protocol: callbacks called at fixed points of every step.
 
     for step in ...:
-      loop.step, loop.batch = step, next(batches)
+      loop.step = step; loop.beat(phase=f"step {step}"); loop.batch = next(batches)
       for callback in callbacks: callback.before_step(loop)
       loop.state, loop.metrics = step_fn(loop.state, loop.batch)      # dispatched, not waited for
       for callback in callbacks: callback.after_step(loop)
       if loop.preempted: break
     for callback in callbacks: callback.on_end(loop)                  # after the last step
-    for callback in callbacks: callback.close()                       # always, even on an error
+    ... callback.close() for each                                      # always, even on an error
 
 Callbacks run in list order and share the `Loop`: they read it and may replace its state
 (a rollback), batch (a drill) or metrics (capture keys taken out). Each owns its own cadence:
 the checkpointer says which steps it saves, the metrics log which steps it logs. The
-collaborators with more to them have their own modules (nonfinite.py, drills.py,
-heartbeat.py); the small ones are here.
+collaborators with more to them have their own modules (nonfinite.py, drills.py); the small
+ones are here. The loop itself names the step in this process's heartbeat before fetching
+its batch.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class Loop:
   start_step: int                   # the checkpoint step this run resumed from (0: a fresh start)
   state: Any                        # the TrainState the next step starts from
   batches: Any                      # data.DevicePrefetcher (its get_state() is the data position)
-  writer: MetricsWriter             # metrics.jsonl / TensorBoard / terminal (process 0 writes)
-  heartbeat: Heartbeat | None       # this process's heartbeat file (None without a workdir)
+  writer: MetricsWriter | None = None   # metrics.jsonl / TensorBoard / terminal (process 0 writes)
+  heartbeat: Heartbeat | None = None    # this process's heartbeat file (None without a workdir)
   step: int = 0                     # the step being run
   batch: dict | None = None         # its batch
   metrics: dict | None = None       # its metrics, on device (after_step: dispatched, maybe not done)
@@ -73,20 +74,12 @@ class Callback:
     """Always, last: release what the callback holds."""
 
 
-class HeartbeatPhase(Callback):
-  """The heartbeat says which step this process is in (its step counter moves when the step
-  is known finished: the non-finite guard reads it one step late)."""
-
-  def before_step(self, loop: Loop) -> None:
-    loop.beat(phase=f"step {loop.step}")
-
-
 class Tracing(Callback):
   """Sampled traces (observe.trace_every): the chosen step alone, on every process."""
 
   def __init__(self, tracer: StepTracer, compiled_step):
     self.tracer = tracer
-    if tracer.every:
+    if tracer.every and compiled_step is not None:    # (None: no step left to run)
       tracer.describe(compiled_step)
 
   def before_step(self, loop: Loop) -> None:
@@ -160,8 +153,16 @@ class Preemption(Callback):
     else:
       loop.preempted = self._requested.is_set()
 
+  def __enter__(self) -> "Preemption":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
   def close(self) -> None:
-    for sig, handler in self._previous.items():
+    """Gives SIGTERM / SIGINT back to the handlers before ours (once)."""
+    previous, self._previous = self._previous, {}
+    for sig, handler in previous.items():
       signal.signal(sig, handler)
 
 

@@ -65,50 +65,43 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
   # hold (a bad token file fails here, before anything compiles).
   iterator = data.make_iterator(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
 
-  finished = False                   # read by the heartbeat's last beat, at the exit below
-  with contextlib.ExitStack() as cleanup:
-    cache = cleanup.enter_context(CompilationCacheCounter())   # this run's compiles, from here on
+  outcome = {"finished": False}       # the heartbeat's last beat reads it as the stack closes
+  with contextlib.ExitStack() as cleanup:    # everything opened below closes in reverse, always
+    # --- Watching the run: this run's compiles, and SIGTERM / SIGINT (a save after the next step).
+    cache = cleanup.enter_context(CompilationCacheCounter())
+    preemption = cleanup.enter_context(callbacks.Preemption())
 
     # --- Workdir: the config, this process's heartbeat, the checkpointer.
-    _write_config(config, workdir)
-    heartbeat = _start_heartbeat(config, workdir, parallel_step)
-    if heartbeat:
-      cleanup.callback(lambda: heartbeat.close(done=finished))
-    checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config) if workdir else None
-    if checkpointer:
-      cleanup.callback(checkpointer.close)
+    heartbeat, checkpointer = _open_workdir(config, workdir, parallel_step, cleanup, outcome)
 
     # --- State: the latest complete checkpoint (and the data position it saved), or a fresh one.
     state, start_step = _restore_or_init(config, parallel_step, checkpointer, iterator, heartbeat)
-    _describe(config, parallel_step, state)
 
     # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
     batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))
 
     # --- Step: compiled ahead of time; with several processes, every one meets the others first.
-    step_fn = _compile_and_meet(parallel_step, heartbeat, config.supervisor.startup_timeout_s)
+    step_fn = _compile_and_meet(config, parallel_step, heartbeat, start_step)
 
-    # --- Loop: the step, and its collaborators at fixed points of every step (closed in reverse).
-    is_chief = jax.process_index() == 0
-    writer = MetricsWriter(workdir, config.train.steps, enabled=is_chief, progress=progress, start_step=start_step)
-    cleanup.callback(writer.close)
-    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, writer, heartbeat)
-    collaborators = _callbacks(config, workdir, parallel_step, checkpointer, step_fn, cache, is_chief, start_step)
-    for collaborator in collaborators:
-      cleanup.callback(collaborator.close)
-    _run_loop(loop, step_fn, collaborators)
-    finished = not loop.preempted
+    # --- Loop: the steps, each between its collaborators' callbacks.
+    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, heartbeat=heartbeat,
+                          writer=cleanup.enter_context(_metrics_writer(config, workdir, progress, start_step)))
+    _run_loop(loop, step_fn, _callbacks(loop, workdir, checkpointer, step_fn, cache, preemption, cleanup))
+    outcome["finished"] = not loop.preempted
 
   # --- Export: the trained parameters, the model's own pytree whatever the mesh.
-  if workdir and config.checkpoint.save_params and finished:
+  if workdir and config.checkpoint.save_params and outcome["finished"]:
     _export(parallel_step, loop.state, workdir)
   return TrainResult(state=loop.state, history=loop.history, start_step=start_step, preempted=loop.preempted)
 
 
 def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callback]) -> None:
-  """The steps from the one after loop.start_step to train.steps, each between its callbacks."""
+  """The steps from the one after loop.start_step to train.steps, each between its callbacks.
+  The heartbeat names the step before its batch is fetched: a data stall shows in that step."""
   for step in range(loop.start_step + 1, loop.config.train.steps + 1):
-    loop.step, loop.batch = step, next(loop.batches)
+    loop.step = step
+    loop.beat(phase=f"step {step}")
+    loop.batch = next(loop.batches)
     for collaborator in collaborators:
       collaborator.before_step(loop)
     loop.state, loop.metrics = step_fn(loop.state, loop.batch)
@@ -120,36 +113,43 @@ def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callb
     collaborator.on_end(loop)
 
 
-def _callbacks(config, workdir, parallel_step, checkpointer, step_fn, cache, is_chief, start_step) -> list:
-  """The loop's collaborators, in the order they are called at each point of a step."""
+def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption, cleanup) -> list:
+  """The loop's collaborators, in the order they are called at each point of a step; each is
+  closed when the run's stack closes."""
+  config, parallel_step, is_chief = loop.config, loop.parallel_step, jax.process_index() == 0
   guard = NonFiniteGuard(config, checkpointer)
-  return [
-      callbacks.HeartbeatPhase(),                                        # which step this process is in
+  collaborators = [
       callbacks.Tracing(StepTracer(config, parallel_step.mesh, workdir), step_fn),   # observe.trace_every
       guard,                                                             # non-finite: skip, roll back
-      callbacks.ActivationCapture(ActivationLog(config, workdir, enabled=is_chief, start_step=start_step)),
+      callbacks.ActivationCapture(ActivationLog(config, workdir, enabled=is_chief, start_step=loop.start_step)),
       callbacks.StartupLog(cache),                                       # time to the first step
-      callbacks.Preemption(),                                            # SIGTERM: save and stop
+      preemption,                                                        # SIGTERM: save and stop
       callbacks.MetricsLog(config, parallel_step, lambda: guard.skipped),   # metrics.jsonl, progress
       callbacks.Checkpointing(checkpointer, guard),                     # the checkpointer's cadence
       drills.FaultDrills(config),                                        # debug.*: last, after the save
   ]
+  for collaborator in collaborators:
+    if collaborator is not preemption:      # closed by the stack already
+      cleanup.callback(collaborator.close)
+  return collaborators
 
 
 # --- The sections' one calls.
 
-def _write_config(config, workdir: str | None) -> None:
-  if workdir and jax.process_index() == 0:
+def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, cleanup, outcome: dict):
+  """(heartbeat, checkpointer), both None without a workdir; process 0 writes config.json."""
+  if not workdir:
+    return None, None
+  if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
-
-
-def _start_heartbeat(config, workdir: str | None, parallel_step: ParallelStep) -> Heartbeat | None:
-  if not workdir:
-    return None
-  return Heartbeat(workdir, jax.process_index(), local_device_coordinates(parallel_step.mesh),
-                   config.supervisor.heartbeat_interval_s)
+  heartbeat = Heartbeat(workdir, jax.process_index(), local_device_coordinates(parallel_step.mesh),
+                        config.supervisor.heartbeat_interval_s)
+  cleanup.callback(lambda: heartbeat.close(done=outcome["finished"]))
+  checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config)
+  cleanup.callback(checkpointer.close)
+  return heartbeat, checkpointer
 
 
 def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator, heartbeat):
@@ -168,6 +168,7 @@ def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator
     state, start_step = parallel_step.init_state(jax.random.key(config.train.seed)), 0
   if heartbeat:
     heartbeat.update(start_step=start_step, step=start_step)
+  _describe(config, parallel_step, state)
   return state, start_step
 
 
@@ -186,21 +187,36 @@ def _describe(config, parallel_step: ParallelStep, state) -> None:
 _BARRIERS = itertools.count()
 
 
-def _compile_and_meet(parallel_step: ParallelStep, heartbeat, timeout_s: float):
+def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step: int):
   """Compiles the step ahead of time (from its abstract inputs: the trace analysis reads its
   operations); with several processes, then waits at a coordination-service barrier until
   every process has: all enter the step's collectives together. Without it a process that
   compiles much later (a cache miss, a loaded host) leaves the others waiting inside
   collectives; on CPU, gloo's reduce-scatter has a fixed 30 s timeout whose error path can
   hang (jax-ml/jax#40831), and 2-process CPU jobs hung, rarely, in their first step that way.
-  The coordination service's barrier waits as long as we say."""
+  The coordination service's barrier waits as long as we say. None when the checkpoint is
+  at train.steps already: nothing to run (every process restored the same step)."""
+  if start_step >= config.train.steps:
+    return None
   if heartbeat:
     heartbeat.update(phase="compiling the step")
   compiled = parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile()
   if jax.process_count() > 1:
     # A barrier's name is used once per job: numbered, for a process that trains more than once.
-    distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}", int(timeout_s * 1000))
+    distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}",
+                                                    int(config.supervisor.startup_timeout_s * 1000))
   return compiled
+
+
+@contextlib.contextmanager
+def _metrics_writer(config, workdir: str | None, progress: bool | None, start_step: int):
+  """metrics.jsonl / TensorBoard / the terminal (process 0 writes), closed at the end."""
+  writer = MetricsWriter(workdir, config.train.steps, enabled=jax.process_index() == 0, progress=progress,
+                         start_step=start_step)
+  try:
+    yield writer
+  finally:
+    writer.close()
 
 
 def _export(parallel_step: ParallelStep, state, workdir: str) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,14 +96,14 @@ def reference(tmp_path_factory):
   return once_per_run(tmp_path_factory, "fault_drills_reference", run)
 
 
-def test_nan_steps_are_skipped_then_rolled_back(reference):
+def test_nan_steps_are_skipped_then_rolled_back(reference, tmp_path):
   """The injected NaN steps 7-9 are skipped, the third in a row rolls back to the latest
   checkpoint (step 6), and no checkpoint holds a non-finite value."""
   nonfinite = [i for i in incidents(reference) if i["kind"] == "nonfinite"]
   assert len(nonfinite) == 1 and nonfinite[0]["action"] == "rollback", incidents(reference)
   assert nonfinite[0]["resumed_from_step"] == 6 and nonfinite[0]["last_step"] == 9
   assert [r["skipped"] for r in step_records(reference) if r["step"] in (7, 8, 9)] == [1, 1, 1]
-  _assert_checkpoints_finite(reference)
+  _assert_checkpoints_finite(reference, tmp_path)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, tmp_path):
@@ -168,13 +169,15 @@ def test_a_hung_worker_is_found_and_the_job_continues_without_it(reference, tmp_
   np.testing.assert_allclose([got[s] for s in after], [want[s] for s in after], rtol=1e-5)
 
 
-def _assert_checkpoints_finite(workdir):
-  """Every checkpoint's state, restored onto the job's mesh (8 devices here), is finite."""
+def _assert_checkpoints_finite(workdir, scratch):
+  """Every checkpoint's state, restored onto the job's mesh (8 devices here), is finite (read
+  from a copy in `scratch`: the reference run is shared with the other drills)."""
   config = load_config(os.path.join(REPO, "configs/default.py"),
                        {arg[len("--config."):].split("=")[0]: _value(arg.split("=")[1])
                         for arg in JOB if arg.startswith("--config.")})
   parallel_step = build_parallel_step(config, jax.devices())
-  checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+  copy = shutil.copytree(workdir / "checkpoints", scratch / "checkpoints")
+  checkpointer = TrainingCheckpointer(str(copy), config)
   steps = checkpointer.all_steps()
   assert steps
   for step in steps:

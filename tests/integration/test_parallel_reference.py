@@ -7,10 +7,11 @@ LAMB steps within 1e-5; then the model variants (recomputation, tied head, bf16)
 
 import pytest
 
+from megajax.config import TP_OVERLAP_CHOICES
 from tests.support.reference import assert_matches_reference, parallel_config
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
-MODES = ["none", "collective_matmul", "xla"]
+MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
 
 
 @pytest.mark.parametrize("microbatches", [1, 2], ids=["no_accum", "accum2"])

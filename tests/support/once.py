@@ -3,6 +3,7 @@ a session-wide fixture: a directory all workers share, and a file lock)."""
 
 import fcntl
 import os
+import shutil
 
 
 def once_per_run(tmp_path_factory, name: str, make):
@@ -16,6 +17,7 @@ def once_per_run(tmp_path_factory, name: str, make):
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
       if not done.exists():
+        shutil.rmtree(path, ignore_errors=True)      # what a failed earlier attempt left
         make(path)
         done.touch()
     finally:

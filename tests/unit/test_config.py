@@ -2,7 +2,11 @@
 
 import pytest
 
-from megajax.config import ConfigError, default_config, load_config, validate
+from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, REMAT_CHOICES, ConfigError, default_config,
+                            load_config, validate)
+from megajax.layers import ATTENTION_IMPLS
+from megajax.model import BLOCK_MODULES, REMAT_POLICIES
+from megajax.parallel.tensor_parallel import BLOCK_FUNCTIONS
 from tests.support import REPO
 
 CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b"]
@@ -114,3 +118,10 @@ def test_load_config_overrides_and_rejects_unknown_fields():
   assert config.model.num_layers == 8
   with pytest.raises(ConfigError, match=r"^model\.num_layer="):
     load_config(f"{REPO}/configs/default.py", {"model.num_layer": 3})
+
+
+def test_every_name_a_choice_field_accepts_is_implemented():
+  """The config's *_CHOICES and the registries that implement them hold the same names."""
+  assert set(BLOCK_CHOICES) == set(BLOCK_MODULES) == set(BLOCK_FUNCTIONS)
+  assert set(REMAT_CHOICES) == set(REMAT_POLICIES) | {"none"}
+  assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_IMPLS)

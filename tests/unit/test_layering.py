@@ -17,7 +17,8 @@ import pytest
 
 from tests.support import REPO
 
-# Lowest first. A module belongs to the first layer whose prefix its name starts with.
+# Lowest first. A module belongs to the layer one of whose prefixes its name is or starts with;
+# the package's own __init__ (the API facade) is the top layer and is matched exactly.
 LAYERS = (
     ("layers", ("megajax.layers",)),
     ("core", ("megajax.config", "megajax.config_checks", "megajax.model", "megajax.loss", "megajax.optim",
@@ -27,8 +28,9 @@ LAYERS = (
     ("observe", ("megajax.observe",)),
     ("trainer", ("megajax.trainer",)),
     ("launch", ("megajax.launch",)),
-    ("api", ("megajax",)),            # megajax/__init__.py, the facade over all of it
+    ("api", ()),
 )
+API = "megajax"     # megajax/__init__.py, the facade over all of it
 
 
 def _package_dirs() -> dict[str, str]:
@@ -52,6 +54,8 @@ def modules() -> dict[str, str]:
 
 
 def layer_of(module: str) -> int:
+  if module == API:
+    return len(LAYERS) - 1
   for index, (_, prefixes) in enumerate(LAYERS):
     if any(module == p or module.startswith(p + ".") for p in prefixes):
       return index
@@ -152,3 +156,5 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
   assert found == [("megajax.parallel.sharding", 1, False), ("megajax.trainer.loop", 2, False),
                    ("megajax.config", 4, True)]
   assert layer_of("megajax.trainer.loop") > layer_of("megajax.parallel.probe")
+  with pytest.raises(AssertionError, match="megajax.unplaced is in no layer"):
+    layer_of("megajax.unplaced")

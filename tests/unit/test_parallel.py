@@ -8,10 +8,11 @@ import re
 import jax
 import pytest
 
+from megajax.config import TP_OVERLAP_CHOICES
 from tests.support.hlo import collective_counts, compiled_step_text, mesh_groups, replica_groups
 from tests.support.reference import build_parallel_step, parallel_config
 
-MODES = ["none", "collective_matmul", "xla"]
+MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
 
 
 def test_xla_mode_compiles_with_windowed_einsum_options():

@@ -16,10 +16,10 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from megajax.config import default_config, validate
+from megajax.config import ConfigError, default_config, validate
 from megajax.layers import rotary_embedding, sliding_window_mask, xla_attention
 from megajax.model import GPT, ModelConfig, init_params
-from megajax.parallel import ParallelStep
+from megajax.parallel import ParallelStep, make_mesh
 from megajax.parallel.mesh import DP
 from megajax.parallel.tensor_parallel import loss_sums
 from megajax.trainer import build_parallel_step, train
@@ -241,3 +241,18 @@ def test_trainer_writes_activations(tmp_path, tiny_config):
   np.testing.assert_allclose(lines[0]["mean"], 1 / tiny_config.model.seq_len, rtol=1e-6)
   logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert not [k for record in logged + result.history for k in record if k.startswith("capture/")]
+
+
+def test_a_step_built_without_the_probes_its_config_asks_for_is_refused():
+  """observe.* (and the straggler drill) are handed to the 3D step by the trainer: building it
+  directly from such a config names the field and the way to build it."""
+  config = probe_config(capture="0:residual")
+  model, mesh = GPT(ModelConfig.from_config(config.model)), make_mesh(config, jax.devices()[:1])
+  with pytest.raises(ConfigError, match=r"^observe\.capture='0:residual': the 3D step was built without its probes; "
+                     r"build it with megajax\.trainer\.build_parallel_step"):
+    ParallelStep.build(config, model, mesh)
+  config = probe_config()
+  config.debug.slow_rank = "0,0,0"
+  with pytest.raises(ConfigError, match=r"^debug\.slow_rank='0,0,0': .*extra_work=megajax\.trainer\.drills"):
+    ParallelStep.build(config, model, mesh)
+  assert build_step(config).extra_work is not None

@@ -10,6 +10,7 @@ import pytest
 from megajax.launch import report as report_command
 from megajax.observe import report
 from megajax.observe.metrics import MetricsWriter, read_metrics
+from megajax.observe.records import METRICS, append_jsonl
 
 INCIDENTS = [
     {"kind": "crash", "attempt": 1, "processes": [1], "hosts": ["h1"], "errors": [], "detail": "exit code -9",
@@ -21,7 +22,9 @@ INCIDENTS = [
 
 
 def write_metrics(workdir):
-  """A run of 8 steps that saves at 4 and 8, dies after step 7 and resumes from step 5."""
+  """A run of 8 steps that saves at 4 and 8, dies after step 7 and resumes from step 5. The
+  resumed part is appended as is, steps 6 and 7 a second time, as a file written before runs
+  dropped the records after their checkpoint has them (the reader keeps the last record)."""
   writer = MetricsWriter(workdir, total_steps=8, progress=False)
   writer.write(1, {"startup_s": 30.0, "compile_cache_hits": 0, "compile_cache_misses": 5})
   for step in range(1, 8):
@@ -33,14 +36,11 @@ def write_metrics(workdir):
       writer.write(4, {"ckpt_blocking_s": 0.05})
       writer.write(4, {"ckpt_total_s": 1.2})
   writer.close()
-  writer = MetricsWriter(workdir, total_steps=8, progress=False, start_step=5)   # resumed from step 5
-  writer.write(6, {"startup_s": 4.0, "compile_cache_hits": 5, "compile_cache_misses": 0})
-  for step in (6, 7, 8):
-    writer.write(step, {"loss": 4.0 - 0.1 * step, "tokens_per_sec": None if step == 6 else 2000.0,
-                        "mfu": None, "skipped_steps": 0})
-  writer.write(8, {"ckpt_blocking_s": 0.07})
-  writer.write(8, {"ckpt_total_s": 1.4})
-  writer.close()
+  resumed = [{"step": 6, "startup_s": 4.0, "compile_cache_hits": 5, "compile_cache_misses": 0}]
+  resumed += [{"step": step, "loss": 4.0 - 0.1 * step, "tokens_per_sec": None if step == 6 else 2000.0,
+               "mfu": None, "skipped_steps": 0} for step in (6, 7, 8)]
+  resumed += [{"step": 8, "ckpt_blocking_s": 0.07}, {"step": 8, "ckpt_total_s": 1.4}]
+  append_jsonl(os.path.join(workdir, METRICS), resumed)
 
 
 def write_trace_analysis(workdir):
