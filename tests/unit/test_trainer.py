@@ -5,10 +5,12 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from megajax import data
 from megajax.observe import MetricsWriter, read_metrics
 from megajax.observe.records import METRICS, drop_after, read_jsonl
+from megajax.parallel import ParallelStep
 from megajax.trainer import build_parallel_step, callbacks, drills, train
 from megajax.trainer.loop import _run_loop
 
@@ -122,9 +124,10 @@ def test_a_resumed_run_drops_the_records_after_its_checkpoint(tmp_path):
   assert drop_after(str(tmp_path / "missing.jsonl"), 3) == 0
 
 
-def test_a_short_run_through_every_collaborator(tmp_path, tiny_config):
+def test_a_short_run_through_every_collaborator(tmp_path, tiny_config, monkeypatch):
   """One process, a workdir: the heartbeat ends done, the metrics log steps 1, log_every and
-  the last, the checkpointer saves on its cadence and commits, activations are captured."""
+  the last, the checkpointer saves on its cadence and commits, activations are captured; a
+  relaunch finds nothing to do."""
   tiny_config.train.steps, tiny_config.train.log_every, tiny_config.checkpoint.every_steps = 6, 4, 3
   tiny_config.observe.capture = "0:residual"
   result = train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
@@ -136,3 +139,9 @@ def test_a_short_run_through_every_collaborator(tmp_path, tiny_config):
   assert [s for s, _ in metrics["startup_s"]] == [1]
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
   assert [r["step"] for r in read_jsonl(str(tmp_path / "activations.jsonl"))] == [1, 2, 3, 4, 5, 6]
+  # Again with the same workdir: the checkpoint is at train.steps, nothing to run and nothing
+  # compiled (the step is never built), the parameters exported again.
+  monkeypatch.setattr(ParallelStep, "train_step", lambda *_, **__: pytest.fail("built a step with nothing to run"))
+  again = train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
+  assert again.start_step == 6 and again.history == [] and not again.preempted
+  assert (tmp_path / "params").is_dir()
