@@ -20,7 +20,7 @@ from megajax.launch import cli
 from megajax.launch.cli import (QuietLibraries, define_config_flag, define_topology_flags, fail, flags_parser,
                                 join_job, validated_config)
 from megajax.launch.cluster import TopologyError
-from megajax.launch.supervisor.diagnostics import diagnose, format_report, write_report
+from megajax.launch.supervisor.diagnostics import diagnose, format_report, save_report
 
 PROGRAM = "megajax-diagnose"
 _CONFIG = define_config_flag()
@@ -48,7 +48,7 @@ def main(argv):
   if jax.process_index() == 0:
     print(format_report(report), flush=True)
     if _OUTPUT.value:
-      write_report(_OUTPUT.value, report)
+      save_report(_OUTPUT.value, report)
 
 
 def run():

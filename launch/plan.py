@@ -36,7 +36,7 @@ _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaS
 _RUNTIME = flags.DEFINE_enum("runtime", "megajax", RUNTIMES, "Whose runtime executes the plan.")
 _REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
 flags.mark_flags_as_required(["config", "gpus"])
-flags.adopt_module_key_flags(cli)     # --config (and the topology flags) in this command's --help
+flags.adopt_module_key_flags(cli)     # --config in this command's --help
 
 
 def _flag_error(flag: str, value, problem: str, fix: str) -> None:

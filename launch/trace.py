@@ -21,7 +21,7 @@ from absl import app
 from absl import flags
 
 from megajax.launch import cli
-from megajax.observe.trace_analysis import analyse
+from megajax.observe.trace_analysis import HEATMAP_CSV, HEATMAP_PNG, MERGED_TRACE, STRAGGLERS, analyse
 
 _STEPS = flags.DEFINE_list("steps", [], "The traced steps to analyse together, e.g. 400,500,600 (default: the "
                            "latest); a straggler must be slow in each.")
@@ -54,7 +54,7 @@ def main(argv):
     print("victims: " + (", ".join(v["rank"] for v in result["victims"]) or "none"))
   else:
     print("no straggler")
-  print(f"written to {result['analysis_dir']}: merged_trace.json.gz, heatmap.csv, heatmap.png, stragglers.json")
+  print(f"written to {result['analysis_dir']}: {', '.join((MERGED_TRACE, HEATMAP_CSV, HEATMAP_PNG, STRAGGLERS))}")
 
 
 def run():

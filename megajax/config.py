@@ -23,6 +23,11 @@ import ml_collections
 from megajax import config_checks as check
 from megajax.config_checks import ConfigError
 
+# The repository's root and its configs/ (the package is installed editable, README): the
+# benchmarks run the launcher from there, the planner reads the paper's 175B config.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS_DIR = os.path.join(REPO, "configs")
+
 
 # --- model ------------------------------------------------------------------------------------
 
@@ -497,6 +502,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_section(config)
 
 
+def wants_probes(config: ml_collections.ConfigDict) -> bool:
+  """Does the step carry probes (observe.capture or observe.perturb)? megajax.observe.Probes
+  builds them; megajax.parallel.ParallelStep refuses a config that wants them without them."""
+  return bool(config.observe.capture or config.observe.perturb)
+
+
 def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
   """Loads `get_config()` from a config file, applies {"model.num_layers": 4, ...}, validates."""
   if not os.path.isfile(path):
@@ -504,10 +515,16 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
   spec = importlib.util.spec_from_file_location("megajax_user_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config()
-  for dotted, value in (overrides or {}).items():
-    _set_field(config, dotted, value)
+  config = apply_overrides(module.get_config(), overrides or {})
   validate(config)
+  return config
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """Sets {"model.num_layers": 4, ...} on `config` (in place, and returns it); a name that is
+  no field is a ConfigError (a typo never adds a field)."""
+  for dotted, value in overrides.items():
+    _set_field(config, dotted, value)
   return config
 
 

@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import ConfigError
+from megajax.config import ConfigError, wants_probes
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding
@@ -85,7 +85,7 @@ class ParallelStep:
     # What observes or drills the step is handed in (this layer imports neither): a config that
     # asks for them must get them, not a step that silently ignores the fields.
     o, slow = config.observe, config.debug.slow_rank
-    if (o.capture or o.perturb) and probes is None:
+    if wants_probes(config) and probes is None:
       field, value = ("observe.capture", o.capture) if o.capture else ("observe.perturb", o.perturb)
       raise ConfigError(field, value, "the 3D step was built without its probes",
                         "build it with megajax.trainer.build_parallel_step(config), or pass "
@@ -141,15 +141,19 @@ class ParallelStep:
 
   def abstract_inputs(self) -> tuple[TrainState, dict]:
     """The step's (state, batch) as ShapeDtypeStructs with their shardings: for
-    `.lower(...).compile()` without materializing anything (HLO and memory checks)."""
-    state = jax.eval_shape(self.init_state, jax.random.key(0))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
-                         self.state_shardings)
+    `.lower(...).compile()` and a checkpoint's restore, without materializing anything."""
     shape, rows = (self.config.train.batch_size, self.config.model.seq_len), batch_sharding(self.mesh)
     batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)}
-    return state, batch
+    return self._abstract_state, batch
+
+  @functools.cached_property
+  def _abstract_state(self) -> TrainState:
+    # Traced once per ParallelStep: a resume restores onto it, then the step compiles from it.
+    state = jax.eval_shape(self.init_state, jax.random.key(0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                        self.state_shardings)
 
   def put_batch(self, local_batch: dict) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays split over dp."""

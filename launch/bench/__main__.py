@@ -9,12 +9,12 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
 """
 
+import importlib
 import sys
 
 from absl import app
 from absl import flags
 
-from megajax.launch.bench import attention, checkpoint, faults, observe, operators, pipeline, planner, startup, train
 from megajax.launch.cluster import request_host_devices
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
@@ -26,17 +26,18 @@ _SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the 
 _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
 _WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
 
-# name -> what runs it, with the flags it reads.
+# name (its module, megajax.launch.bench.<name>, imported only when run) -> what runs it, with
+# the flags it reads.
 BENCHMARKS = {
-    "pipeline": lambda: pipeline.pipeline(_STAGES.value, _REPEATS.value),
-    "attention": lambda: attention.attention(_REPEATS.value),
-    "operators": lambda: operators.operators(_REPEATS.value),
-    "checkpoint": lambda: checkpoint.checkpoint(_CHECKPOINT_HIDDEN.value),
-    "startup": lambda: startup.startup(),
-    "faults": lambda: faults.faults(_TRIALS.value),
-    "observe": lambda: observe.observe(_REPEATS.value),
-    "planner": lambda: planner.planner(),
-    "train": lambda: train.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
+    "pipeline": lambda bench: bench.pipeline(_STAGES.value, _REPEATS.value),
+    "attention": lambda bench: bench.attention(_REPEATS.value),
+    "operators": lambda bench: bench.operators(_REPEATS.value),
+    "checkpoint": lambda bench: bench.checkpoint(_CHECKPOINT_HIDDEN.value),
+    "startup": lambda bench: bench.startup(),
+    "faults": lambda bench: bench.faults(_TRIALS.value),
+    "observe": lambda bench: bench.observe(_REPEATS.value),
+    "planner": lambda bench: bench.planner(),
+    "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
 }
 
 
@@ -45,7 +46,7 @@ def main(argv):
     print(f"usage: python -m megajax.launch.bench {{{'|'.join(BENCHMARKS)}}}", file=sys.stderr)
     sys.exit(2)
   request_host_devices(8)   # CPU: enough devices for every mesh of the benchmarks (ignored on GPU)
-  BENCHMARKS[argv[1]]()
+  BENCHMARKS[argv[1]](importlib.import_module(f"megajax.launch.bench.{argv[1]}"))
 
 
 if __name__ == "__main__":

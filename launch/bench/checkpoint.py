@@ -23,8 +23,7 @@ import jax
 
 from megajax.checkpoint import TrainingCheckpointer
 from megajax.config import default_config
-from megajax.model import GPT, ModelConfig
-from megajax.parallel import ParallelStep, make_mesh
+from megajax.trainer import build_parallel_step
 
 
 def _bench_config(hidden_dim: int):
@@ -44,7 +43,7 @@ def checkpoint(hidden_dim: int = 1024) -> None:
   """hidden_dim=1024: the 1.9 GiB state; smaller for a quick run (the tests)."""
   logging.set_verbosity(logging.WARNING)      # Orbax logs every step of every save at INFO
   config = _bench_config(hidden_dim)
-  parallel_step = ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config, jax.devices()[:8]))
+  parallel_step = build_parallel_step(config, jax.devices()[:8])
   state = parallel_step.init_state(jax.random.key(0))
   # A trained state's moments are not zeros (which the storage format would compress away).
   random_like = lambda x, key: jax.random.normal(key, x.shape, x.dtype) * 1e-3 if x.ndim else x

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from megajax.checkpoint import load_params
+from megajax.config import REPO
 from megajax.trainer.heartbeat import read_heartbeats
 
 STEPS = 16
@@ -37,7 +38,6 @@ JOB = ["--config=configs/default.py", f"--config.train.steps={STEPS}", "--config
        "--config.supervisor.processes=2", "--config.supervisor.heartbeat_interval_s=0.25",
        "--config.supervisor.heartbeat_timeout_s=5", "--config.supervisor.max_restarts=2",
        "--config.supervisor.diagnose=false"]
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # launch/bench/ -> the repo
 
 
 def _supervise(workdir: str, cache: str) -> subprocess.Popen:

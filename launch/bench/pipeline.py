@@ -18,10 +18,11 @@ import jax.numpy as jnp
 from megajax.config import default_config
 from megajax.launch.bench.timing import median_seconds
 from megajax.model import GPT, ModelConfig, init_params
-from megajax.parallel import ParallelStep, make_mesh
+from megajax.parallel import make_mesh
 from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
 from megajax.parallel.pipeline.schedule import makespans, simulate
 from megajax.parallel.tensor_parallel import Overlap, apply_block
+from megajax.trainer import build_parallel_step
 
 
 def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int = 1, schedule: str = "1f1b"):
@@ -37,7 +38,7 @@ def _pipeline_config(p: int, microbatches: int, layers: int, virtual_stages: int
 def _gradient_temp_bytes(config, baseline: bool) -> tuple[int, int]:
   """(temp bytes of the compiled (params, batch) -> summed gradients program, stash slots)."""
   devices = jax.devices()[:config.parallel.pp]
-  parallel_step = ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config, devices))
+  parallel_step = build_parallel_step(config, devices)
   fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=config.parallel.pp,
                          virtual_stages=config.parallel.virtual_stages, microbatches=config.train.microbatches,
                          c=parallel_step.model.config, overlap=parallel_step.overlap, z_loss=0.0) if baseline else None

@@ -10,7 +10,6 @@ and warm / cold.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -18,7 +17,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # launch/bench/ -> the repo
+from megajax.config import REPO
+from megajax.observe.records import METRICS, read_jsonl
+
 
 
 def _child_env() -> dict:
@@ -34,15 +35,9 @@ def _child_env() -> dict:
 
 def _startup_record(workdir: str) -> dict | None:
   """The first metrics.jsonl record with startup_s, if the trainer wrote one."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    for line in f:
-      record = json.loads(line)
-      if "startup_s" in record:
-        return record
-  return None
+  path = os.path.join(workdir, METRICS)
+  records = read_jsonl(path) if os.path.exists(path) else []
+  return next((record for record in records if "startup_s" in record), None)
 
 
 def _cache_entries(cache_dir: str) -> int:

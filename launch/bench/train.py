@@ -21,8 +21,7 @@ import numpy as np
 from megajax.config import default_config, validate
 from megajax.flops import mfu, training_flops_per_token
 from megajax.launch.bench.timing import median_seconds
-from megajax.model import GPT, ModelConfig
-from megajax.parallel import ParallelStep, make_mesh
+from megajax.trainer import build_parallel_step
 
 SIZES = {   # layers, hidden, heads (head dim 128 for the GPU sizes), batch B per step
     "tiny": dict(num_layers=2, hidden_dim=64, num_heads=4, vocab_size=256, batch=4),
@@ -58,8 +57,8 @@ class CompiledStep:
   the state it threads from call to call: `run()` is one step, waited for."""
 
   def __init__(self, config, devices):
-    self.mesh = make_mesh(config, devices)
-    self.parallel_step = ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), self.mesh)
+    self.parallel_step = build_parallel_step(config, devices)
+    self.mesh = self.parallel_step.mesh
     shape = (config.train.batch_size, config.model.seq_len)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
     self.batch = self.parallel_step.put_batch({"inputs": tokens, "targets": tokens, "loss_mask": np.ones(shape, np.float32)})

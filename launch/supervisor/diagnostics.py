@@ -32,8 +32,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
+from megajax.observe.records import write_atomically
 from megajax.parallel import make_mesh
-from megajax.trainer.drills import diagnose_slowdown
+from megajax.trainer.drills import diagnose_slowed
 
 # Sizes that keep an accelerator busy long enough to time, and a CPU run to a few seconds.
 ACCELERATOR_SIZES = dict(matmul_size=8192, transfer_mib=1024, collective_mib=256, repeats=10)
@@ -61,17 +62,17 @@ def _summary(platform: str):
   return min if platform == "cpu" else statistics.median
 
 
-def _timed(fn, slowdown: float) -> float:
-  """Seconds of one fn() call; the fault drill (slowdown > 1) sleeps inside the timed region."""
+def _timed(fn, slow: bool) -> float:
+  """Seconds of one fn() call; the fault drill (slow) sleeps as long again inside the timed region."""
   start = time.perf_counter()
   fn()
-  if slowdown > 1:
-    time.sleep((slowdown - 1) * (time.perf_counter() - start))
+  if slow:
+    time.sleep(time.perf_counter() - start)
   return time.perf_counter() - start
 
 
 def _measure_devices(devices, coords_of, matmul_size: int, transfer_bytes: int, repeats: int,
-                     slowdown: float) -> list[dict]:
+                     slow: bool) -> list[dict]:
   """Matmul TFLOP/s and transfer GB/s of each local device (from `repeats` timed runs)."""
   platform = devices[0].platform
   summary = _summary(platform)
@@ -90,10 +91,10 @@ def _measure_devices(devices, coords_of, matmul_size: int, transfer_bytes: int, 
   for _ in range(repeats):
     for d in devices:
       a = operands[d]
-      times[d]["matmul_tflops"].append(_timed(lambda: matmul(a, a).block_until_ready(), slowdown))
+      times[d]["matmul_tflops"].append(_timed(lambda: matmul(a, a).block_until_ready(), slow))
       put = []
-      times[d]["h2d_gbps"].append(_timed(lambda: put.append(jax.device_put(host_buffer, d).block_until_ready()), slowdown))
-      times[d]["d2h_gbps"].append(_timed(lambda: to_host(put[0]), slowdown))   # a fresh array: nothing cached
+      times[d]["h2d_gbps"].append(_timed(lambda: put.append(jax.device_put(host_buffer, d).block_until_ready()), slow))
+      times[d]["d2h_gbps"].append(_timed(lambda: to_host(put[0]), slow))   # a fresh array: nothing cached
   flops = 2 * matmul_size ** 3
   host = socket.gethostname()
   return [{"process": d.process_index, "host": host, "device_id": d.id, "coords": coords_of(d),
@@ -188,8 +189,8 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
     index = np.argwhere(mesh.devices == device)[0]
     return {axis: int(i) for axis, i in zip(mesh.axis_names, index)}
 
-  slowdown = diagnose_slowdown(config, jax.process_index())
-  devices = _measure_devices(jax.local_devices(), coords_of, matmul_size, transfer_bytes, repeats, slowdown)
+  slow = diagnose_slowed(config, jax.process_index())
+  devices = _measure_devices(jax.local_devices(), coords_of, matmul_size, transfer_bytes, repeats, slow)
   collectives = []
   for axis in mesh.axis_names:
     if mesh.shape[axis] > 1:
@@ -238,10 +239,7 @@ def format_report(report: dict) -> str:
   return "\n".join(lines)
 
 
-def write_report(path: str, report: dict) -> None:
+def save_report(path: str, report: dict) -> None:
   """The JSON report at `path`, atomically: a reader (the supervisor) never sees half of it."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(json.dumps(report, indent=1) + "\n")
-  os.replace(tmp, path)
+  write_atomically(path, json.dumps(report, indent=1) + "\n")

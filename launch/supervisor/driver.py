@@ -28,12 +28,12 @@ import time
 from absl import logging
 import ml_collections
 
+from megajax.config import apply_overrides
 from megajax.launch.supervisor.hang_view import classify, format_hang_view
-from megajax.launch.supervisor.jobs import CommandJob, LocalJob, job_wait
+from megajax.launch.supervisor.jobs import POLL_SECONDS, CommandJob, LocalJob, job_wait
 from megajax.observe.records import INCIDENTS, append_jsonl
 from megajax.trainer.heartbeat import HEARTBEAT_DIR, read_heartbeats
 
-POLL_SECONDS = 0.1
 STACK_DUMP_SECONDS = 2.0
 CRASH_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 NOT_RETRIED = (2,)     # megajax-train's exit code for a config / checkpoint / topology error
@@ -301,11 +301,7 @@ class Supervisor:
             "mesh_after": [layout["parallel.dp"], c.pp, c.tp]}
 
   def _current_config(self) -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict(self.config.to_dict())
-    for dotted, value in self.overrides.items():
-      group, name = dotted.split(".")
-      config[group][name] = value
-    return config
+    return apply_overrides(ml_collections.ConfigDict(self.config.to_dict()), self.overrides)
 
   def _hosts_of(self, processes: list[int]) -> list[str]:
     if not self.config.supervisor.command:

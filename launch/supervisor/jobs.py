@@ -10,6 +10,7 @@ Both: poll() the exit codes, signal(), stop().
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 
+POLL_SECONDS = 0.1   # how often a job's processes (and the supervisor's watch) are polled
 
 
 def free_port() -> int:
@@ -48,7 +50,6 @@ class LocalJob:
 
   def __init__(self, module: str, args: list[str], processes: int, devices_per_process: int,
                attempt: int = 0, log_path: str | None = None, env: dict | None = None):
-    self.processes = processes
     port = free_port()
     self._logs, self._pumps = [], []
     self.popen = []
@@ -70,19 +71,12 @@ class LocalJob:
         pump.start()
         self._pumps.append(pump)
 
-  @property
-  def pids(self) -> list[int]:
-    return [p.pid for p in self.popen]
-
   def poll(self) -> list[int | None]:
     return [p.poll() for p in self.popen]
 
   def signal(self, sig: int) -> None:
     for p in self.popen:
-      try:              # the whole group, even after its leader exited (a worker's own children)
-        os.killpg(p.pid, sig)
-      except (ProcessLookupError, PermissionError):
-        pass
+      _signal_group(p.pid, sig)
 
   def stop(self, grace: float = 5.0) -> None:
     """SIGTERM, then SIGKILL whatever is left after `grace` seconds (a stopped or hung worker)."""
@@ -104,16 +98,14 @@ class LocalJob:
 
   def wait(self) -> int:
     """Waits for the job; the first failure stops the rest. Returns the job's exit code."""
-    while True:
-      codes = self.poll()
-      failed = [code for code in codes if code not in (None, 0)]
-      if failed:
-        self.stop()
-        return failed[0]
-      if all(code == 0 for code in codes):
-        self.kill()          # joins the output pumps
-        return 0
-      time.sleep(0.1)
+    return job_wait(self)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+  """Signals the process group `pid` leads: the whole group, even after its leader exited (a
+  worker's own children, the rest of a shell pipeline); a group already gone is no error."""
+  with contextlib.suppress(ProcessLookupError, PermissionError):
+    os.killpg(pid, sig)
 
 
 def _prefix_lines(stream, prefix: str) -> None:
@@ -139,10 +131,7 @@ class CommandJob:
     return [self.popen.poll()]
 
   def signal(self, sig: int) -> None:
-    try:                # the whole group, even after its leader exited (the rest of a pipeline)
-      os.killpg(self.popen.pid, sig)
-    except ProcessLookupError:
-      pass
+    _signal_group(self.popen.pid, sig)
 
   def stop(self, grace: float = 30.0) -> None:
     self.signal(signal.SIGCONT)
@@ -166,6 +155,6 @@ def job_wait(job, timeout: float = math.inf) -> int | None:
     if failed or all(c == 0 for c in codes):
       code = failed[0] if failed else 0
       break
-    time.sleep(0.1)
+    time.sleep(POLL_SECONDS)
   job.stop()
   return code

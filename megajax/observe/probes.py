@@ -42,7 +42,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from megajax.config import CAPTURE_TENSOR_CHOICES
+from megajax.config import CAPTURE_TENSOR_CHOICES, wants_probes
 from megajax.layers.attention import attention_probs
 from megajax.observe.records import ACTIVATIONS, append_jsonl, drop_after, read_jsonl
 from megajax.parallel.mesh import DP, TP, to_varying
@@ -85,9 +85,9 @@ class Probes:
   @classmethod
   def from_config(cls, config) -> "Probes | None":
     """None unless observe.capture or observe.perturb is set: the step is then untouched."""
-    o = config.observe
-    if not o.capture and not o.perturb:
+    if not wants_probes(config):
       return None
+    o = config.observe
     site, _, where = o.perturb_at.partition(":") if o.perturb else ("", "", "-1")
     return cls(parse_points(o.capture, config.model.num_layers), o.capture_sample, o.perturb, site,
                int(where), float(o.perturb_scale), int(o.perturb_bit), float(o.perturb_fraction))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 METRICS = "metrics.jsonl"
 ACTIVATIONS = "activations.jsonl"
@@ -48,8 +49,14 @@ def drop_after(path: str, step: int) -> int:
     return 0
   records = read_jsonl(path)
   kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
-  temporary = f"{path}.tmp.{os.getpid()}"
-  with open(temporary, "w") as f:
-    f.writelines(json.dumps(record) + "\n" for record in kept)
-  os.replace(temporary, path)
+  write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
   return len(records) - len(kept)
+
+
+def write_atomically(path: str, text: str) -> None:
+  """`text` as the whole of `path`: a reader sees the old file or the new one, never half. The
+  temporary file is this writer's own (process and thread), beside `path`."""
+  temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+  with open(temporary, "w") as f:
+    f.write(text)
+  os.replace(temporary, path)

@@ -7,7 +7,6 @@
       for callback in callbacks: callback.after_step(loop)
       if loop.preempted: break
     for callback in callbacks: callback.on_end(loop)                  # after the last step
-    ... callback.close() for each                                      # always, even on an error
 
 Callbacks run in list order and share the `Loop`: they read it and may replace its state
 (a rollback), batch (a drill) or metrics (capture keys taken out). Each owns its own cadence:
@@ -68,10 +67,8 @@ class Callback:
     """After the step is dispatched: loop.state and loop.metrics are its outputs."""
 
   def on_end(self, loop: Loop) -> None:
-    """After the last step (also after a preemption; not after an error)."""
-
-  def close(self) -> None:
-    """Always, last: release what the callback holds."""
+    """After the last step (also after a preemption; not after an error). What a callback
+    holds that must be released even after an error is the run's ExitStack's (train())."""
 
 
 class Tracing(Callback):
@@ -157,12 +154,8 @@ class Preemption(Callback):
     return self
 
   def __exit__(self, *exc_info) -> None:
-    self.close()
-
-  def close(self) -> None:
-    """Gives SIGTERM / SIGINT back to the handlers before ours (once)."""
-    previous, self._previous = self._previous, {}
-    for sig, handler in previous.items():
+    """Gives SIGTERM / SIGINT back to the handlers before ours."""
+    for sig, handler in self._previous.items():
       signal.signal(sig, handler)
 
 
@@ -170,10 +163,10 @@ class MetricsLog(Callback):
   """The progress bar every step; metrics at step 1 (the starting loss), every train.log_every
   steps and the last step, with throughput and MFU, into metrics.jsonl and the history."""
 
-  def __init__(self, config: ml_collections.ConfigDict, parallel_step: ParallelStep, skipped_steps):
+  def __init__(self, config: ml_collections.ConfigDict, parallel_step: ParallelStep, guard):
     self.config = config
     self.meter = Throughput(config, parallel_step.model.config, parallel_step.mesh)
-    self.skipped_steps = skipped_steps      # () -> updates skipped so far (the non-finite guard's count)
+    self.guard = guard                      # nonfinite.NonFiniteGuard: the updates skipped so far
 
   def due(self, step: int) -> bool:
     return step == 1 or step % self.config.train.log_every == 0 or step == self.config.train.steps
@@ -183,7 +176,7 @@ class MetricsLog(Callback):
     if not self.due(loop.step):
       return
     metrics = {k: float(v) for k, v in jax.device_get(loop.metrics).items()}   # waits for the step
-    record = {**metrics, **self.meter.measure(loop.step), "skipped_steps": self.skipped_steps()}
+    record = {**metrics, **self.meter.measure(loop.step), "skipped_steps": self.guard.skipped}
     loop.history.append({"step": loop.step, **record})
     loop.writer.write(loop.step, record)
 

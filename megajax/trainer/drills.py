@@ -29,21 +29,28 @@ from megajax.parallel.mesh import DP, PP, TP, to_varying
 from megajax.trainer.callbacks import Callback, Loop
 
 
-class FaultDrills(Callback):
-  """The drills the loop runs: NaN batches before their step, the kill after its step (and
-  after that step's checkpoint: put this callback last)."""
+class PoisonedBatches(Callback):
+  """debug.nonfinite_steps: those steps' batches get a NaN loss mask (first in the list: the
+  batch is poisoned before any other callback sees the step)."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.steps = {int(x) for x in config.debug.nonfinite_steps.split(",") if x.strip()}
+
+  def before_step(self, loop: Loop) -> None:
+    if loop.step in self.steps:
+      loop.batch = {**loop.batch, "loss_mask": loop.batch["loss_mask"] * float("nan")}
+
+
+class Crash(Callback):
+  """debug.fail_at_step: SIGKILL after that step, on debug.fail_process (-1: every process);
+  last in the list, after that step's checkpoint."""
 
   def __init__(self, config: ml_collections.ConfigDict):
     d = config.debug
-    self.poisoned = {int(x) for x in d.nonfinite_steps.split(",") if x.strip()}
-    self.kill_after = d.fail_at_step if d.fail_process in (-1, jax.process_index()) else 0
-
-  def before_step(self, loop: Loop) -> None:
-    if loop.step in self.poisoned:
-      loop.batch = {**loop.batch, "loss_mask": loop.batch["loss_mask"] * float("nan")}
+    self.after = d.fail_at_step if d.fail_process in (-1, jax.process_index()) else 0
 
   def after_step(self, loop: Loop) -> None:
-    if self.kill_after and loop.step == self.kill_after and not loop.preempted:
+    if self.after and loop.step == self.after and not loop.preempted:
       os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -76,8 +83,7 @@ def straggler_work(config: ml_collections.ConfigDict) -> Callable | None:
   return extra_work
 
 
-def diagnose_slowdown(config: ml_collections.ConfigDict, process: int) -> float:
-  """debug.diagnose_slow_process: how many times slower megajax-diagnose times this process's
-  device measurements (each timed run then sleeps as long again); 1 for every other process.
-  Collectives are never slowed."""
-  return 2.0 if config.debug.diagnose_slow_process == process else 1.0
+def diagnose_slowed(config: ml_collections.ConfigDict, process: int) -> bool:
+  """debug.diagnose_slow_process: does megajax-diagnose run this process's device measurements
+  at half speed (each timed run then sleeps as long again)? Collectives are never slowed."""
+  return config.debug.diagnose_slow_process == process

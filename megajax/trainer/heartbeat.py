@@ -25,6 +25,8 @@ import socket
 import threading
 import time
 
+from megajax.observe.records import write_atomically
+
 HEARTBEAT_DIR = "heartbeats"
 REQUIRED_FIELDS = ("process", "time", "attempt", "step", "phase", "start_step", "rollbacks", "done")
 
@@ -96,10 +98,7 @@ class Heartbeat:
   def _write(self) -> None:
     with self._lock:
       beat = {**self._fields, "time": time.time(), "errors": sorted(self._errors)}
-    temporary = f"{self._path}.{os.getpid()}.{threading.get_ident()}.tmp"   # one per writer
-    with open(temporary, "w") as f:
-      json.dump(beat, f)
-    os.replace(temporary, self._path)
+    write_atomically(self._path, json.dumps(beat))
 
   def _beat(self) -> None:
     while not self._stop.wait(self._interval):

@@ -58,17 +58,19 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
   """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
   validate(config)
 
-  # --- Model, mesh and the 3D-parallel step (refusing what this build cannot run, before any compile).
-  parallel_step = build_parallel_step(config, devices)
-
-  # --- Data: one loader per process, reading only the rows of each global batch its devices
-  # hold (a bad token file fails here, before anything compiles).
-  iterator = data.make_iterator(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
-
   outcome = {"finished": False}       # the heartbeat's last beat reads it as the stack closes
   with contextlib.ExitStack() as cleanup:    # everything opened below closes in reverse, always
-    # --- Watching the run: this run's compiles, and SIGTERM / SIGINT (a save after the next step).
+    # --- Watching the compiles: every one of this run's, for the persistent cache's hits and misses.
     cache = cleanup.enter_context(CompilationCacheCounter())
+
+    # --- Model, mesh and the 3D-parallel step (refusing what this build cannot run, before any compile).
+    parallel_step = build_parallel_step(config, devices)
+
+    # --- Data: one loader per process, reading only the rows of each global batch its devices
+    # hold (a bad token file fails here, before anything compiles).
+    iterator = data.make_iterator(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
+
+    # --- Preemption: SIGTERM / SIGINT from here on ask for a save after the next step.
     preemption = cleanup.enter_context(callbacks.Preemption())
 
     # --- Workdir: the config, this process's heartbeat, the checkpointer.
@@ -76,6 +78,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
 
     # --- State: the latest complete checkpoint (and the data position it saved), or a fresh one.
     state, start_step = _restore_or_init(config, parallel_step, checkpointer, iterator, heartbeat)
+    _describe(config, parallel_step, state)
 
     # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
     batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))
@@ -84,9 +87,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
     step_fn = _compile_and_meet(config, parallel_step, heartbeat, start_step)
 
     # --- Loop: the steps, each between its collaborators' callbacks.
-    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, heartbeat=heartbeat,
-                          writer=cleanup.enter_context(_metrics_writer(config, workdir, progress, start_step)))
-    _run_loop(loop, step_fn, _callbacks(loop, workdir, checkpointer, step_fn, cache, preemption, cleanup))
+    writer = MetricsWriter(workdir, config.train.steps, enabled=jax.process_index() == 0, progress=progress,
+                           start_step=start_step)
+    cleanup.callback(writer.close)
+    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, heartbeat=heartbeat, writer=writer)
+    _run_loop(loop, step_fn, _callbacks(loop, workdir, checkpointer, step_fn, cache, preemption))
     outcome["finished"] = not loop.preempted
 
   # --- Export: the trained parameters, the model's own pytree whatever the mesh.
@@ -113,25 +118,21 @@ def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callb
     collaborator.on_end(loop)
 
 
-def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption, cleanup) -> list:
-  """The loop's collaborators, in the order they are called at each point of a step; each is
-  closed when the run's stack closes."""
+def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption) -> list:
+  """The loop's collaborators, in the order they are called at each point of a step."""
   config, parallel_step, is_chief = loop.config, loop.parallel_step, jax.process_index() == 0
   guard = NonFiniteGuard(config, checkpointer)
-  collaborators = [
+  return [
+      drills.PoisonedBatches(config),                                    # debug.nonfinite_steps: before all
       callbacks.Tracing(StepTracer(config, parallel_step.mesh, workdir), step_fn),   # observe.trace_every
       guard,                                                             # non-finite: skip, roll back
       callbacks.ActivationCapture(ActivationLog(config, workdir, enabled=is_chief, start_step=loop.start_step)),
       callbacks.StartupLog(cache),                                       # time to the first step
       preemption,                                                        # SIGTERM: save and stop
-      callbacks.MetricsLog(config, parallel_step, lambda: guard.skipped),   # metrics.jsonl, progress
-      callbacks.Checkpointing(checkpointer, guard),                     # the checkpointer's cadence
-      drills.FaultDrills(config),                                        # debug.*: last, after the save
+      callbacks.MetricsLog(config, parallel_step, guard),                # metrics.jsonl, progress
+      callbacks.Checkpointing(checkpointer, guard),                      # the checkpointer's cadence
+      drills.Crash(config),                                              # debug.fail_at_step: after the save
   ]
-  for collaborator in collaborators:
-    if collaborator is not preemption:      # closed by the stack already
-      cleanup.callback(collaborator.close)
-  return collaborators
 
 
 # --- The sections' one calls.
@@ -168,7 +169,6 @@ def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator
     state, start_step = parallel_step.init_state(jax.random.key(config.train.seed)), 0
   if heartbeat:
     heartbeat.update(start_step=start_step, step=start_step)
-  _describe(config, parallel_step, state)
   return state, start_step
 
 
@@ -206,17 +206,6 @@ def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step
     distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}",
                                                     int(config.supervisor.startup_timeout_s * 1000))
   return compiled
-
-
-@contextlib.contextmanager
-def _metrics_writer(config, workdir: str | None, progress: bool | None, start_step: int):
-  """metrics.jsonl / TensorBoard / the terminal (process 0 writes), closed at the end."""
-  writer = MetricsWriter(workdir, config.train.steps, enabled=jax.process_index() == 0, progress=progress,
-                         start_step=start_step)
-  try:
-    yield writer
-  finally:
-    writer.close()
 
 
 def _export(parallel_step: ParallelStep, state, workdir: str) -> None:

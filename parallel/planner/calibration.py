@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from scipy.optimize import least_squares
 
-from megajax.config import default_config, validate
+from megajax.config import apply_overrides, default_config, validate
 from megajax.model import GPT, ModelConfig
 from megajax.parallel.mesh import make_mesh
 from megajax.parallel.planner import cost_model, paper
@@ -87,10 +87,7 @@ def memory_case_config(case: MemoryCase):
   config.model.seq_len, config.model.vocab_size, config.model.window = 64, 256, 0
   config.model.compute_dtype, config.model.remat = "float32", "none"
   config.parallel.tp_overlap = "none"
-  for dotted, value in case.overrides.items():
-    group, name = dotted.split(".")
-    config[group][name] = value
-  return config
+  return apply_overrides(config, case.overrides)
 
 
 def plan_of(config) -> cost_model.Plan:

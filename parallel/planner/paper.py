@@ -11,19 +11,18 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megajax.config import load_config
+from megajax.config import CONFIGS_DIR, load_config
 from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Calibration, Hardware, Optimizations, Plan
 from megajax.parallel.planner.plans import Candidate, evaluate
 
 # configs/ beside the installed package folders (an editable install, as the README sets up).
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def paper_model() -> ModelConfig:
   """The paper's 175B (configs/gpt_175b.py, with MegaScale's sliding window)."""
-  return ModelConfig.from_config(load_config(os.path.join(CONFIGS, "gpt_175b.py")).model)
+  return ModelConfig.from_config(load_config(os.path.join(CONFIGS_DIR, "gpt_175b.py")).model)
 
 
 def a100() -> Hardware:

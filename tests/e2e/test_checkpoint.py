@@ -2,7 +2,6 @@
 saves, a mismatched checkpoint through the launcher, a 2-process job's resume and broadcast
 restore."""
 
-import json
 import os
 import random
 import re
@@ -16,10 +15,10 @@ import jax
 import numpy as np
 
 from megajax.checkpoint import TrainingCheckpointer, load_params
-from megajax.config import load_config
-from tests.support import REPO
-from tests.support.checkpoints import parallel_step_for
+from tests.support import REPO, SMALL_MESH, config_flags
+from tests.support.checkpoints import parallel_step_for, run_config
 from tests.support.processes import child_env, launch_two_processes, run_module
+from tests.support.records import metrics
 
 
 # The default 2x2x2 job (pipeline, tp, ZeRO-2 over dp), short and in fp32: the same program
@@ -29,13 +28,9 @@ RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.tr
        "--config.checkpoint.every_steps=3"]
 
 
-def records(workdir):
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
 def losses(workdir) -> dict:
   """step -> loss, the last record winning (a resumed run repeats the steps after its checkpoint)."""
-  return {r["step"]: r["loss"] for r in records(workdir) if "loss" in r}
+  return {r["step"]: r["loss"] for r in metrics(workdir) if "loss" in r}
 
 
 def launch(workdir, *overrides, timeout=300):
@@ -61,7 +56,7 @@ def test_exact_resume_after_a_kill(tmp_path):
   for a, b in zip(jax.tree.leaves(load_params(str(straight / "params"))),
                   jax.tree.leaves(load_params(str(resumed / "params")))):
     np.testing.assert_array_equal(a, b)
-  saves = [r for r in records(resumed) if "ckpt_blocking_s" in r or "ckpt_total_s" in r]
+  saves = [r for r in metrics(resumed) if "ckpt_blocking_s" in r or "ckpt_total_s" in r]
   assert {r["step"] for r in saves if "ckpt_total_s" in r} >= {9, 12}
 
 
@@ -69,13 +64,7 @@ def two_process_launch(workdir, *overrides, timeout=300):
   return launch_two_processes([*RUN, f"--workdir={workdir}", *overrides], timeout)
 
 
-# A small program, quick to compile: 2 layers, no pipeline, tp without the overlap rings.
-SMALL_MESH = ["--config.parallel.pp=1", "--config.parallel.virtual_stages=1", "--config.parallel.tp=4",
-              "--config.parallel.tp_overlap=none", "--config.model.num_layers=2"]
-
-
-SMALL_MESH_CONFIG = {"parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.tp": 4, "parallel.tp_overlap": "none",
-                     "model.num_layers": 2}
+SMALL_MESH_FLAGS = config_flags(SMALL_MESH)
 
 
 def _start_endless_run(workdir, *overrides):
@@ -83,7 +72,7 @@ def _start_endless_run(workdir, *overrides):
   its stderr goes to WORKDIR.stderr (a pipe nobody reads would fill and stall it)."""
   log = open(f"{workdir}.stderr", "w")
   process = subprocess.Popen([sys.executable, *RUN, f"--workdir={workdir}", "--config.train.steps=100000",
-                              *SMALL_MESH, *overrides], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                              *SMALL_MESH_FLAGS, *overrides], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
                              stderr=log)
   log.close()
   return process
@@ -103,7 +92,7 @@ def test_preemption_saves_and_stops(tmp_path):
   assert process.returncode == 143, stderr[-3000:]
   assert "preempted at step" in stderr
   step = int(stderr.split("preempted at step ")[1].split(":")[0])
-  config = _config(**{**SMALL_MESH_CONFIG, "train.steps": 100000})
+  config = run_config(workdir)
   checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
   assert checkpointer.all_steps() == [step]
   restored = checkpointer.restore_latest(parallel_step_for(config))
@@ -111,17 +100,11 @@ def test_preemption_saves_and_stops(tmp_path):
   assert restored.step == step == max(losses(workdir)) and restored.data_state == {"next_index": step}
 
 
-def _config(**overrides):
-  """configs/default.py as RUN runs it, with {"parallel.tp": 4, ...} overrides."""
-  return load_config(os.path.join(REPO, "configs/default.py"),
-                     {"model.compute_dtype": "float32", "optimizer.warmup_steps": 3, **overrides})
-
-
 def test_the_launcher_reports_a_mismatched_checkpoint_in_one_line(two_checkpoints):
   """The tiny model's checkpoint under configs/default.py's model: one line, exit 2, before
   any compile."""
   workdir, _, _ = two_checkpoints
-  result = launch(workdir, *SMALL_MESH)
+  result = launch(workdir, *SMALL_MESH_FLAGS)
   assert result.returncode == 2
   assert "checkpoint error: checkpoint" in result.stderr and "model.hidden_dim: checkpoint 32, this run 128" in result.stderr
   assert "Traceback" not in result.stderr
@@ -141,7 +124,7 @@ def test_killing_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     process.kill()
     process.wait(timeout=60)
     interrupted += any("tmp" in name for name in os.listdir(workdir / "checkpoints"))
-    config = _config(**SMALL_MESH_CONFIG)
+    config = run_config(workdir)
     checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
     latest = checkpointer.latest_step()
     assert latest is not None and latest >= 2
@@ -165,11 +148,11 @@ def test_two_process_job_resumes_after_a_kill_and_restores_by_broadcast(tmp_path
   (relaunched at train.steps, the job restores and exports the parameters untouched):
   process 0 (replica 0) reads, process 1 receives and reads (almost) nothing from storage,
   and the values are the saved ones exactly."""
-  mesh = ["--config.parallel.dp=2", *SMALL_MESH]
+  mesh = SMALL_MESH_FLAGS
   source = tmp_path / "source"
   codes, errors = two_process_launch(source, *mesh, "--config.debug.fail_at_step=8")
   assert all(code != 0 for code in codes), errors[0][-2000:]
-  before = {r["step"]: r["loss"] for r in records(source) if "loss" in r}
+  before = losses(source)
   assert max(before) == 8
   codes, errors = two_process_launch(source, *mesh)
   assert codes == [0, 0], errors[0][-2000:] + errors[1][-2000:]

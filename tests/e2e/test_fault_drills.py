@@ -28,22 +28,21 @@ from megajax.checkpoint import TrainingCheckpointer, load_params
 from megajax.config import load_config
 from megajax.trainer import build_parallel_step
 from megajax.trainer.heartbeat import read_heartbeats
-from tests.support import REPO
+from tests.support import REPO, SMALL_MESH, config_flags
 from tests.support.once import once_per_run
 from tests.support.processes import child_env
+from tests.support.records import incidents, metrics
 
 # 2 processes x 4 CPU devices, mesh (2,1,4): the data-parallel replicas are the processes.
 # Steps 7-9 get a NaN loss: skipped, then a rollback. Single-threaded Eigen in the workers:
 # XLA:CPU's multi-threaded contractions do not fix their summation order on a loaded machine,
 # and these runs are compared bit for bit.
-JOB = ["--config=configs/default.py", "--config.train.steps=12", "--config.optimizer.warmup_steps=3",
-       "--config.train.log_every=1", "--config.model.compute_dtype=float32", "--config.checkpoint.every_steps=3",
-       "--config.parallel.dp=2", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
-       "--config.parallel.tp=4", "--config.parallel.tp_overlap=none", "--config.model.num_layers=2",
-       "--config.supervisor.processes=2", "--config.supervisor.heartbeat_interval_s=0.25",
-       "--config.supervisor.heartbeat_timeout_s=3", "--config.supervisor.hang_timeout_s=90",
-       "--config.debug.nonfinite_steps=7,8,9"]
-HEARTBEAT_TIMEOUT = 3.0
+OVERRIDES = {"train.steps": 12, "optimizer.warmup_steps": 3, "train.log_every": 1, "model.compute_dtype": "float32",
+             "checkpoint.every_steps": 3, **SMALL_MESH, "supervisor.processes": 2,
+             "supervisor.heartbeat_interval_s": 0.25, "supervisor.heartbeat_timeout_s": 3,
+             "supervisor.hang_timeout_s": 90, "debug.nonfinite_steps": "7,8,9"}
+JOB = ["--config=configs/default.py", *config_flags(OVERRIDES)]
+HEARTBEAT_TIMEOUT = OVERRIDES["supervisor.heartbeat_timeout_s"]
 
 
 def start_supervisor(workdir, *overrides):
@@ -69,15 +68,10 @@ def wait_for_step(process, workdir, step, timeout=300) -> dict:
   raise AssertionError(f"the job never reached step {step}: {open(f'{workdir}.log').read()[-3000:]}")
 
 
-def incidents(workdir) -> list[dict]:
-  path = workdir / "incidents.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def step_records(workdir) -> list[dict]:
   """metrics.jsonl's per-step metric records (not the checkpoint and start-up ones), after
   checking that no (step, kind) of record is there twice, restarts or not."""
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  records = metrics(workdir)
   kinds = collections.Counter((r["step"], tuple(sorted(k for k in r if k != "step"))) for r in records)
   assert all(n == 1 for n in kinds.values()), [key for key, n in kinds.items() if n > 1]
   return [r for r in records if "skipped" in r]
@@ -113,27 +107,28 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, 
   killed = tmp_path / "killed"
   rng = random.Random(os.getpid())
   victim, at_step = rng.randrange(2), rng.randrange(2, 11)
+  drill = f"kill -9 of process {victim} at step {at_step}"     # random: named in every failure
   process = start_supervisor(killed, f"--config.runtime.compilation_cache_dir={killed}/jax_cache",
                              "--config.supervisor.diagnose=false")      # the same mesh after the restart
   pid = wait_for_step(process, killed, at_step)[victim]["pid"]
   os.kill(pid, signal.SIGKILL)
   output = finish(process, killed)
-  assert "training finished" in output, output[-3000:]
+  assert "training finished" in output, (drill, output[-3000:])
   crash = [i for i in incidents(killed) if i["kind"] == "exit"]
-  assert len(crash) == 1 and crash[0]["processes"] == [victim], incidents(killed)
-  assert crash[0]["steps_lost"] >= 0 and crash[0]["time_to_resume_s"] > 0
-  assert sorted(losses(killed)) == sorted(losses(reference))     # each step logged once, restart or not
+  assert len(crash) == 1 and crash[0]["processes"] == [victim], (drill, incidents(killed))
+  assert crash[0]["steps_lost"] >= 0 and crash[0]["time_to_resume_s"] > 0, (drill, crash)
+  assert sorted(losses(killed)) == sorted(losses(reference)), drill   # each step logged once, restart or not
   for a, b in zip(jax.tree.leaves(load_params(str(reference / "params"))),
                   jax.tree.leaves(load_params(str(killed / "params")))):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, b, err_msg=drill)
   # The restart compiled from the workdir's persistent cache, which the first attempt filled
   # (process 0 writes the entries, and on CPU only its cache keys match its own).
   cache = [re.search(r"compilation cache: (\d+) hits, (\d+) misses", (killed / "logs" / f"attempt_{i}.process_0.log")
                      .read_text()).groups() for i in (0, 1)]
   # (A restart that restores a checkpoint may compile its restore program, which the first
   # attempt never ran: fewer misses, not none.)
-  assert cache[0][0] == "0" and int(cache[0][1]) > 0, cache
-  assert int(cache[1][0]) > 0 and int(cache[1][1]) < int(cache[0][1]), cache
+  assert cache[0][0] == "0" and int(cache[0][1]) > 0, (drill, cache)
+  assert int(cache[1][0]) > 0 and int(cache[1][1]) < int(cache[0][1]), (drill, cache)
 
 
 def test_a_hung_worker_is_found_and_the_job_continues_without_it(reference, tmp_path):
@@ -172,9 +167,7 @@ def test_a_hung_worker_is_found_and_the_job_continues_without_it(reference, tmp_
 def _assert_checkpoints_finite(workdir, scratch):
   """Every checkpoint's state, restored onto the job's mesh (8 devices here), is finite (read
   from a copy in `scratch`: the reference run is shared with the other drills)."""
-  config = load_config(os.path.join(REPO, "configs/default.py"),
-                       {arg[len("--config."):].split("=")[0]: _value(arg.split("=")[1])
-                        for arg in JOB if arg.startswith("--config.")})
+  config = load_config(os.path.join(REPO, "configs/default.py"), OVERRIDES)
   parallel_step = build_parallel_step(config, jax.devices())
   copy = shutil.copytree(workdir / "checkpoints", scratch / "checkpoints")
   checkpointer = TrainingCheckpointer(str(copy), config)
@@ -186,11 +179,3 @@ def _assert_checkpoints_finite(workdir, scratch):
       assert np.all(np.isfinite(leaf)), f"checkpoint {step} holds a non-finite value"
   checkpointer.close()
 
-
-def _value(text: str):
-  for kind in (int, float):
-    try:
-      return kind(text)
-    except ValueError:
-      pass
-  return text

@@ -1,7 +1,6 @@
 """megajax-train as a user runs it: the default job, the same losses on any mesh and across
 processes, and every bad input as one line with exit code 2, before anything compiles."""
 
-import json
 import re
 
 import jax
@@ -10,6 +9,7 @@ import numpy as np
 from megajax import data
 from megajax.checkpoint import load_params
 from tests.support.processes import run_module
+from tests.support.records import metrics
 
 
 TRAIN = ["-m", "megajax.launch.train", "--config=configs/default.py"]
@@ -74,7 +74,7 @@ def test_default_job_through_the_launcher(tmp_path):
   result = run_module(["-m", "megajax.launch.train", "--config=configs/default.py", f"--workdir={workdir}",
                        "--config.train.steps=100"], timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  records = metrics(workdir)
   checkpoints = [r for r in records if "loss" not in r]
   assert {"ckpt_blocking_s", "ckpt_total_s"} <= {k for r in checkpoints for k in r}   # step 100
   records = [r for r in records if "loss" in r]
@@ -101,7 +101,7 @@ SHORT_RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--con
 
 
 def _losses(workdir):
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  records = metrics(workdir)
   return [r["loss"] for r in records if "loss" in r]
 
 

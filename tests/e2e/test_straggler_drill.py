@@ -11,18 +11,15 @@ import pytest
 
 from megajax.observe import trace_analysis as analysis
 from megajax.observe.trace_analysis import analyse
+from tests.support import SMALL_MESH, config_flags
 from tests.support.once import once_per_run
 from tests.support.processes import launch_two_processes
-
-
-MESH = ["--config.parallel.dp=2", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1",
-        "--config.parallel.tp=4", "--config.parallel.tp_overlap=none", "--config.model.num_layers=2"]
 
 
 RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=7",
        "--config.optimizer.warmup_steps=1", "--config.model.compute_dtype=float32",
        "--config.checkpoint.every_steps=0", "--config.checkpoint.save_params=False",
-       "--config.observe.trace_every=1", *MESH]
+       "--config.observe.trace_every=1", *config_flags(SMALL_MESH)]
 
 
 SLOW = (1, 0, 2)

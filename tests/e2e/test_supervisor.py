@@ -1,7 +1,6 @@
 """The supervisor and megajax-local starting real processes: command mode's template and its
 failure, a failing local process's exit code."""
 
-import json
 import subprocess
 import sys
 
@@ -9,11 +8,7 @@ from megajax.config import default_config
 from megajax.launch.supervisor import Supervisor
 from tests.support import REPO
 from tests.support.processes import child_env
-
-
-def incidents(workdir) -> list[dict]:
-  path = workdir / "incidents.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+from tests.support.records import incidents
 
 
 def test_command_mode_runs_the_template_and_sees_its_failure(tmp_path):

@@ -1,17 +1,20 @@
 """Trained checkpoints for the checkpoint tests (the fixture two_checkpoints, in conftest.py),
 the 3D step a config restores onto, and damage."""
 
+import json
 import os
 
 import jax
+import ml_collections
 
 from megajax.checkpoint import TrainingCheckpointer
-from megajax.trainer import build_parallel_step, train
+from megajax.trainer import train
+from tests.support.reference import parallel_step_for
 
 
-def parallel_step_for(config):
-  """The config's 3D step on the first dp * pp * tp of the 8 test devices."""
-  return build_parallel_step(config, jax.devices()[:config.parallel.dp * config.parallel.pp * config.parallel.tp])
+def run_config(workdir) -> ml_collections.ConfigDict:
+  """The config a run trained with: the config.json its process 0 wrote in the workdir."""
+  return ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
 
 
 def train_two_checkpoints(workdir, config):

@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from tests.support.reference import build_parallel_step, parallel_config
+from tests.support.reference import parallel_step_for, parallel_config
 
 
 def replica_groups(line: str):
@@ -61,7 +61,7 @@ def collective_counts(text: str, mesh) -> collections.Counter:
 @functools.cache
 def compiled_step_text(dp, tp, block, mode, layers):
   """(the 3D step, its compiled HLO text) of tests.support.reference's model (cached)."""
-  parallel_step = build_parallel_step(parallel_config(dp, tp, block, mode, layers=layers))
+  parallel_step = parallel_step_for(parallel_config(dp, tp, block, mode, layers=layers))
   return parallel_step, parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile().as_text()
 
 

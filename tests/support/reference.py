@@ -13,9 +13,10 @@ import numpy as np
 from megajax.config import default_config
 from megajax.model import GPT, ModelConfig
 from megajax.optim import make_optimizer
-from megajax.parallel import ParallelStep, make_mesh
+from megajax.parallel import ParallelStep
 from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
 from megajax.reference_step import accumulate_gradients, init_train_state, make_loss_sums_fn, make_reference_step
+from megajax.trainer import build_parallel_step
 
 BATCH, SEQ, VOCAB = 16, 16, 64
 STEPS = 3
@@ -92,7 +93,7 @@ def assert_matches_reference(config, overrides=(), rtol=1e-5, reference_microbat
   rows = config.train.batch_size
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
       config.model.block, reference_microbatches or microbatches, config.model.num_kv_heads, overrides, rows)
-  parallel_step = build_parallel_step(config)
+  parallel_step = parallel_step_for(config)
   state = parallel_step.init_state(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
   model_params = lambda tree: parallel_step.model_params(jax.device_get(tree))
@@ -122,10 +123,11 @@ def assert_matches_reference(config, overrides=(), rtol=1e-5, reference_microbat
   assert int(state.step) == STEPS
 
 
-def build_parallel_step(config):
-  """The 3D step on the first dp * pp * tp of the 8 test devices."""
+def parallel_step_for(config) -> ParallelStep:
+  """The trainer's 3D step (megajax.trainer.build_parallel_step: probes and drills from the
+  config) on the first dp * pp * tp of the 8 test devices."""
   size = config.parallel.dp * config.parallel.pp * config.parallel.tp
-  return ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config, jax.devices()[:size]))
+  return build_parallel_step(config, jax.devices()[:size])
 
 
 # --- Pipelines.
@@ -150,7 +152,7 @@ def compiled_gradients(mesh, m, baseline=False):
   microbatches; baseline=True: GPipe by autodiff in its place."""
   config = pipeline_config(mesh, "1f1b", 1, microbatches=m, layers=mesh[1] * 2, mode="none", rows=m)
   config.model.window_pattern = "L"
-  parallel_step = build_parallel_step(config)
+  parallel_step = parallel_step_for(config)
   fn = None
   if baseline:
     fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=mesh[1], virtual_stages=1,

@@ -48,13 +48,14 @@ def test_the_async_save_returns_before_the_write_finishes(tmp_path, tiny_config)
     returned = time.perf_counter()
     assert not os.path.exists(tmp_path / "1")            # not committed yet: only a temporary directory
     assert checkpointer.take_finished() == []
+    released = time.perf_counter()                      # the commit comes after this
     storage.release()
-    released = time.perf_counter()
     checkpointer.wait()
   finally:
     handler.async_save = original
   (step, total), = checkpointer.take_finished()
-  assert step == 1 and total >= released - returned and total > blocking
+  # The save started `blocking` before `returned`, and committed after `released`.
+  assert step == 1 and total >= blocking + (released - returned) and total > blocking
   assert checkpointer.latest_step() == 1
   checkpointer.close()
 

@@ -10,13 +10,13 @@ import pytest
 
 from megajax.config import TP_OVERLAP_CHOICES
 from tests.support.hlo import collective_counts, compiled_step_text, mesh_groups, replica_groups
-from tests.support.reference import build_parallel_step, parallel_config
+from tests.support.reference import parallel_step_for, parallel_config
 
 MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
 
 
 def test_xla_mode_compiles_with_windowed_einsum_options():
-  steps = {mode: build_parallel_step(parallel_config(2, 4, mode=mode)) for mode in MODES}
+  steps = {mode: parallel_step_for(parallel_config(2, 4, mode=mode)) for mode in MODES}
   assert steps["xla"].compiler_options == {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
                                            "xla_gpu_multi_streamed_windowed_einsum": True}
   assert steps["none"].compiler_options is None and steps["collective_matmul"].compiler_options is None
@@ -42,7 +42,7 @@ def test_collective_matmul_leaves_only_permutes_in_the_blocks(block):
   """mode collective_matmul: no tp all-gather / reduce-scatter of activations in any block,
   forward or backward. Left: the embedding's reduce-scatter (forward) and its transpose, an
   all-gather (backward), the same for 2 and 3 layers."""
-  two = collective_counts(compiled_step_text(2, 4, block, "collective_matmul", 2)[1], build_parallel_step(
+  two = collective_counts(compiled_step_text(2, 4, block, "collective_matmul", 2)[1], parallel_step_for(
       parallel_config(2, 4, block, "collective_matmul")).mesh)
   parallel_step, text = compiled_step_text(2, 4, block, "collective_matmul", 3)
   three = collective_counts(text, parallel_step.mesh)
@@ -81,7 +81,7 @@ def test_optimizer_state_is_split_over_dp(mesh):
   dp, _, tp = mesh
   config = parallel_config(dp, tp)
   config.model.num_kv_heads = 8  # every leaf has a dimension that splits 8 ways
-  parallel_step = build_parallel_step(config)
+  parallel_step = parallel_step_for(config)
   state = parallel_step.init_state(jax.random.key(0))
   moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim > 0]
   assert len(moments) == 2 * len(jax.tree.leaves(state.params))  # Adam's mu and nu

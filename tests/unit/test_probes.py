@@ -6,7 +6,6 @@ perturbations against what they must do to the loss; the default config's step f
 both; the trainer's activations.jsonl.
 """
 
-import json
 import math
 import re
 
@@ -22,7 +21,10 @@ from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep, make_mesh
 from megajax.parallel.mesh import DP
 from megajax.parallel.tensor_parallel import loss_sums
-from megajax.trainer import build_parallel_step, train
+from megajax.observe.records import ACTIVATIONS, METRICS
+from megajax.trainer import train
+from tests.support.records import jsonl
+from tests.support.reference import parallel_step_for
 
 BATCH, SEQ, VOCAB, WINDOW, SAMPLE = 4, 32, 256, 8, 4
 POINTS = "0:attn_probs,*:residual,1:attn_out,1:mlp_out"
@@ -42,12 +44,6 @@ def probe_config(dp=1, tp=1, pp=1, microbatches=1, **observe):
   return c
 
 
-def build_step(config) -> ParallelStep:
-  """The trainer's 3D step (probes from observe.*) on the first dp * pp * tp test devices."""
-  p = config.parallel
-  return build_parallel_step(config, jax.devices()[:p.dp * p.pp * p.tp])
-
-
 def fixed_batch(copy=False):
   rng = np.random.default_rng(0)
   inputs = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
@@ -57,7 +53,7 @@ def fixed_batch(copy=False):
 
 def step_metrics(config, params=None):
   """The first step's metrics (computed on the initial params) and those params."""
-  parallel_step = build_step(config)
+  parallel_step = parallel_step_for(config)
   state = parallel_step.init_state(jax.random.key(0))
   initial = jax.device_get(parallel_step.model_params(state.params))
   _, metrics = parallel_step.train_step()(state, parallel_step.put_batch(fixed_batch()))
@@ -67,7 +63,7 @@ def step_metrics(config, params=None):
 def forward(config, params, batch):
   """The sharded forward pass alone, as the first step runs it (cheaper to compile than the
   step): {"loss", capture/...}."""
-  parallel_step = build_step(config)
+  parallel_step = parallel_step_for(config)
 
   def metrics(params, batch):
     probes = parallel_step.probes.bind(None) if parallel_step.probes else None    # step 0, the first step's key
@@ -84,7 +80,7 @@ def forward(config, params, batch):
 def pipeline_loss(config):
   """The loss of the step's forward / backward (its gradient program: the step without the
   optimizer, cheaper to compile) on the initial params, at step 0."""
-  parallel_step = build_step(config)
+  parallel_step = parallel_step_for(config)
   params = parallel_step.init_state(jax.random.key(0)).params
   _, stats = jax.device_get(parallel_step.summed_gradients()(params, parallel_step.put_batch(fixed_batch())))
   return stats["nll_sum"] / stats["tokens"]
@@ -204,7 +200,7 @@ def test_off_by_default_and_free():
   "capture" / "perturb" scope, the metrics have no capture keys, and the observe fields that
   only matter once capture / perturb is on leave the program unchanged."""
   config = probe_config()
-  parallel_step = build_step(config)
+  parallel_step = parallel_step_for(config)
   assert parallel_step.probes is None
   state, batch = parallel_step.abstract_inputs()
   step = parallel_step.train_step()
@@ -214,7 +210,7 @@ def test_off_by_default_and_free():
   assert not [key for key in metrics if key.startswith("capture/")]
 
   def program(config, debug_info=False):
-    parallel_step = build_step(config)
+    parallel_step = parallel_step_for(config)
     return parallel_step.train_step().lower(*parallel_step.abstract_inputs()).as_text(debug_info=debug_info)
 
   idle = probe_config(capture_every=3, capture_sample=5, perturb_at="layer:1", perturb_scale=1.0, perturb_bit=3)
@@ -232,14 +228,14 @@ def test_trainer_writes_activations(tmp_path, tiny_config):
   tiny_config.observe.capture_every = 2
   tiny_config.observe.capture_sample = 3
   result = train(tiny_config, str(tmp_path), progress=False, devices=jax.devices()[:1])
-  lines = [json.loads(line) for line in (tmp_path / "activations.jsonl").read_text().splitlines()]
+  lines = jsonl(tmp_path / ACTIVATIONS)
   points = ["0:attn_probs", "0:residual", "1:residual"]
   assert [(r["step"], r["point"]) for r in lines] == [(step, p) for step in (2, 4) for p in points]
   for record in lines:
     assert set(record) == {"step", "point", "mean", "std", "rms", "absmax", "sample"}
     assert len(record["sample"]) == 3 and record["absmax"] > 0
   np.testing.assert_allclose(lines[0]["mean"], 1 / tiny_config.model.seq_len, rtol=1e-6)
-  logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  logged = jsonl(tmp_path / METRICS)
   assert not [k for record in logged + result.history for k in record if k.startswith("capture/")]
 
 
@@ -255,4 +251,4 @@ def test_a_step_built_without_the_probes_its_config_asks_for_is_refused():
   config.debug.slow_rank = "0,0,0"
   with pytest.raises(ConfigError, match=r"^debug\.slow_rank='0,0,0': .*extra_work=megajax\.trainer\.drills"):
     ParallelStep.build(config, model, mesh)
-  assert build_step(config).extra_work is not None
+  assert parallel_step_for(config).extra_work is not None
