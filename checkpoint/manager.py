@@ -6,7 +6,8 @@ A checkpoint at step n (WORKDIR/checkpoints/n/) holds three items:
           by every process for the shards it owns (Orbax / tensorstore, OCDBT)
   data    each process's data iterator state, one JSON file per process (DataStateHandler)
   meta    JSON: the config, the layout the state was saved in (mesh, pipeline stages,
-          virtual stages) and the RNG seed, so a restore can check and convert
+          virtual stages) and the RNG seed, so a restore can check and convert; the state's
+          array checksums; its own digest (integrity.py)
 
 The checkpointer owns its cadence (`due`): every checkpoint.every_steps steps, the last step
 and a preemption. MegaScale 4.4's two stages are Orbax's asynchronous save: `save` returns once the arrays
@@ -16,13 +17,20 @@ callback records `ckpt_total_s`. Atomicity is Orbax's: items are written under a
 directory that is renamed into place only when every process has finished, so a crash at
 any moment leaves either a complete checkpoint or none; `latest_step` sees only complete
 ones. Nothing is pickled.
+
+A restore checks what it read against the checksums and digests (integrity.py). One that
+fails (unreadable, or not what was saved) is moved aside to quarantine/<step>-<reason> once a
+readable older one is found, so the run resumes from that one and can save the step again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import itertools
 import json
 import os
+import shutil
 import threading
 import time
 from typing import Any
@@ -33,16 +41,14 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from megajax.checkpoint import reshard
+from megajax.checkpoint import integrity, reshard
+from megajax.checkpoint.integrity import CheckpointError, IntegrityError, MetaHandler, MetaRestore, MetaSave
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep
 from megajax.parallel.mesh import DP
 
 STATE, DATA, META = "state", "data", "meta"
-
-
-class CheckpointError(Exception):
-  """A checkpoint that cannot be used: unreadable, or saved by a different model."""
+QUARANTINE = "quarantine"      # WORKDIR/checkpoints/quarantine/<step>-<reason>: what failed to restore
 
 
 # --- The per-process data state item.
@@ -53,20 +59,20 @@ class DataStateHandler(ocp.CheckpointHandler):
   grain's own handler keys the files by process count too and calls the grain iterator
   directly; ours reads the DevicePrefetcher's state (the batches the step consumed, not the
   ones prefetched), and since that state is the global batch index, a restore with another
-  process count can read process 0's file.
+  process count can read process 0's file. Each file carries its own digest.
   """
 
   def save(self, directory, args: "DataStateSave"):
     path = os.path.join(os.fspath(directory), f"process_{jax.process_index()}.json")
     with open(path, "w") as f:
-      json.dump({"process_count": jax.process_count(), "state": args.state}, f)
+      json.dump(integrity.sealed({"process_count": jax.process_count(), "state": args.state}), f)
 
   def restore(self, directory, args: "DataStateRestore" = None):
     directory = os.fspath(directory)
     own = os.path.join(directory, f"process_{jax.process_index()}.json")
     path = own if os.path.exists(own) else os.path.join(directory, "process_0.json")
     with open(path) as f:
-      return json.load(f)["state"]
+      return integrity.unsealed(json.load(f), path, "data-digest")["state"]
 
 
 @ocp.args.register_with_handler(DataStateHandler, for_save=True)
@@ -100,12 +106,16 @@ def layout_of(config: ml_collections.ConfigDict) -> dict:
 
 
 class TrainingCheckpointer:
-  """Saves and restores training checkpoints under `directory` (WORKDIR/checkpoints)."""
+  """Saves and restores training checkpoints under `directory` (WORKDIR/checkpoints).
 
-  def __init__(self, directory: str, config: ml_collections.ConfigDict):
+  `checksums` (default: checkpoint.checksums) False saves without array checksums (restores
+  then check only the digests): what the checkpoint benchmark measures them against."""
+
+  def __init__(self, directory: str, config: ml_collections.ConfigDict, checksums: bool | None = None):
     c = config.checkpoint
     self.directory = os.path.abspath(directory)
     self._config = config
+    self._checksums = c.checksums if checksums is None else checksums
     self._lock = threading.Lock()
     self._pending: dict[int, float] = {}    # step -> save start (perf_counter), until finalized
     self.finished: list[tuple[int, float]] = []   # (step, ckpt_total_s), in finalization order
@@ -116,7 +126,7 @@ class TrainingCheckpointer:
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={STATE: ocp.StandardCheckpointHandler(), DATA: DataStateHandler(),
-                       META: ocp.JsonCheckpointHandler()})
+                       META: MetaHandler()})
 
   def _finalized(self):
     """Orbax's background thread, after a save is committed: stage 2 is over."""
@@ -133,19 +143,46 @@ class TrainingCheckpointer:
     return preempted or step == self._config.train.steps or bool(every and step % every == 0)
 
   def save(self, step: int, state, data_state: dict) -> float:
-    """Starts saving; returns the seconds the caller waited (stage 1, device -> host)."""
+    """Starts saving; returns the seconds the caller waited (the previous save's commit, if it
+    is still going, then stage 1, device -> host). CheckpointError when this save, or the one
+    before it, failed."""
     start = time.perf_counter()
+    self.wait(step)     # Orbax's save would wait for the previous one too; here a failure names its step
     with self._lock:
       self._pending[step] = start
     meta = {"step": step, "config": json.loads(self._config.to_json()), "layout": layout_of(self._config),
             "seed": self._config.train.seed, "process_count": jax.process_count()}
-    self._manager.save(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state), DATA: DataStateSave(data_state), META: ocp.args.JsonSave(meta)}),
-        force=True)
+    # The state's checksums: dispatched once Orbax has copied the state out (dispatched before,
+    # they would hold up that copy), fetched by the meta's write in the background (integrity.py).
+    checksums = integrity.PendingChecksums(state) if self._checksums else None
+    if checksums and not self._config.checkpoint.async_save:
+      checksums.dispatch()          # the synchronous write waits for them inside Orbax's save
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardSave(state), DATA: DataStateSave(data_state), META: MetaSave(meta, checksums)}),
+          force=True)
+    except _PROGRAMMING_ERRORS:
+      raise
+    except Exception as error:  # pylint: disable=broad-except  (a full disk, a refused write: one line)
+      raise self._save_failed(error, step, step) from error
+    finally:
+      if checksums:
+        checksums.dispatch()        # (once; also when the save failed: the meta's writer waits for it)
     blocking = time.perf_counter() - start
     if not self._config.checkpoint.async_save:
       self._finalized()
     return blocking
+
+  def check_for_errors(self, step: int | None = None) -> None:
+    """Raises CheckpointError once a save started earlier has failed in the background (a disk
+    that filled): the loop calls it every step (`step`, the one just done), so the failure is
+    reported at the next step, not at the next save. Cheap: Orbax's in-progress flag. A
+    committed save leaves _pending (the post-finalization callback) before Orbax clears the
+    flag, so a pending step with the flag down is a save that failed."""
+    with self._lock:
+      pending = bool(self._pending)
+    if pending and not self._manager.is_saving_in_progress():
+      self.wait(step)         # nothing in flight: returns at once, raising the failure
 
   def take_finished(self) -> list[tuple[int, float]]:
     """(step, ckpt_total_s) of the saves committed since the last call."""
@@ -162,78 +199,112 @@ class TrainingCheckpointer:
     return list(self._manager.all_steps())
 
   def restore(self, step: int, abstract_state) -> Restored:
-    """The checkpoint at `step` onto `abstract_state`'s shapes and shardings."""
+    """The checkpoint at `step` onto `abstract_state`'s shapes and shardings, checked against
+    its checksums and digests (IntegrityError when it is not what was saved)."""
+    restored = self._read(step, abstract_state)
+    integrity.verify_state(restored.state, restored.meta, self.path(step))
+    return restored
+
+  def _read(self, step: int, abstract_state) -> Restored:
+    """The checkpoint at `step` as read (the digests checked, the checksums not yet)."""
     restored = self._manager.restore(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardRestore(abstract_state), DATA: DataStateRestore(), META: ocp.args.JsonRestore()}))
+        STATE: ocp.args.StandardRestore(abstract_state), DATA: DataStateRestore(), META: MetaRestore()}))
     return Restored(step, restored[STATE], restored[DATA], restored[META])
 
   def read_meta(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    return self._manager.restore(step, args=ocp.args.Composite(**{META: MetaRestore()}))[META]
 
   def path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def restore_latest(self, parallel_step: ParallelStep) -> Restored | None:
-    """The latest readable checkpoint, onto the 3D step's mesh and layout; None if there is none.
+  def restore_latest(self, parallel_step: ParallelStep, before: int | None = None) -> Restored | None:
+    """The latest readable checkpoint (older than step `before`, if given), onto the 3D step's
+    mesh and layout; None if there is none.
 
-    An unreadable one (truncated, corrupted) is reported and the previous complete one
-    tried; one saved by a different model raises CheckpointError naming the differences.
+    An unreadable one (truncated, corrupted, not what was saved) is reported and the previous
+    complete one tried; once one restores, the unreadable ones are moved to quarantine/ (so the
+    run can save their steps again). None restoring is a CheckpointError naming them, and they
+    stay where they are. One saved by a different model raises CheckpointError naming the
+    differences.
     """
-    unreadable = []
+    unreadable = {}     # step -> why (the quarantine's name for it)
     for step in sorted(self.all_steps(), reverse=True):
+      if before is not None and step >= before:
+        continue
       try:
-        meta = self.read_meta(step)
-      except _PROGRAMMING_ERRORS:
-        raise
-      except Exception as error:  # pylint: disable=broad-except  (any read failure: try the previous one)
-        meta, failure = None, error
-      if _all_processes_agree(meta is not None):
-        check_compatible(meta, self._config, parallel_step, self.path(step))
-        try:
-          restored = self._restore_onto(parallel_step, step, meta)
-        except _PROGRAMMING_ERRORS:
-          raise
-        except Exception as error:  # pylint: disable=broad-except
-          restored, failure = None, error
-        if _all_processes_agree(restored is not None):
-          return restored
-      elif meta is not None:
-        failure = CheckpointError("another process could not read it")
-      logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous complete one",
-                    self.path(step), type(failure).__name__, str(failure).splitlines()[0][:300] if str(failure) else "")
-      unreadable.append(self.path(step))
+        restored = self._restore_checked(parallel_step, step)
+      except _Unusable as unusable:
+        failure = unusable.cause
+        logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous complete one",
+                      self.path(step), type(failure).__name__, str(failure).splitlines()[0][:300] if str(failure) else "")
+        unreadable[step] = failure.reason if isinstance(failure, IntegrityError) else "unreadable"
+        continue
+      for bad, reason in unreadable.items():
+        self._quarantine(bad, reason)
+      return restored
     if unreadable:
-      raise CheckpointError(f"no readable checkpoint in {self.directory}: {', '.join(unreadable)} failed to restore; "
-                            "move them aside to start fresh, or point --workdir elsewhere")
+      raise CheckpointError(f"no readable checkpoint in {self.directory}: "
+                            f"{', '.join(self.path(step) for step in unreadable)} failed to restore; "
+                            f"move them aside (e.g. to {os.path.join(self.directory, QUARANTINE)}/) to start fresh, "
+                            "or point --workdir elsewhere")
     return None
 
-  def _restore_onto(self, parallel_step: ParallelStep, step: int, meta: dict) -> Restored:
+  def _quarantine(self, step: int, reason: str) -> None:
+    """Moves checkpoint `step` to quarantine/<step>-<reason> (never deletes: a person may want
+    it): process 0 moves, after every process agreed it is unreadable; then every process's
+    Orbax manager forgets the step, so that it can be saved again."""
+    if jax.process_index() == 0:
+      os.makedirs(os.path.join(self.directory, QUARANTINE), exist_ok=True)
+      target = os.path.join(self.directory, QUARANTINE, f"{step}-{reason}")
+      for again in itertools.count(2):      # the same step may fail again in a later run
+        if not os.path.exists(target):
+          break
+        target = os.path.join(self.directory, QUARANTINE, f"{step}-{reason}-{again}")
+      os.rename(self.path(step), target)
+      logging.error("checkpoint %s moved to %s", self.path(step), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"megajax_quarantine_{step}")
+    self._manager.reload()
+
+  def _restore_checked(self, parallel_step: ParallelStep, step: int) -> Restored:
+    """Checkpoint `step` read, checked against its checksums, then converted onto the 3D step's
+    layout and shardings; _Unusable when it cannot be. Every process takes each phase's outcome
+    together (_agreed): the check and the conversion are collectives, which a process that
+    failed to read must not leave the others waiting in."""
+    meta = _agreed(lambda: self.read_meta(step))
+    check_compatible(meta, self._config, parallel_step, self.path(step))
     before = _storage_bytes_read()
-    restored = self._restore_state(parallel_step, step, meta)
+    restored, convert = _agreed(lambda: self._read_onto(parallel_step, step, meta))
     after = _storage_bytes_read()
-    restored.bytes_read = None if before is None else after - before
+    # As saved: a checkpoint of another pipeline layout is checked before its conversion.
+    _agreed(lambda: integrity.verify_state(restored.state, restored.meta, self.path(step)))
+    restored = dataclasses.replace(restored, state=convert(restored.state),
+                                   bytes_read=None if before is None else after - before)
     logging.info("restoring %s (%s): this process read %s bytes from storage", self.path(step),
                  self._config.checkpoint.restore_mode, restored.bytes_read)
     return restored
 
-  def _restore_state(self, parallel_step: ParallelStep, step: int, meta: dict) -> Restored:
+  def _read_onto(self, parallel_step: ParallelStep, step: int, meta: dict):
+    """(the checkpoint as read, unchecked; the conversion of its state onto the 3D step)."""
     current = layout_of(self._config)
     if reshard.same_structure(meta["layout"], current):   # Orbax reshards over dp and tp by itself
       if self._config.checkpoint.restore_mode == "broadcast":
-        return self._broadcast_restore(parallel_step, step)
-      return self.restore(step, parallel_step.abstract_inputs()[0])
+        to_shards = jax.jit(lambda state: state, out_shardings=parallel_step.state_shardings)
+        return self._broadcast_read(parallel_step, step), to_shards
+      return self._read(step, parallel_step.abstract_inputs()[0]), lambda state: state
     logging.info("checkpoint %s was saved with pp=%d, virtual_stages=%d; converting to pp=%d, virtual_stages=%d",
                  self.path(step), meta["layout"]["pp"], meta["layout"]["virtual_stages"], current["pp"],
                  current["virtual_stages"])
-    restored = self.restore(step, reshard.saved_abstract_state(parallel_step, meta["layout"]))
-    state = reshard.convert_state(parallel_step, restored.state, meta["layout"])
-    return dataclasses.replace(restored, state=state)
+    return (self._read(step, reshard.saved_abstract_state(parallel_step, meta["layout"])),
+            lambda state: reshard.convert_state(parallel_step, state, meta["layout"]))
 
-  def _broadcast_restore(self, parallel_step: ParallelStep, step: int) -> Restored:
+  def _broadcast_read(self, parallel_step: ParallelStep, step: int) -> Restored:
     """MegaScale 4.4's restore: the devices of data-parallel replica 0 read the state from
     storage, the other replicas receive it over the interconnect (Orbax's
     SingleReplicaArrayHandler, in chunks of at most `broadcast_memory_limit_mib`). Each
-    replica then keeps its own ZeRO shards (a local slice: no more traffic)."""
+    replica then keeps its own ZeRO shards (a local slice, _read_onto's conversion: no more
+    traffic). Checked like any restore: a fingerprint does not depend on the shardings."""
     from orbax.checkpoint import type_handlers
     abstract = parallel_step.abstract_inputs()[0]
     mesh = parallel_step.mesh
@@ -252,17 +323,60 @@ class TrainingCheckpointer:
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as checkpointer:
       state = checkpointer.restore(os.path.join(self.path(step), STATE),
                                    args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
-    state = jax.jit(lambda state: state, out_shardings=parallel_step.state_shardings)(state)
-    rest = self._manager.restore(step, args=ocp.args.Composite(**{DATA: DataStateRestore(),
-                                                                   META: ocp.args.JsonRestore()}))
+    rest = self._manager.restore(step, args=ocp.args.Composite(**{DATA: DataStateRestore(), META: MetaRestore()}))
     return Restored(step, state, rest[DATA], rest[META])
 
-  def wait(self) -> None:
-    """Blocks until every started save is committed."""
-    self._manager.wait_until_finished()
+  def wait(self, step: int | None = None) -> None:
+    """Blocks until every started save is committed; CheckpointError when one failed."""
+    try:
+      self._manager.wait_until_finished()
+    except _PROGRAMMING_ERRORS:
+      raise
+    except Exception as error:  # pylint: disable=broad-except
+      with self._lock:
+        failed = min(self._pending, default=None)
+      raise self._save_failed(error, failed, step) from error
 
   def close(self) -> None:
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+
+  def _save_failed(self, error: Exception, failed: int | None, now: int | None) -> CheckpointError:
+    """The one line for the save of step `failed` that failed (found after step `now`): where it
+    was going, why, the free space, and the checkpoint a relaunch resumes from. Process 0
+    removes what it left (Orbax's temporary directory; its disk space back), so only committed
+    checkpoints remain."""
+    with self._lock:
+      self._pending.clear()
+    if failed is not None and jax.process_index() == 0:
+      for partial in glob.glob(os.path.join(self.directory, f"{failed}.orbax-checkpoint-tmp*")):
+        shutil.rmtree(partial, ignore_errors=True)
+    kept = self.latest_step()
+    why = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return CheckpointError(
+        f"saving checkpoint {self.path(failed) if failed is not None else 'in ' + self.directory} failed"
+        f"{f' (found after step {now})' if now is not None else ''}: {why}; {free_space(self.directory)}; "
+        + (f"the last committed checkpoint, {self.path(kept)}, is kept: a relaunch resumes from it" if kept is not None
+           else "no checkpoint was committed before it"))
+
+
+def free_space(path: str) -> str:
+  """'1.2 GiB free of 40 GiB on <path>', of the filesystem holding `path` (or its nearest
+  existing parent)."""
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  usage = shutil.disk_usage(path)
+  return f"{_size(usage.free)} free of {_size(usage.total)} on {path}"
+
+
+def _size(count: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if count < 1024:
+      return f"{count:.1f} {unit}" if unit != "B" else f"{count} B"
+    count /= 1024
+  return f"{count:.1f} TiB"
 
 
 # Bugs, not damaged files: these propagate instead of triggering the fallback.
@@ -284,6 +398,27 @@ def _all_processes_agree(ok: bool) -> bool:
     return ok
   from jax.experimental import multihost_utils
   return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+class _Unusable(Exception):
+  """A checkpoint some process could not read or check; `cause` is this process's error."""
+
+  def __init__(self, cause: Exception):
+    super().__init__(str(cause))
+    self.cause = cause
+
+
+def _agreed(read):
+  """read()'s result once it has succeeded on every process; else _Unusable."""
+  try:
+    result, failure = read(), None
+  except _PROGRAMMING_ERRORS:
+    raise
+  except Exception as error:  # pylint: disable=broad-except  (any read failure: try the previous one)
+    result, failure = None, error
+  if not _all_processes_agree(failure is None):
+    raise _Unusable(failure or CheckpointError("another process could not read it"))
+  return result
 
 
 def _differences(saved: dict, config: ml_collections.ConfigDict) -> list[str]:

@@ -1,7 +1,10 @@
 r"""GPT 125M (GPT-3 Small shape), MegaScale-style: parallel block, sliding window, LAMB.
 
-  megajax-train --config=configs/gpt_125m.py --workdir=/tmp/gpt125m \
-      --config.data.source=tokens --config.data.path=corpus.bin
+On one node of 8 GPUs, data parallel (the batch of 256 x 2048 tokens does not fit one device:
+megajax-train refuses a mesh it cannot fit, with the estimate, before anything starts):
+
+  megajax-train --config=configs/gpt_125m.py --workdir=/tmp/gpt125m --config.parallel.dp=8 \
+      --config.train.microbatches=4 --config.data.source=tokens --config.data.path=corpus.bin
 """
 
 from megajax.config import default_config

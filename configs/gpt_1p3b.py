@@ -1,6 +1,8 @@
 r"""GPT 1.3B (GPT-3 XL shape, 16 heads of 128), parallel block, sliding window, LAMB.
 
-  megajax-train --config=configs/gpt_1p3b.py --workdir=/tmp/gpt1p3b
+On one node of 8 GPUs, data parallel:
+
+  megajax-train --config=configs/gpt_1p3b.py --workdir=/tmp/gpt1p3b --config.parallel.dp=8
 """
 
 from megajax.config import default_config

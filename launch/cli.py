@@ -18,6 +18,7 @@ import megajax.launch
 import megajax.layers
 import megajax.parallel
 from megajax.config import ConfigError, default_config, validate
+from megajax.config_checks import read_config_file
 from megajax.launch.cluster import expected_process_count, initialize_distributed, request_host_devices
 from megajax.parallel import mesh_shape
 
@@ -67,8 +68,16 @@ def validated_config(program: str, argv: list[str], config_flag):
 
 
 def flags_parser(program: str):
-  """absl's parser, but a flag mistake is one line naming it, not a usage dump or a traceback."""
+  """absl's parser, but a flag mistake is one line naming it, not a usage dump or a traceback.
+  The --config file is read first (megajax.config_checks.read_config_file): ml_collections
+  would report its faults as tracebacks, or a missing get_config as an unknown field."""
   def parse(argv):
+    path = config_file_arg(argv[1:]) if "config" in flags.FLAGS else None
+    if path is not None:
+      try:
+        read_config_file(*path.split(":", 1))      # `file.py:argument`, as config_flags splits it
+      except ConfigError as error:
+        fail(program, "config error", error)
     try:
       return flags.FLAGS(argv)
     except flags.Error as error:
@@ -80,6 +89,18 @@ def flags_parser(program: str):
       hint = f" ({suggestion.group(0)}?)" if suggestion else ""
       fail(program, "config error", f"{field[2:]}: no such config field{hint}; see megajax/config.py for the fields")
   return parse
+
+
+def config_file_arg(args: list[str]) -> str | None:
+  """The value of --config (`--config=FILE` or `--config FILE`; the last one, as absl takes it)
+  in a command line, or None."""
+  value = None
+  for arg, following in zip(args, [*args[1:], None]):
+    if arg.startswith("--config="):
+      value = arg[len("--config="):]
+    elif arg == "--config" and following is not None:
+      value = following
+  return value
 
 
 def _not_a_field(dotted: str) -> bool:

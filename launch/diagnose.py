@@ -5,9 +5,10 @@ r"""megajax-diagnose: find the slow host or device of a job (MegaScale section 4
 
 Every process of the job runs it on the training config's mesh: matmul TFLOP/s and host <->
 device GB/s per device, all-reduce / all-gather / ppermute bus bandwidth over each mesh axis
-and across processes, outliers below 0.9 x the job's median and the processes they name
-(megajax.launch.supervisor.diagnostics). Process 0 prints the tables and writes the JSON
-report. Fault drill: `--config.debug.diagnose_slow_process=I` (megajax.trainer.drills).
+and across processes, outliers below 0.9 x the job's median, and the slow devices (below
+0.5 x the other processes' median) and the processes they name: the supervisor's eviction
+evidence (megajax.launch.supervisor.diagnostics). Process 0 prints the tables and writes the
+JSON report. Fault drill: `--config.debug.diagnose_slow_process=I` (megajax.trainer.drills).
 """
 
 from absl import app

@@ -1,60 +1,56 @@
-"""Tokenizes text files into a megajax token file (.bin + .json), offline, byte-level.
+"""Tokenizes text files into a megajax token file (.bin + .json sidecar), offline, byte-level;
+or checks one.
 
   megajax-prepare-data --input 'books/*.txt' --input notes.md --output data/books.bin
+  megajax-prepare-data --verify data/books.bin      # sidecar, checksum and every id, once
 
 Then train with the printed overrides, e.g.
   --config.data.source=tokens --config.data.path=data/books.bin --config.model.vocab_size=257
-"""
 
-import glob
+A glob matching nothing, a directory, inputs with no text, an output that cannot be written,
+or a bad file to verify: one line `megajax-prepare-data: <kind>: <message>`, exit code 2.
+"""
 
 from absl import app
 from absl import flags
-import numpy as np
 
-from megajax import data
+from megajax.config import ConfigError
+from megajax.launch.cli import fail, flags_parser
+from megajax.token_files import BYTE_VOCAB_SIZE, PrepareError, prepare_text_files, verify_token_file
 
+PROGRAM = "megajax-prepare-data"
 _INPUT = flags.DEFINE_multi_string("input", None, "Text file or glob; repeat for more.")
 _OUTPUT = flags.DEFINE_string("output", None, "Token file to write; must end with .bin.")
 _EOS = flags.DEFINE_bool("eos", True, "Append the EOS token after each file.")
-
-
-def _expand(patterns):
-  paths = []
-  for pattern in patterns:
-    matches = sorted(glob.glob(pattern))  # Sorted: the same inputs give the same file.
-    if not matches:
-      raise app.UsageError(f"--input={pattern!r} matches no file")
-    paths.extend(matches)
-  return paths
-
-
-def _file_tokens(paths, eos: bool):
-  for path in paths:
-    with open(path, "rb") as f:
-      # Byte-level: the raw bytes are the tokens, so no decode/encode round trip.
-      tokens = np.frombuffer(f.read(), dtype=np.uint8)
-    yield tokens
-    if eos:
-      yield np.array([data.EOS], dtype=np.int32)
+_VERIFY = flags.DEFINE_string("verify", None, "Check this token file (sidecar, checksum, every id) and exit.")
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(PROGRAM, "usage error", f"unexpected arguments: {' '.join(argv[1:])}")
+  if _VERIFY.value:
+    try:
+      meta = verify_token_file(_VERIFY.value)
+    except ConfigError as error:
+      fail(PROGRAM, "bad token file", error)
+    print(f"{_VERIFY.value}: ok: {meta}")
+    return
   if not _INPUT.value:
-    raise app.UsageError("pass at least one --input")
+    fail(PROGRAM, "usage error", "pass at least one --input (or --verify=FILE)")
   if not _OUTPUT.value or not _OUTPUT.value.endswith(".bin"):
-    raise app.UsageError("--output must be a path ending with .bin")
-  paths = _expand(_INPUT.value)
-  num_tokens = data.write_token_file(_OUTPUT.value, _file_tokens(paths, _EOS.value), data.BYTE_VOCAB_SIZE)
-  print(f"wrote {num_tokens} tokens from {len(paths)} files to {_OUTPUT.value}")
+    fail(PROGRAM, "usage error", "--output must be a path ending with .bin")
+  try:
+    meta, paths = prepare_text_files(_INPUT.value, _OUTPUT.value, _EOS.value)
+  except PrepareError as error:
+    fail(PROGRAM, error.kind, error)
+  print(f"wrote {meta['num_tokens']} tokens, {meta['num_documents']} document(s) from {len(paths)} file(s), "
+        f"to {_OUTPUT.value} ({meta['checksum']})")
   print(f"train with: --config.data.source=tokens --config.data.path={_OUTPUT.value} "
-        f"--config.model.vocab_size={data.BYTE_VOCAB_SIZE}")
+        f"--config.model.vocab_size={BYTE_VOCAB_SIZE}")
 
 
 def run():
-  app.run(main)
+  app.run(main, flags_parser=flags_parser(PROGRAM))
 
 
 if __name__ == "__main__":

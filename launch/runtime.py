@@ -213,6 +213,13 @@ def compilation_cache_path(setting: str, workdir: str, environ=None) -> tuple[st
   return os.path.abspath(os.path.join(workdir, "jax_cache")), "WORKDIR/jax_cache"
 
 
+def _can_create_directory(path: str) -> bool:
+  """`path` is a writable directory, or its nearest existing ancestor is one."""
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return os.path.isdir(path) and os.access(path, os.W_OK)
+
+
 def _set_jax_option(name: str, value) -> None:
   import jax
   jax.config.update(name, value)
@@ -239,10 +246,11 @@ def configure_runtime(config, workdir: str, environ=None) -> dict:
   if path is None:
     _set_jax_option("jax_enable_compilation_cache", False)
   else:
-    try:
-      os.makedirs(path, exist_ok=True)
-    except OSError as error:                        # jax warns on each failed write; not fatal
-      logging.warning("compilation cache directory %s: %s", path, error)
+    # Not made here: jax makes it at the first compile, so a run refused before that (a config
+    # that cannot fit its devices) leaves no WORKDIR/jax_cache behind. jax warns on each failed
+    # write and compiles on: not fatal, but said once here.
+    if not _can_create_directory(path):
+      logging.warning("compilation cache directory %s: not writable, nothing will be cached", path)
     if source != "$JAX_COMPILATION_CACHE_DIR":       # jax read the variable itself at import
       _set_jax_option("jax_compilation_cache_dir", path)
     _set_jax_option("jax_persistent_cache_min_compile_time_secs", 0)

@@ -16,10 +16,11 @@ import sys
 from absl import app
 from absl import logging
 
-from megajax.launch.cli import flags_parser, validated_config
+from megajax.launch.cli import fail, flags_parser, validated_config
 from megajax.launch.supervisor import Supervisor
 # The same --config / --workdir flags as megajax-train's.
 from megajax.launch.train import _CONFIG, _WORKDIR
+from megajax.trainer.workdir import WorkdirError
 
 
 def config_flag_args(argv: list[str]) -> list[str]:
@@ -42,7 +43,10 @@ def main(argv):
   # The workers get the same config flags, as given (the config file path and its overrides).
   # (supervisor.* stays with the supervisor: its command template is no worker's business).
   worker_args = [arg for arg in config_flag_args(sys.argv[1:]) if not arg.startswith("--config.supervisor.")]
-  code = Supervisor(config, _WORKDIR.value, worker_args).run()
+  try:
+    code = Supervisor(config, _WORKDIR.value, worker_args).run()
+  except WorkdirError as error:     # a file, unwritable, or held by another supervisor or job
+    fail("megajax-supervise", "workdir error", error)
   logging.info("supervisor: %s", "training finished" if code == 0 else f"stopping with exit code {code}")
   sys.exit(code)
 

@@ -1,7 +1,14 @@
 """What every section of megajax.config checks with: `ConfigError`, whose message is one line
-(`field=value: problem; fix`), and the checks that raise it."""
+(`field=value: problem; fix`), the checks that raise it, and the config file itself
+(`read_config_file`: each way a file can fail to give a config is one ConfigError)."""
 
 from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import ml_collections
 
 
 class ConfigError(ValueError):
@@ -22,6 +29,11 @@ def _value(config, field: str):
   return config[group][name]
 
 
+def finite(value) -> bool:
+  """A real number that is neither inf nor nan (bools are not numbers here)."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def positive_int(config, field: str) -> None:
   value = _value(config, field)
   require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, field, value,
@@ -36,8 +48,13 @@ def non_negative_int(config, field: str) -> None:
 
 def positive_number(config, field: str) -> None:
   value = _value(config, field)
-  require(isinstance(value, (int, float)) and value > 0, field, value, "must be a positive number",
+  require(finite(value) and value > 0, field, value, "must be a finite number > 0",
           f"set --config.{field} to a value > 0")
+
+
+def non_negative_number(config, field: str, fix: str) -> None:
+  value = _value(config, field)
+  require(finite(value) and value >= 0, field, value, "must be a finite number >= 0", fix)
 
 
 def choice(config, field: str, choices) -> None:
@@ -49,3 +66,46 @@ def nearest_divisor(n: int, near: int) -> int:
   """The divisor of n closest to `near` (the larger on a tie): what an error suggests instead."""
   divisors = [k for k in range(1, n + 1) if n % k == 0]
   return min(divisors, key=lambda k: (abs(k - near), -k))
+
+
+# --- The config file ----------------------------------------------------------------------------
+
+def read_config_file(path: str, argument: str | None = None) -> ml_collections.ConfigDict:
+  """`get_config()` (or `get_config(argument)`: ml_collections' `file.py:argument`) of a config
+  file. A missing file, a syntax error, an exception while loading it or inside get_config, no
+  get_config, or one returning something else than a ConfigDict: a ConfigError naming the
+  file and, for an exception, its type and the first line of its message."""
+  fix = "fix the file (configs/default.py is an example)"
+  if not os.path.isfile(path):
+    raise ConfigError("config", path, "no such config file", "pass a path such as configs/default.py")
+  try:
+    with open(path, encoding="utf-8") as f:
+      code = compile(f.read(), path, "exec")
+  except SyntaxError as error:
+    raise ConfigError("config", path, f"syntax error at line {error.lineno}: {error.msg}", fix) from None
+  except (OSError, ValueError) as error:       # unreadable, or not text
+    raise ConfigError("config", path, f"cannot be read: {_one_line(error)}", fix) from None
+  spec = importlib.util.spec_from_file_location("megajax_user_config", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    exec(code, module.__dict__)
+  except Exception as error:                   # the file's own code: anything can go wrong in it
+    raise ConfigError("config", path, f"loading it raised {_one_line(error)}", fix) from None
+  get_config = getattr(module, "get_config", None)
+  if not callable(get_config):
+    raise ConfigError("config", path, "defines no get_config()",
+                      "define get_config() returning the config, as configs/default.py does")
+  try:
+    config = get_config() if argument is None else get_config(argument)
+  except Exception as error:
+    raise ConfigError("config", path, f"get_config() raised {_one_line(error)}", fix) from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError("config", path, f"get_config() returned {type(config).__name__}, not a ConfigDict",
+                      "return megajax.config.default_config() with your changes, as configs/default.py does")
+  return config
+
+
+def _one_line(error: BaseException) -> str:
+  """`Type: the first non-empty line of its message` (just the type when it has none)."""
+  first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+  return f"{type(error).__name__}: {first}" if first else type(error).__name__

@@ -1,5 +1,6 @@
 """The input pipeline: record sources, the grain dataset of local batches, device prefetch.
 
+Token files (the byte tokenizer, the file format and its checks) are megajax.token_files'.
 Records are int32 windows of seq_len + 1 tokens. A global order over records
 (shuffled per epoch, repeated forever) is cut into global batches of
 train.batch_size; process p of P reads only its contiguous slice p*b .. p*b+b-1
@@ -15,8 +16,6 @@ and still see the same data stream.
 
 from __future__ import annotations
 
-import json
-import os
 import queue
 import threading
 
@@ -24,22 +23,11 @@ import grain
 import numpy as np
 
 from megajax.config import ConfigError
+# Re-exported: what users of the data API (the launcher's tests, notebooks) reach for here.
+from megajax.token_files import BYTE_VOCAB_SIZE, EOS, TokenFileSource, decode_tokens, encode_text, write_token_file
 
-BYTE_VOCAB_SIZE = 257  # Bytes 0..255 and EOS.
-EOS = 256
-
-
-# Byte-level tokenizer: no vocabulary file, works offline, every text encodes.
-
-def encode_text(text: str) -> np.ndarray:
-  """UTF-8 bytes of `text` as int32 token ids in [0, 256)."""
-  return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-
-def decode_tokens(tokens) -> str:
-  """Inverse of encode_text. EOS and any id >= 256 are dropped; broken UTF-8 becomes U+FFFD."""
-  tokens = np.asarray(tokens).reshape(-1)
-  return tokens[tokens < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+__all__ = ["BYTE_VOCAB_SIZE", "EOS", "DevicePrefetcher", "SyntheticSource", "TokenFileSource", "decode_tokens",
+           "encode_text", "make_dataset", "make_iterator", "make_source", "write_token_file"]
 
 
 # Sources: random access (`__len__`, `__getitem__`) so grain can shuffle and shard by index.
@@ -94,92 +82,13 @@ class SyntheticSource:
     return record
 
 
-class TokenFileSource:
-  """Windows of seq_len + 1 tokens at stride seq_len over a memory-mapped token file.
-
-  `.bin`: raw uint16/uint32 tokens with a sidecar `.json` {"dtype", "vocab_size",
-  "num_tokens"} (what megajax-prepare-data writes). `.npy`: any 1-D integer array;
-  it has no metadata, so vocab_size is max(token) + 1 (one pass over the file).
-  """
-
-  def __init__(self, path: str, seq_len: int):
-    self.path, self.seq_len = path, seq_len
-    if path.endswith(".bin"):
-      meta_path = path[:-len(".bin")] + ".json"
-      if not os.path.isfile(meta_path):
-        raise ConfigError("data.path", path, f"no sidecar {meta_path} with dtype/vocab_size",
-                          "make the file with megajax-prepare-data")
-      with open(meta_path) as f:
-        meta = json.load(f)
-      self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-      if len(self.tokens) != meta["num_tokens"]:
-        raise ConfigError("data.path", path, f"holds {len(self.tokens)} tokens but {meta_path} says "
-                          f"{meta['num_tokens']}", "rewrite it with megajax-prepare-data")
-      self.vocab_size = int(meta["vocab_size"])
-    elif path.endswith(".npy"):
-      self.tokens = np.load(path, mmap_mode="r")
-      if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
-        raise ConfigError("data.path", path, f"holds a {self.tokens.dtype} array of shape "
-                          f"{self.tokens.shape}", "save a 1-D integer token array")
-      self.vocab_size = int(self.tokens.max()) + 1 if len(self.tokens) else 0
-    else:
-      raise ConfigError("data.path", path, "not a .bin or .npy token file",
-                        "make one with megajax-prepare-data")
-    if len(self.tokens) < seq_len + 1:
-      raise ConfigError("data.path", path, f"has {len(self.tokens)} tokens, fewer than one record "
-                        f"of model.seq_len + 1 = {seq_len + 1}", "use more text or a shorter model.seq_len")
-
-  def __len__(self) -> int:
-    return (len(self.tokens) - 1) // self.seq_len
-
-  def __getitem__(self, index: int) -> np.ndarray:
-    start = int(index) * self.seq_len
-    return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
-
-
-def write_token_file(path: str, token_arrays, vocab_size: int) -> int:
-  """Writes `path` (.bin) and its .json sidecar atomically; returns the token count.
-
-  `token_arrays` is one array or an iterable of arrays (e.g. one per document),
-  streamed to disk in order. Tokens are stored as uint16 when vocab_size < 65536.
-  """
-  if not path.endswith(".bin"):
-    raise ValueError(f"token file path {path!r} must end with .bin")
-  dtype = np.uint16 if vocab_size < 2**16 else np.uint32
-  if isinstance(token_arrays, np.ndarray):
-    token_arrays = [token_arrays]
-  meta_path = path[:-len(".bin")] + ".json"
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp_bin, tmp_meta = path + ".tmp", meta_path + ".tmp"
-  num_tokens = 0
-  try:
-    with open(tmp_bin, "wb") as f:
-      for tokens in token_arrays:
-        tokens = np.asarray(tokens).reshape(-1)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-          raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-        f.write(tokens.astype(dtype).tobytes())
-        num_tokens += tokens.size
-    with open(tmp_meta, "w") as f:
-      json.dump({"dtype": np.dtype(dtype).name, "vocab_size": int(vocab_size),
-                 "num_tokens": num_tokens}, f)
-    # Tokens first, then the sidecar: a reader never sees a sidecar for missing tokens.
-    os.replace(tmp_bin, path)
-    os.replace(tmp_meta, meta_path)
-  finally:
-    for tmp in (tmp_bin, tmp_meta):
-      if os.path.exists(tmp):
-        os.remove(tmp)
-  return num_tokens
-
-
 def make_source(config):
   """The record source named by config.data.source."""
   d, m = config.data, config.model
   if d.source == "synthetic":
     return SyntheticSource(m.vocab_size, m.seq_len, config.train.seed, d.synthetic_records)
   if d.source == "tokens":
-    source = TokenFileSource(d.path, m.seq_len)
+    source = TokenFileSource(d.path, m.seq_len, verify_checksum=d.verify_checksum)
     if source.vocab_size > m.vocab_size:
       raise ConfigError("model.vocab_size", m.vocab_size,
                         f"smaller than the vocab_size {source.vocab_size} of data.path={d.path}",
@@ -218,8 +127,11 @@ def make_dataset(config, process_index: int, process_count: int) -> grain.IterDa
     ds = ds.shuffle(seed=config.train.seed % 2**32)
   ds = ds.repeat()  # Infinite; global position n is one fixed record.
   # Chunks of b consecutive global positions; global batch k is chunks kP .. kP+P-1,
-  # so process p takes every P-th chunk starting at p: positions kB+pb .. kB+pb+b-1.
-  ds = ds.batch(local_batch)[process_index::process_count]
+  # so process p takes every P-th chunk starting at p: positions kB+pb .. kB+pb+b-1, and
+  # reads no other record. drop_remainder: without it grain sizes the batched dataset as
+  # ceil(len / b) in floating point, which overflows on the infinite (sys.maxsize long)
+  # order at b = 1; floor division is exact, and the remainder it drops is 2**63 records away.
+  ds = ds.batch(local_batch, drop_remainder=True)[process_index::process_count]
   ds = ds.map(_to_example)
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=config.data.read_threads,
                                               prefetch_buffer_size=config.data.prefetch))

@@ -57,7 +57,8 @@ def tiny_config():
 
 
 @pytest.fixture
-def two_checkpoints(tmp_path, tiny_config):
-  """A one-device run of 6 steps with checkpoints 3 and 6: (workdir, config, its 3D step)."""
+def two_checkpoints(tmp_path, tmp_path_factory, tiny_config):
+  """A one-device run of 6 steps with checkpoints 3 and 6 (a copy: damage it freely):
+  (workdir, config, its 3D step)."""
   from tests.support.checkpoints import train_two_checkpoints
-  return train_two_checkpoints(tmp_path, tiny_config)
+  return train_two_checkpoints(tmp_path, tiny_config, tmp_path_factory)

@@ -2,7 +2,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
 
   python -m megajax.launch.bench pipeline [--stages=4] [--repeats=20]
   python -m megajax.launch.bench attention|operators|observe [--repeats=20]
-  python -m megajax.launch.bench checkpoint [--checkpoint_hidden=1024]
+  python -m megajax.launch.bench checkpoint [--checkpoint_hidden=1024] [--checkpoint_repeats=5]
   python -m megajax.launch.bench startup
   python -m megajax.launch.bench faults [--trials=20]
   python -m megajax.launch.bench planner
@@ -21,6 +21,8 @@ _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory an
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
 _CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
                                           "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
+_CHECKPOINT_REPEATS = flags.DEFINE_integer("checkpoint_repeats", 5,
+                                           "Saves with and without checksums in the checkpoint benchmark (medians).")
 _TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
 _SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the train (MFU) benchmark.")
 _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
@@ -32,7 +34,7 @@ BENCHMARKS = {
     "pipeline": lambda bench: bench.pipeline(_STAGES.value, _REPEATS.value),
     "attention": lambda bench: bench.attention(_REPEATS.value),
     "operators": lambda bench: bench.operators(_REPEATS.value),
-    "checkpoint": lambda bench: bench.checkpoint(_CHECKPOINT_HIDDEN.value),
+    "checkpoint": lambda bench: bench.checkpoint(_CHECKPOINT_HIDDEN.value, _CHECKPOINT_REPEATS.value),
     "startup": lambda bench: bench.startup(),
     "faults": lambda bench: bench.faults(_TRIALS.value),
     "observe": lambda bench: bench.observe(_REPEATS.value),

@@ -4,6 +4,10 @@ a ~170M-parameter GPT, on a dp=2 x tp=4 mesh of this machine's devices).
 
   save      synchronous save time (the baseline: the step waits for the write) vs the
             asynchronous save's blocking time (device -> host) and total time (to commit)
+  checksums the asynchronous save with array checksums (the default) vs without, alternated
+            over --checkpoint_repeats saves each (medians): what the step waits, the time to
+            commit; the fingerprint's own time on the devices (overlapped with the write) and
+            the time its dispatch takes (the part of it the step waits for)
   restore   direct (every device group reads its own shards) vs broadcast (data-parallel
             replica 0 reads, the other replica receives), seconds and bytes read
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -22,7 +27,9 @@ from absl import logging
 import jax
 
 from megajax.checkpoint import TrainingCheckpointer
+from megajax.checkpoint.integrity import checksums, fingerprints
 from megajax.config import default_config
+from megajax.launch.bench.timing import median_seconds
 from megajax.trainer import build_parallel_step
 
 
@@ -39,7 +46,38 @@ def _keys(tree):
   return jax.tree.unflatten(treedef, list(jax.random.split(jax.random.key(1), len(leaves))))
 
 
-def checkpoint(hidden_dim: int = 1024) -> None:
+def _checksums_side_by_side(config, state, root: str, repeats: int) -> None:
+  """Async saves with and without checksums, alternated (the machine's drift hits both alike)."""
+  checkpointers = {on: TrainingCheckpointer(os.path.join(root, f"checksums_{on}"), config, checksums=on)
+                   for on in (True, False)}
+  times = {True: [], False: []}
+  for step in range(repeats + 1):         # step 0: warm-up (compiles the fingerprint and the copy)
+    for on, checkpointer in checkpointers.items():
+      start = time.perf_counter()
+      blocking = checkpointer.save(step, state, {"next_index": step})
+      checkpointer.wait()
+      if step:
+        times[on].append((blocking, time.perf_counter() - start))
+  for checkpointer in checkpointers.values():
+    checkpointer.close()
+  fingerprint = median_seconds(fingerprints, state, repeats=repeats)
+  dispatches = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fingerprinted = fingerprints(state)
+    dispatches.append(time.perf_counter() - start)
+    jax.block_until_ready(fingerprinted)
+  median = {on: [statistics.median(t[i] for t in times[on]) for i in (0, 1)] for on in times}
+  print(f"{'checksums':10} {'step waits':>11} {'to commit':>10}   (async, median of {repeats})")
+  for on in (False, True):
+    print(f"{'on' if on else 'off':10} {median[on][0]:>10.3f}s {median[on][1]:>9.3f}s")
+  print(f"checksums on / off: step waits {median[True][0] / median[False][0]:.3f}, to commit "
+        f"{median[True][1] / median[False][1]:.3f}; the fingerprint alone {fingerprint:.3f} s on the devices "
+        f"({len(checksums(fingerprints(state)))} arrays), overlapped with the write; its dispatch "
+        f"{statistics.median(dispatches):.3f} s")
+
+
+def checkpoint(hidden_dim: int = 1024, repeats: int = 5) -> None:
   """hidden_dim=1024: the 1.9 GiB state; smaller for a quick run (the tests)."""
   logging.set_verbosity(logging.WARNING)      # Orbax logs every step of every save at INFO
   config = _bench_config(hidden_dim)
@@ -71,6 +109,7 @@ def checkpoint(hidden_dim: int = 1024) -> None:
     print(f"{'sync':10} {sync:>10.3f}s {sync:>9.3f}s")
     print(f"{'async':10} {blocking:>10.3f}s {total:>9.3f}s")
     print(f"async blocking / sync save: {blocking / sync:.3f}; async total / sync save: {total / sync:.3f}")
+    _checksums_side_by_side(config, state, root, repeats)
 
     print(f"{'restore':10} {'seconds':>9} {'bytes read':>12}")
     restored = {}

@@ -92,9 +92,12 @@ def faults(trials: int, seed: int = 0) -> None:
     found = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     incident = found[0] if found else {}
     incidents += found
+    # (None: a kill after the last step leaves no step to resume, so no time to resume nor steps lost.)
+    seconds = {field: float("nan") if incident.get(field) is None else incident[field]
+               for field in ("time_to_detect_s", "time_to_resume_s")}
     print(f"{trial:>5} {victim:>7} {at_step:>7} {str(ok):>9} {str(same):>7} "
-          f"{incident.get('time_to_detect_s', float('nan')):>8.2f} {incident.get('time_to_resume_s', float('nan')):>8.2f} "
-          f"{incident.get('steps_lost', '-'):>10}")
+          f"{seconds['time_to_detect_s']:>8.2f} {seconds['time_to_resume_s']:>8.2f} "
+          f"{'-' if incident.get('steps_lost') is None else incident['steps_lost']:>10}")
   print(f"\nrecoveries / trials: {recovered} / {trials}")
   print(f"bitwise-equal / trials: {equal} / {trials}")
   for field in ("time_to_detect_s", "time_to_resume_s", "steps_lost"):

@@ -29,14 +29,19 @@ from absl import logging
 import ml_collections
 
 from megajax.config import apply_overrides
+from megajax.launch.supervisor.diagnostics import processes_to_evict
 from megajax.launch.supervisor.hang_view import classify, format_hang_view
 from megajax.launch.supervisor.jobs import POLL_SECONDS, CommandJob, LocalJob, job_wait
 from megajax.observe.records import INCIDENTS, append_jsonl
 from megajax.trainer.heartbeat import HEARTBEAT_DIR, read_heartbeats
+from megajax.trainer.workdir import SUPERVISOR_LOCK_FILE, WorkdirLock, check_workdir
 
 STACK_DUMP_SECONDS = 2.0
 CRASH_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
-NOT_RETRIED = (2,)     # megajax-train's exit code for a config / checkpoint / topology error
+# megajax-train's exit code for a fault a restart repeats: config, topology, workdir (held by
+# another job, unwritable), checkpoint (none readable, a save that failed: a full disk) and
+# non-finite (every update skipped, or after rolling back as far as there is to go).
+NOT_RETRIED = (2,)
 
 
 @dataclasses.dataclass
@@ -90,7 +95,6 @@ class Supervisor:
     self.excluded_hosts: list[str] = []
     self.stop_requested = False
     self._last_report: dict | None = None     # the latest diagnostics report (hosts of processes)
-    os.makedirs(workdir, exist_ok=True)
 
   # --- Starting jobs.
 
@@ -114,11 +118,31 @@ class Supervisor:
   # --- The driver.
 
   def run(self) -> int:
+    """The job to the end; WorkdirError (before anything is started or written) when the
+    workdir cannot be used or another supervisor or training job holds it."""
+    supervisor_lock = self._claim_workdir()
     previous = signal.signal(signal.SIGTERM, self._on_sigterm)
     try:
       return self._run()
     finally:
       signal.signal(signal.SIGTERM, previous)
+      supervisor_lock.release()
+
+  def _claim_workdir(self) -> WorkdirLock:
+    """WORKDIR/supervisor.lock for the supervisor's whole life (its workers take WORKDIR/lock at
+    each attempt), after checking that no training job holds WORKDIR/lock: a second supervisor
+    or one started on a running job's workdir refuses before it clears the heartbeats."""
+    check_workdir(self.workdir)
+    supervisor_lock = WorkdirLock(self.workdir, SUPERVISOR_LOCK_FILE)
+    supervisor_lock.acquire()
+    try:
+      job_lock = WorkdirLock(self.workdir)
+      job_lock.acquire()
+      job_lock.release()
+    except BaseException:
+      supervisor_lock.release()
+      raise
+    return supervisor_lock
 
   def _on_sigterm(self, signum, frame):
     self.stop_requested = True
@@ -154,8 +178,8 @@ class Supervisor:
       job.stop(grace=1.0)       # a broken job cannot save anything: a moment for logs, then SIGKILL
       incident = self._incident(failure, attempt)
       if failure.exit_code in NOT_RETRIED:
-        self._append_incident({**incident, "action": "give_up", "reason": "not retried: a config or "
-                               "checkpoint error repeats on every restart"})
+        self._append_incident({**incident, "action": "give_up", "reason": "not retried: a config, "
+                               "workdir, checkpoint or non-finite error repeats on every restart"})
         return failure.exit_code
       if attempt == self.config.supervisor.max_restarts:
         self._append_incident({**incident, "action": "give_up", "reason": "restart budget spent"})
@@ -269,11 +293,8 @@ class Supervisor:
   def _recover(self, attempt: int, blamed: list[int]) -> dict:
     """Diagnostics, then the next attempt's layout: the same hosts, a spare for a bad one, or
     (elastic) fewer processes with a smaller dp and more accumulation. Bad: a process the
-    failure blamed that the diagnostics also find slow."""
-    found = self._diagnose(attempt) if self.config.supervisor.diagnose else []
-    # Only a process the failure points at is evicted: a healthy bystander that measures a
-    # little slow (noise, shared hosts) is no reason to shrink the job.
-    bad = [p for p in found if p in blamed]
+    failure blamed that the diagnostics find slow, run after run (`_diagnose`)."""
+    bad = self._diagnose(attempt, blamed) if self.config.supervisor.diagnose else []
     action = {"action": "restart", "bad_processes": bad}
     if not bad:
       return action
@@ -310,21 +331,36 @@ class Supervisor:
     hosts = {d["process"]: d["host"] for d in report.get("devices", [])}
     return sorted({hosts.get(p, f"process-{p}") for p in processes})
 
-  def _diagnose(self, attempt: int) -> list[int]:
-    """megajax-diagnose on the same processes; the processes it finds slow are bad."""
-    output = os.path.join(self.workdir, "diagnostics", f"after_attempt_{attempt}.json")
+  def _diagnose(self, attempt: int, blamed: list[int]) -> list[int]:
+    """The bad processes: megajax-diagnose on the same processes, run again while a process the
+    failure blamed is slow in every run so far, until diagnostics.processes_to_evict decides
+    (SLOW_RUNS slow runs in a row). A healthy bystander that measures slow (a shared host) is
+    no reason to shrink the job, nor is one noisy run. A failed run: the same hosts."""
+    reports = []
+    while (bad := processes_to_evict(reports, blamed)) is None:
+      report = self._diagnose_once(attempt, len(reports))
+      if report is None:
+        return []
+      reports.append(report)
+      logging.warning("diagnostics run %d: %s", len(reports),
+                      f"slow process(es) {report['bad_processes']}" if report["bad_processes"] else "none slow")
+    if bad:
+      logging.warning("diagnostics: process(es) %s slow in %d runs in a row", bad, len(reports))
+    return bad
+
+  def _diagnose_once(self, attempt: int, run: int) -> dict | None:
+    """One megajax-diagnose job's report (None when it failed)."""
+    output = os.path.join(self.workdir, "diagnostics", f"after_attempt_{attempt}_run_{run}.json")
     os.makedirs(os.path.dirname(output), exist_ok=True)
     job = self._start("megajax.launch.diagnose", [*self._config_args(), f"--output={output}"], attempt,
-                      f"diagnose_{attempt}")
+                      f"diagnose_{attempt}_run_{run}")
     code = job_wait(job, timeout=max(120.0, self.config.supervisor.hang_timeout_s))
     if code != 0 or not os.path.exists(output):
       logging.error("diagnostics did not complete (exit code %s): restarting on the same hosts", code)
-      return []
+      return None
     with open(output) as f:
       self._last_report = json.load(f)
-    bad = self._last_report.get("bad_processes", [])
-    logging.warning("diagnostics: %s", f"bad process(es) {bad}" if bad else "every process healthy")
-    return bad
+    return self._last_report
 
   def _record_rollback(self, process: int, beat: dict) -> None:
     rollback = beat.get("last_rollback") or {}

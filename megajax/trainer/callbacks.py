@@ -191,12 +191,17 @@ class Checkpointing(Callback):
     self.guard = guard                      # nonfinite.NonFiniteGuard: reads a step's flag before its save
 
   def after_step(self, loop: Loop) -> None:
+    if self.checkpointer:     # a save that failed in the background ends the run now, not at the next save
+      self.checkpointer.check_for_errors(loop.step)
     saved = False
     if self.checkpointer and self.checkpointer.due(loop.step, loop.preempted):
       loop.beat(phase=f"checkpoint save {loop.step}")
       self.guard.flush(loop)
-      if self.guard.in_a_row:      # resuming inside a run of skips would forget it: keep the last good one
-        logging.warning("step %d: no checkpoint inside a run of %d skipped steps", loop.step, self.guard.in_a_row)
+      # Resuming inside a run of skips would forget it (and after a rollback the state is an older
+      # one): keep the last good checkpoint until an update applies.
+      if self.guard.skipping_since is not None:
+        logging.warning("step %d: no checkpoint inside a run of skipped updates (since step %d)", loop.step,
+                        self.guard.skipping_since)
       else:
         blocking = self.checkpointer.save(loop.step, loop.state, loop.batches.get_state())
         logging.info("checkpoint %d: the step waited %.3f s (device -> host); writing in the background",

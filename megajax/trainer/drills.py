@@ -10,8 +10,8 @@ the tests (and an operator rehearsing) can check that what should notice it does
   debug.slow_rank="dp,pp,tp"      that rank runs debug.slow_rank_work extra matmuls per step
                                   (from debug.slow_rank_from_step), as a slow GPU would:
                                   megajax-trace's straggler detection
-  debug.diagnose_slow_process=i   megajax-diagnose measures process i at half speed, as a
-                                  bad host would: the supervisor's elastic continue
+  debug.diagnose_slow_process=i   megajax-diagnose measures process i at a quarter of its
+                                  speed, as a bad host would: the supervisor's elastic continue
 """
 
 from __future__ import annotations
@@ -85,5 +85,6 @@ def straggler_work(config: ml_collections.ConfigDict) -> Callable | None:
 
 def diagnose_slowed(config: ml_collections.ConfigDict, process: int) -> bool:
   """debug.diagnose_slow_process: does megajax-diagnose run this process's device measurements
-  at half speed (each timed run then sleeps as long again)? Collectives are never slowed."""
+  slowed (each timed run then sleeps until it took diagnostics.DRILL_SLOWDOWN x as long)?
+  Collectives are never slowed."""
   return config.debug.diagnose_slow_process == process

@@ -1,8 +1,10 @@
 """The training loop as a library: `train(config, workdir)` trains up to `config.train.steps`.
 
-`train` reads top to bottom as named sections, each one call: the model and the 3D-parallel
-step -> data -> the workdir (config, heartbeat, checkpointer) -> state (resume or init) ->
-compile -> the loop with its callbacks -> export. The launcher (megajax.launch.train) and the
+`train` reads top to bottom as named sections, each one call: the config's memory estimate
+against its devices (parallel.planner.fits) -> the workdir claimed (checked,
+locked: one job per workdir) -> the model and the 3D-parallel step -> data -> the workdir
+(config, heartbeat, checkpointer) -> state (resume or init) -> compile -> the loop with its
+callbacks -> export. The launcher (megajax.launch.train) and the
 Python API both call it. Every run, one device or many, goes through the 3D-parallel step
 (megajax.parallel.ParallelStep). With a workdir, a run resumes from the latest complete
 checkpoint in WORKDIR/checkpoints (`train.steps` is the total target), saves on the
@@ -28,10 +30,12 @@ from megajax.model import GPT, ModelConfig, count_params
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
 from megajax.parallel import ParallelStep, local_batch_slice, local_device_coordinates, make_mesh
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
+from megajax.parallel.planner.fits import check_fits
 from megajax.reference_step import TrainState
 from megajax.trainer import callbacks, drills
 from megajax.trainer.heartbeat import Heartbeat
 from megajax.trainer.nonfinite import NonFiniteGuard
+from megajax.trainer.workdir import claim_workdir
 
 
 @dataclasses.dataclass
@@ -57,7 +61,16 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
           progress: bool | None = None, devices=None) -> TrainResult:
   """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
   validate(config)
+  # --- A config its devices cannot hold, by the cost model's estimate: refused before the
+  # workdir, the data or any compile (the step's build compiles small programs), in an instant.
+  check_fits(config, jax.devices() if devices is None else devices)
+  # --- The workdir, this job's alone from before anything is written into it to the export: a
+  # second job on it, or one it cannot write, fails here with a WorkdirError (workdir.py).
+  with claim_workdir(workdir, config.supervisor.startup_timeout_s):
+    return _train(config, workdir, progress, devices)
 
+
+def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: bool | None, devices) -> TrainResult:
   outcome = {"finished": False}       # the heartbeat's last beat reads it as the stack closes
   with contextlib.ExitStack() as cleanup:    # everything opened below closes in reverse, always
     # --- Watching the compiles: every one of this run's, for the persistent cache's hits and misses.

@@ -3,6 +3,7 @@
   cost_model.py   per-device memory and step time / MFU of a plan (dp, pp, tp, v, microbatch)
                   on a device type; `Calibration`, the fitted step-time constants, a plain value
   plans.py        every plan that divides evenly, the ones that fit, best predicted MFU first
+  fits.py         the trainer's check before anything compiles: does a config fit its devices
   paper.py        the MegaScale paper's Tables 2 and 3, predicted next to the published MFU
   calibration.py  the least-squares fit of Calibration to the paper, and the memory model
                   checked against XLA's memory analysis of the real compiled step

@@ -24,6 +24,7 @@ from megajax.model import GPT, ModelConfig
 from megajax.parallel.mesh import make_mesh
 from megajax.parallel.planner import cost_model, paper
 from megajax.parallel.planner.cost_model import CALIBRATION, Calibration
+from megajax.parallel.planner.fits import plan_of
 from megajax.parallel.step import ParallelStep
 
 # The Calibration fields Table 3 fits (8 constants, 9 numbers); Table 2 then fits scale_loss.
@@ -88,15 +89,6 @@ def memory_case_config(case: MemoryCase):
   config.model.compute_dtype, config.model.remat = "float32", "none"
   config.parallel.tp_overlap = "none"
   return apply_overrides(config, case.overrides)
-
-
-def plan_of(config) -> cost_model.Plan:
-  """The cost model's Plan for a megajax config (its own block and attention, no switches changed)."""
-  c, p, t = config.model, config.parallel, config.train
-  opts = cost_model.Optimizations(ptb=c.block == "parallel", swa=True, fused_ops=c.attention_impl != "xla",
-                                  lamb=config.optimizer.name == "lamb")
-  return cost_model.Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches),
-                         t.batch_size, opts, "megajax")
 
 
 def predicted_bytes(config) -> float:

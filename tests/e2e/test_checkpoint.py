@@ -1,6 +1,6 @@
 """Training checkpoints across processes: exact resume after a kill, preemption, kills during
-saves, a mismatched checkpoint through the launcher, a 2-process job's resume and broadcast
-restore."""
+saves, a mismatched checkpoint and a run whose every update is skipped through the launcher,
+a 2-process job's resume and broadcast restore."""
 
 import os
 import random
@@ -108,6 +108,20 @@ def test_the_launcher_reports_a_mismatched_checkpoint_in_one_line(two_checkpoint
   assert result.returncode == 2
   assert "checkpoint error: checkpoint" in result.stderr and "model.hidden_dim: checkpoint 32, this run 128" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+def test_a_run_whose_every_update_is_skipped_exits_2_in_one_line(tmp_path):
+  """Every batch non-finite (as with a learning rate of inf): the run rolls back to the initial
+  state, meets the same again, and megajax-train ends with one line and exit code 2 (the
+  supervisor does not retry it); no checkpoint, no parameters, no "done"."""
+  workdir = tmp_path / "run"
+  result = launch(workdir, f"--config.debug.nonfinite_steps={','.join(map(str, range(1, 13)))}")
+  assert result.returncode == 2, result.stderr[-3000:]
+  line, = [line for line in result.stderr.splitlines() if line.startswith("megajax-train: ")]
+  assert line.startswith("megajax-train: non-finite error: step 6: every update was skipped after rolling back to "
+                         "the initial state (steps 1-6:"), line
+  assert "Traceback" not in result.stderr and "done: step" not in result.stderr
+  assert not (workdir / "params").exists() and not any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
 
 
 def test_killing_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):

@@ -41,7 +41,7 @@ def test_prepare_data_cli_end_to_end(tmp_path):
           f"--config.model.vocab_size=257") in result.stdout
   source = data.TokenFileSource(output, seq_len=len(expected) - 1)
   np.testing.assert_array_equal(source[0], expected)
-  # --noeos drops the separators; a glob matching nothing is a usage error.
+  # --noeos drops the separators; --verify checks a file; a glob matching nothing is one line, exit 2.
   result = subprocess.run(
       [sys.executable, "-m", "megajax.launch.prepare_data", f"--input={tmp_path}/a.txt",
        "--noeos", f"--output={output}"], capture_output=True, text=True, timeout=60)
@@ -51,7 +51,11 @@ def test_prepare_data_cli_end_to_end(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "megajax.launch.prepare_data", f"--input={tmp_path}/none*.txt",
        f"--output={output}"], capture_output=True, text=True, timeout=60)
-  assert result.returncode != 0 and "matches no file" in result.stderr
+  assert result.returncode == 2 and result.stderr.splitlines() == [
+      f"megajax-prepare-data: input error: '{tmp_path}/none*.txt' matches no file"], result.stderr
+  result = subprocess.run([sys.executable, "-m", "megajax.launch.prepare_data", f"--verify={output}"],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0 and result.stdout.startswith(f"{output}: ok: "), result.stderr
 
 
 def test_plan_cli_prints_the_best_plan_with_its_bottleneck():

@@ -29,7 +29,7 @@ def test_two_processes_find_the_slow_process(two_process_report):
   assert sorted((c["op"], c["process"]) for c in across) == [
       (op, p) for op in ("all_gather", "all_reduce", "ppermute") for p in (0, 1)]
 
-  # The drill halves process 1's per-device speed: each of its devices is an outlier, and no
+  # The drill quarters process 1's per-device speed: each of its devices is an outlier, and no
   # device of process 0 is.
   device_outliers = [o for o in report["outliers"] if o["device_id"] is not None]
   slow_devices = {d["device_id"] for d in devices if d["process"] == 1}
@@ -39,3 +39,6 @@ def test_two_processes_find_the_slow_process(two_process_report):
   # Bad processes come from device outliers only (a collective's members time it together;
   # here gloo over loopback on 2 shared cores can time one process's view 2x another's).
   assert report["bad_processes"] == [1]
+  # ... and slow, the eviction evidence: below 0.5 x the other process's median, every metric.
+  assert {(s["process"], s["metric"]) for s in report["slow"]} == {
+      (1, metric) for metric in ("matmul_tflops", "h2d_gbps", "d2h_gbps")}

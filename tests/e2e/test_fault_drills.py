@@ -102,14 +102,14 @@ def test_nan_steps_are_skipped_then_rolled_back(reference, tmp_path):
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, tmp_path):
   """The same job with a kill -9 of a random worker at a random step: the supervisor restarts
-  it, the run finishes, and the final parameters equal the uninterrupted run's bit for bit;
-  the restart compiles from the workdir's persistent cache."""
+  it on the same hosts (the diagnostics find the killed one healthy: no eviction on noise),
+  the run finishes, and the final parameters equal the uninterrupted run's bit for bit; the
+  restart compiles from the workdir's persistent cache."""
   killed = tmp_path / "killed"
   rng = random.Random(os.getpid())
   victim, at_step = rng.randrange(2), rng.randrange(2, 11)
   drill = f"kill -9 of process {victim} at step {at_step}"     # random: named in every failure
-  process = start_supervisor(killed, f"--config.runtime.compilation_cache_dir={killed}/jax_cache",
-                             "--config.supervisor.diagnose=false")      # the same mesh after the restart
+  process = start_supervisor(killed, f"--config.runtime.compilation_cache_dir={killed}/jax_cache")
   pid = wait_for_step(process, killed, at_step)[victim]["pid"]
   os.kill(pid, signal.SIGKILL)
   output = finish(process, killed)
@@ -117,6 +117,8 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, 
   crash = [i for i in incidents(killed) if i["kind"] == "exit"]
   assert len(crash) == 1 and crash[0]["processes"] == [victim], (drill, incidents(killed))
   assert crash[0]["steps_lost"] >= 0 and crash[0]["time_to_resume_s"] > 0, (drill, crash)
+  assert crash[0]["action"] == "restart" and crash[0]["bad_processes"] == [], (drill, crash)
+  assert list((killed / "diagnostics").glob("*.json")), drill     # diagnosed, found healthy
   assert sorted(losses(killed)) == sorted(losses(reference)), drill   # each step logged once, restart or not
   for a, b in zip(jax.tree.leaves(load_params(str(reference / "params"))),
                   jax.tree.leaves(load_params(str(killed / "params")))):

@@ -64,6 +64,17 @@ def test_token_file_vocab_mismatch_fails_before_compiling(tmp_path):
   assert not (workdir / "metrics.jsonl").exists()
 
 
+def test_a_model_that_cannot_fit_is_one_line_and_leaves_no_workdir(tmp_path):
+  """The cost model's estimate against the device's memory, before the workdir, its compilation
+  cache or any compile (megajax.parallel.planner.fits): refused in an instant."""
+  workdir = tmp_path / "run"
+  line = one_line_failure(run_module([*TRAIN, f"--workdir={workdir}", "--config.model.hidden_dim=1000000"]),
+                          "config error", "GB estimated", "a device has (CPU: ")
+  assert line.startswith("megajax-train: config error: memory per device='"), line
+  # (The launcher makes the directory itself when it checks that it can write there.)
+  assert not workdir.exists() or list(workdir.iterdir()) == []
+
+
 # --- Training runs.
 
 

@@ -1,19 +1,21 @@
 """Training checkpoints in process: the cadence, retention, the two-stage asynchronous save,
-the config's checks, bad checkpoints and another model's. (Across kills, preemption and
-processes: tests/e2e; onto other meshes: tests/integration.)"""
+the config's checks, integrity (checksums, digests, quarantine), bad checkpoints and another
+model's. (Across kills, preemption and processes: tests/e2e; onto other meshes: tests/integration.)"""
 
 import os
 import threading
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from megajax.checkpoint import CheckpointError, TrainingCheckpointer
+from megajax.checkpoint import CheckpointError, TrainingCheckpointer, load_params
+from megajax.checkpoint.integrity import checksums, fingerprints
 from megajax.config import ConfigError, validate
 from megajax.trainer import train
-from tests.support.checkpoints import parallel_step_for, restore_latest, truncate_arrays
+from tests.support.checkpoints import DAMAGES, parallel_step_for, quarantined, restore_latest, truncate_arrays
 
 
 def test_retention_keeps_the_last_k_and_every_mth(tmp_path, tiny_config):
@@ -92,28 +94,64 @@ def test_checkpoint_fields_are_validated(tiny_config, field, value):
     validate(tiny_config)
 
 
-# --- Bad checkpoints.
+# --- Integrity and bad checkpoints.
 
-@pytest.mark.parametrize("damage", ["truncated_arrays", "garbage_meta"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(two_checkpoints, damage, caplog):
+def test_a_fingerprint_is_the_same_on_any_sharding_and_moves_with_any_change():
+  """The checksum of a global array does not depend on the mesh it is computed on (a restore
+  onto another mesh checks the save's); one changed element or two swapped ones change it."""
+  x = jax.random.normal(jax.random.key(0), (8, 12, 6))
+  mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[:8])
+  on = lambda *spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+  want = checksums(fingerprints({"x": x}))
+  assert all(checksums(fingerprints({"x": y})) == want for y in (on("a", "b"), on(None, "b", "a"), on(("a", "b"))))
+  flipped = x.at[3, 4, 5].set(np.float32(np.nextafter(x[3, 4, 5], np.inf)))
+  swapped = x.at[0, 0, 0].set(x[0, 0, 1]).at[0, 0, 1].set(x[0, 0, 0])
+  assert checksums(fingerprints({"x": flipped})) != want and checksums(fingerprints({"x": swapped})) != want
+
+
+@pytest.mark.parametrize("damage,restore_mode", [(d, "direct") for d in DAMAGES] + [("flipped_bytes", "broadcast")])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(two_checkpoints, damage, restore_mode, caplog):
+  """Each damage is caught (a flipped byte by the checksums, an edited meta by its digest), the
+  previous checkpoint restored, and the damaged one moved to quarantine/<step>-<reason>."""
   workdir, config, parallel_step = two_checkpoints
+  config.checkpoint.restore_mode = restore_mode
   latest = workdir / "checkpoints" / "6"
-  if damage == "truncated_arrays":
-    truncate_arrays(latest)
-  else:
-    (latest / "meta" / "metadata").write_bytes(os.urandom(64))
+  damage_fn, reason = DAMAGES[damage]
+  damage_fn(latest)
   with caplog.at_level("ERROR"):
     restored = restore_latest(workdir, config, parallel_step)
   assert restored.step == 3 and int(restored.state.step) == 3
   assert f"checkpoint {latest} is unreadable" in caplog.text and "falling back" in caplog.text
+  assert quarantined(workdir) == [f"6-{reason}"] and not latest.exists()
+
+
+@pytest.mark.parametrize("damage", ["flipped_bytes", "truncated_arrays", "deleted_meta", "deleted_state_metadata",
+                                    "deleted_data_state"])
+def test_a_finished_run_with_a_damaged_last_checkpoint_is_finished_again(two_checkpoints, damage):
+  """The last checkpoint of a finished run damaged, the run relaunched: it resumes from the
+  one before, trains to the end again, saves the step again, and exports the uninterrupted
+  run's parameters bit for bit (never a damaged state, never 'nothing to do')."""
+  workdir, config, _ = two_checkpoints
+  want = jax.tree.leaves(load_params(str(workdir / "params")))
+  DAMAGES[damage][0](workdir / "checkpoints" / "6")
+  result = train(config, str(workdir), devices=jax.devices()[:1])
+  assert result.start_step == 3 and [h["step"] for h in result.history][-1] == 6
+  assert quarantined(workdir) == [f"6-{DAMAGES[damage][1]}"]
+  for a, b in zip(want, jax.tree.leaves(load_params(str(workdir / "params")))):
+    np.testing.assert_array_equal(a, b)
+  checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
+  assert checkpointer.all_steps() == [3, 6] and int(checkpointer.restore(6, None).state["step"]) == 6
+  checkpointer.close()
 
 
 def test_no_readable_checkpoint_is_an_error_naming_them(two_checkpoints):
+  """Then nothing is moved aside: it may be this run that cannot read them."""
   workdir, config, parallel_step = two_checkpoints
   for step in (3, 6):
     truncate_arrays(workdir / "checkpoints" / str(step))
   with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*checkpoints/6, .*checkpoints/3 failed"):
     restore_latest(workdir, config, parallel_step)
+  assert quarantined(workdir) == []
 
 
 def test_a_checkpoint_of_another_model_lists_the_fields(two_checkpoints):

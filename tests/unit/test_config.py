@@ -1,9 +1,13 @@
-"""Config validation: every bad field is named in a one-line error with its fix."""
+"""Config validation: every bad field is named in a one-line error with its fix, and so is
+every fault of a config file."""
+
+import re
 
 import pytest
 
 from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, REMAT_CHOICES, ConfigError, default_config,
                             load_config, validate)
+from megajax.launch import train as train_command
 from megajax.layers import ATTENTION_IMPLS
 from megajax.model import BLOCK_MODULES, REMAT_POLICIES
 from megajax.parallel.tensor_parallel import BLOCK_FUNCTIONS
@@ -25,7 +29,22 @@ INVALID = [
     ("model.compute_dtype", "fp8", "model.compute_dtype"),
     ("model.remat", "some", "model.remat"),
     ("optimizer.name", "sgdm", "optimizer.name"),
-    ("optimizer.learning_rate", 0.0, "optimizer.learning_rate"),
+    ("optimizer.learning_rate", 0.0, "optimizer.learning_rate"),       # a run that trains nothing
+    ("optimizer.learning_rate", float("inf"), "optimizer.learning_rate"),  # every update skipped
+    ("optimizer.learning_rate", float("nan"), "optimizer.learning_rate"),
+    ("optimizer.learning_rate", -1e-3, "optimizer.learning_rate"),
+    ("optimizer.eps", float("inf"), "optimizer.eps"),
+    ("optimizer.b1", float("nan"), "optimizer.b1"),
+    ("optimizer.weight_decay", float("inf"), "optimizer.weight_decay"),
+    ("optimizer.weight_decay", -0.1, "optimizer.weight_decay"),
+    ("optimizer.grad_clip_norm", float("nan"), "optimizer.grad_clip_norm"),
+    ("optimizer.grad_clip_norm", float("inf"), "optimizer.grad_clip_norm"),
+    ("optimizer.end_lr_ratio", float("nan"), "optimizer.end_lr_ratio"),
+    ("train.z_loss", float("inf"), "train.z_loss"),
+    ("model.init_std", float("nan"), "model.init_std"),
+    ("model.rope_theta", float("inf"), "model.rope_theta"),
+    ("model.layernorm_epsilon", -1e-5, "model.layernorm_epsilon"),
+    ("supervisor.startup_timeout_s", float("inf"), "supervisor.startup_timeout_s"),
     ("optimizer.b2", 1.0, "optimizer.b2"),
     ("optimizer.warmup_steps", 500, "optimizer.warmup_steps"),
     ("train.microbatches", 3, "train.microbatches"),       # 16 not divisible by 3
@@ -48,7 +67,7 @@ INVALID_FOR_TP = [
 ]
 
 
-@pytest.mark.parametrize("field,value,named", INVALID, ids=[f"{f}={v}" for f, v, _ in INVALID])
+@pytest.mark.parametrize("field,value,named", INVALID, ids=[f"{f}={v!r}" for f, v, _ in INVALID])
 def test_invalid_config_names_the_field(field, value, named):
   config = default_config()
   group, name = field.split(".")
@@ -125,3 +144,35 @@ def test_every_name_a_choice_field_accepts_is_implemented():
   assert set(BLOCK_CHOICES) == set(BLOCK_MODULES) == set(BLOCK_FUNCTIONS)
   assert set(REMAT_CHOICES) == set(REMAT_POLICIES) | {"none"}
   assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_IMPLS)
+
+
+# Every way a config file can fail to give a config: (file text or None for no file, what the
+# one line must say besides the file's name).
+CONFIG_FILE_FAULTS = {
+    "missing": (None, "no such config file"),
+    "syntax error": ("def get_config(:\n", "syntax error at line 1"),
+    "get_config raises": ("def get_config():\n  raise ValueError('no such preset\\nsecond line')\n",
+                          "get_config() raised ValueError: no such preset;"),
+    "no get_config": ("from megajax.config import default_config\n", "defines no get_config()"),
+    "import fails": ("import megajax_no_such_module\n", "loading it raised ModuleNotFoundError"),
+    "returns None": ("def get_config():\n  pass\n", "get_config() returned NoneType, not a ConfigDict"),
+}
+
+
+@pytest.mark.parametrize("fault", CONFIG_FILE_FAULTS)
+def test_config_file_faults_are_one_line_and_exit_2(fault, tmp_path, capsys):
+  """What every command with --config (train, supervise, diagnose, plan) parses its flags with:
+  `megajax-<cmd>: config error: config='FILE': ...`, one line, exit code 2."""
+  text, expected = CONFIG_FILE_FAULTS[fault]
+  path = tmp_path / "experiment.py"
+  if text is not None:
+    path.write_text(text)
+  with pytest.raises(ConfigError, match=r"^config='.*experiment\.py': " + re.escape(expected)):
+    load_config(str(path))
+  with pytest.raises(SystemExit) as exit:
+    train_command.parse_flags(["megajax-train", "--config", str(path), f"--workdir={tmp_path}/run"])
+  assert exit.value.code == 2
+  stderr = capsys.readouterr().err
+  assert stderr.startswith(f"megajax-train: config error: config='{path}': ") and expected in stderr, stderr
+  assert stderr.count("\n") == 1 and "Traceback" not in stderr
+  assert not (tmp_path / "run").exists()

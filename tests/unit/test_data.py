@@ -1,7 +1,7 @@
-"""megajax/data.py: determinism, sharding, resume, token files, the device prefetcher (megajax-prepare-data: tests/e2e)."""
+"""megajax/data.py: determinism, the batch split over processes, resume, the device prefetcher
+(token files themselves: tests/unit/test_token_files.py)."""
 
 import json
-import os
 import threading
 
 import jax
@@ -10,6 +10,7 @@ import pytest
 
 from megajax import config as config_lib
 from megajax import data
+from megajax import token_files
 
 
 def _config(**data_overrides):
@@ -72,23 +73,65 @@ def test_batch_layout_and_targets_are_inputs_shifted_by_one():
     np.testing.assert_array_equal(batch["targets"][i], source[i][1:])
 
 
+def _global_batches(config, process_count, num_batches):
+  """What `process_count` processes read, process p from its own iterator, rows concatenated."""
+  per_process = [_take(data.make_iterator(config, p, process_count), num_batches) for p in range(process_count)]
+  b = config.train.batch_size // process_count
+  for local in per_process:
+    assert all(batch["inputs"].shape == (b, config.model.seq_len) for batch in local)
+  return [{key: np.concatenate([local[k][key] for local in per_process]) for key in per_process[0][0]}
+          for k in range(num_batches)]
+
+
 @pytest.mark.parametrize("source", ["synthetic", "tokens"])
-def test_global_batch_is_the_same_for_any_process_count(tmp_path, source):
+@pytest.mark.parametrize("global_batch", [8, 24])
+def test_global_batch_is_the_same_for_any_process_count(tmp_path, source, global_batch):
+  """1, 2, 4 and 8 processes; at 8 x 1 and 8 x 3 rows one or a few rows each."""
   c = _config() if source == "synthetic" else _arange_token_config(tmp_path)
+  c.train.batch_size = global_batch
   assert c.data.shuffle
-  num_batches = 4  # 32 records: crosses an epoch boundary of the 21-record token file.
-  reference = None
-  for count in (1, 2, 4):
-    per_process = [_take(data.make_iterator(c, p, count), num_batches) for p in range(count)]
-    for local in per_process:
-      assert local[0]["inputs"].shape == (8 // count, c.model.seq_len)
-    global_batches = [
-        {key: np.concatenate([per_process[p][k][key] for p in range(count)]) for key in local[0]}
-        for k in range(num_batches)]
-    if reference is None:
-      reference = global_batches
-    else:
-      _assert_batches_equal(reference, global_batches)
+  num_batches = 3  # 24 or 72 records: crosses an epoch boundary of the 21-record token file.
+  reference = _global_batches(c, 1, num_batches)
+  for count in (2, 4, 8):
+    _assert_batches_equal(reference, _global_batches(c, count, num_batches))
+
+
+def test_batch_size_one(tmp_path):
+  c = _arange_token_config(tmp_path, num_records=5)
+  c.train.batch_size, c.data.shuffle = 1, False
+  firsts = [int(b["inputs"][0, 0]) // 4 for b in _take(data.make_iterator(c, 0, 1), 7)]
+  assert firsts == [0, 1, 2, 3, 4, 0, 1]
+
+
+class _RecordingSource:
+  """A source that notes every record index it is asked for."""
+
+  def __init__(self, source):
+    self.source, self.read = source, []
+
+  def __len__(self):
+    return len(self.source)
+
+  def __getitem__(self, index):
+    self.read.append(index)
+    return self.source[index]
+
+
+@pytest.mark.parametrize("global_batch,process_count", [(8, 2), (8, 8), (24, 8)])
+def test_each_process_reads_only_its_own_rows(tmp_path, monkeypatch, global_batch, process_count):
+  c = _arange_token_config(tmp_path, num_records=1000)   # no record twice in what is read here
+  c.train.batch_size = global_batch
+  reference = _global_batches(c, 1, 30)
+  sources, make_source = [], data.make_source          # sources[p]: process p's, made by make_iterator
+  monkeypatch.setattr(data, "make_source", lambda config: sources.append(_RecordingSource(make_source(config)))
+                      or sources[-1])
+  b = global_batch // process_count
+  for p in range(process_count):
+    _take(data.make_iterator(c, p, process_count), 3)
+    own = [set(batch["inputs"][p * b:(p + 1) * b, 0] // 4) for batch in reference]
+    read = set(sources[p].read)
+    assert set().union(*own[:3]) <= read                 # its rows of the batches it handed out
+    assert read <= set().union(*own)                     # and nothing else (read-ahead included)
 
 
 def test_shuffle_is_a_fresh_permutation_each_epoch(tmp_path):
@@ -108,15 +151,36 @@ def test_batch_size_must_split_over_processes():
     data.make_dataset(_config(), 0, 3)
 
 
-def test_grain_iterator_state_json_round_trip_resumes_at_the_next_batch():
+@pytest.mark.parametrize("global_batch,process_index,process_count", [(8, 1, 2), (8, 5, 8), (1, 0, 1)])
+def test_grain_iterator_state_json_round_trip_resumes_at_the_next_batch(global_batch, process_index, process_count):
   c = _config()
-  iterator = data.make_iterator(c, 1, 2)
+  c.train.batch_size = global_batch
+  iterator = data.make_iterator(c, process_index, process_count)
   _take(iterator, 3)
   state = json.loads(json.dumps(iterator.get_state()))
+  assert state == {"next_index": 3}   # grain's own state: what every checkpoint's data state holds
   expected = _take(iterator, 2)
-  resumed = data.make_iterator(c, 1, 2)
+  resumed = data.make_iterator(c, process_index, process_count)
   resumed.set_state(state)
   _assert_batches_equal(expected, _take(resumed, 2))
+
+
+def test_a_bad_id_in_a_batch_is_one_line_naming_file_record_and_id(tmp_path):
+  tokens = np.arange(200) % 50
+  tokens[130] = 99
+  path = str(tmp_path / "tokens.bin")
+  data.write_token_file(path, tokens, 100)
+  with open(token_files.sidecar_path(path)) as f:
+    meta = json.load(f)
+  with open(token_files.sidecar_path(path), "w") as f:
+    json.dump(dict(meta, vocab_size=64), f)   # a sidecar that lies about its ids
+  c = _config(source="tokens", path=path, shuffle=False)
+  c.model.seq_len, c.train.batch_size = 16, 2
+  iterator = data.make_iterator(c, 0, 1)
+  _take(iterator, 4)                         # records 0 .. 7
+  with pytest.raises(config_lib.ConfigError) as error:
+    next(iterator)                           # records 8 (tokens 128 .. 144) and 9
+  assert str(error.value).startswith(f"data.path={path!r}: record 8 holds the id 99 (token 130), outside [0, 64)")
 
 
 def test_device_prefetcher_state_counts_only_handed_out_batches():
@@ -177,33 +241,6 @@ def test_device_prefetcher_reraises_errors_and_closes():
     next(prefetcher)
 
 
-@pytest.mark.parametrize("vocab_size,dtype", [(257, "uint16"), (70_000, "uint32")])
-def test_bin_token_file_round_trip(tmp_path, vocab_size, dtype):
-  rng = np.random.default_rng(0)
-  docs = [rng.integers(0, vocab_size, size=n) for n in (50, 1, 30)]
-  tokens = np.concatenate(docs)
-  path = str(tmp_path / "sub" / "tokens.bin")
-  assert data.write_token_file(path, iter(docs), vocab_size) == 81
-  with open(str(tmp_path / "sub" / "tokens.json")) as f:
-    assert json.load(f) == {"dtype": dtype, "vocab_size": vocab_size, "num_tokens": 81}
-  assert sorted(os.listdir(tmp_path / "sub")) == ["tokens.bin", "tokens.json"]  # No temp files left.
-  source = data.TokenFileSource(path, seq_len=8)
-  assert len(source) == 10 and source.vocab_size == vocab_size
-  for i in range(len(source)):
-    assert source[i].dtype == np.int32
-    np.testing.assert_array_equal(source[i], tokens[i * 8:i * 8 + 9])
-
-
-def test_npy_token_file_round_trip(tmp_path):
-  tokens = np.random.default_rng(1).integers(0, 100, size=40).astype(np.uint16)
-  path = str(tmp_path / "tokens.npy")
-  np.save(path, tokens)
-  source = data.TokenFileSource(path, seq_len=6)
-  assert len(source) == 6 and source.vocab_size == int(tokens.max()) + 1
-  for i in range(len(source)):
-    np.testing.assert_array_equal(source[i], tokens[i * 6:i * 6 + 7])
-
-
 def test_token_file_errors_name_the_field(tmp_path):
   path = str(tmp_path / "short.bin")
   data.write_token_file(path, np.arange(10), 257)
@@ -216,15 +253,6 @@ def test_token_file_errors_name_the_field(tmp_path):
     data.make_source(c)
   c.model.vocab_size = 257
   assert len(data.make_source(c)) == 2
-
-
-def test_encode_decode_round_trip_non_ascii():
-  text = "Grüße, 世界! naïve café — ok 🙂\n"
-  tokens = data.encode_text(text)
-  assert tokens.dtype == np.int32 and tokens.min() >= 0 and tokens.max() < 256
-  assert len(tokens) == len(text.encode("utf-8")) > len(text)
-  assert data.decode_tokens(tokens) == text
-  assert data.decode_tokens(np.concatenate([tokens, [data.EOS]])) == text
 
 
 def _conditional_entropy(records, vocab_size):

@@ -1,9 +1,11 @@
-"""The diagnostic tests in process: the outlier rule, the report's text, a run on the 8 test
-devices as a 2x2x2 mesh. (The 2-process drill: tests/e2e/test_diagnose.py.)"""
+"""The diagnostic tests in process: the outlier rule, the slow-process and eviction rules,
+the report's text, a run on the 8 test devices as a 2x2x2 mesh. (The 2-process drill:
+tests/e2e/test_diagnose.py; the supervisor acting on it: tests/e2e/test_fault_drills.py.)"""
 
 import json
 
-from megajax.launch.supervisor.diagnostics import diagnose, find_outliers, format_report
+from megajax.launch.supervisor.diagnostics import (SLOW_RATIO, SLOW_RUNS, diagnose, find_outliers, find_slow,
+                                                   format_report, processes_to_evict)
 
 
 def test_find_outliers_flags_only_values_below_threshold_times_median():
@@ -18,16 +20,51 @@ def test_find_outliers_flags_only_values_below_threshold_times_median():
   assert [o["device_id"] for o in find_outliers(collective, "busbw")] == [None]  # no device: None
 
 
+def _devices(speeds: dict[int, list[float]]) -> list[dict]:
+  """Synthetic report devices: process -> each device's speed, the same for every metric."""
+  return [{"process": p, "host": f"h{p}", "device_id": 8 * p + i, "matmul_tflops": v, "h2d_gbps": 10 * v,
+           "d2h_gbps": 10 * v} for p, values in speeds.items() for i, v in enumerate(values)]
+
+
+def test_slow_is_far_below_the_other_processes_not_noise():
+  # The operator's case: host-to-device 8.6 vs a median of 10.4 (0.83x) on a busy machine; the
+  # noise measured there reaches 0.69x (docs/robust-training.md): no process is slow.
+  assert find_slow(_devices({0: [1.0, 1.0], 1: [0.83, 0.86], 2: [1.0, 0.69]})) == []
+  # The drill (DRILL_SLOWDOWN 4x: 0.25x) on one of two processes: its devices, against the
+  # other process's median only (with the job's median it would be 0.4x).
+  slow = find_slow(_devices({0: [1.0, 0.95, 1.05, 1.0], 1: [0.25, 0.26, 0.24, 0.25]}))
+  assert {s["process"] for s in slow} == {1} and len(slow) == 3 * 4
+  assert all(s["value"] < SLOW_RATIO * s["others_median"] for s in slow)
+  # One bad device is enough; one process alone has nobody to be compared with.
+  assert {s["device_id"] for s in find_slow(_devices({0: [1.0, 1.0], 1: [1.0, 0.3]}))} == {9}
+  assert find_slow(_devices({0: [1.0, 0.1]})) == []
+
+
+def test_eviction_needs_repeated_slowness_of_a_blamed_process():
+  noisy, slow_1, clean = {"bad_processes": []}, {"bad_processes": [1]}, {"bad_processes": []}
+  assert SLOW_RUNS >= 2
+  assert processes_to_evict([], [1]) is None                       # not run yet: run
+  assert processes_to_evict([noisy], [1]) == []                    # a run without slowness: restart as is
+  assert processes_to_evict([slow_1], [1]) is None                 # slow once: run again
+  assert processes_to_evict([slow_1, clean], [1]) == []            # not again: noise, no eviction
+  assert processes_to_evict([slow_1] * SLOW_RUNS, [1]) == [1]      # slow every time: evicted
+  assert processes_to_evict([slow_1] * SLOW_RUNS, [0]) == []       # a slow bystander is not blamed
+  assert processes_to_evict([slow_1], []) == []                    # nobody blamed: nothing to decide
+
+
 def test_format_report_names_bad_processes_and_their_hosts():
   device = {"process": 1, "host": "b", "device_id": 5, "coords": {"dp": 1, "pp": 0, "tp": 0},
             "matmul_tflops": 1.0, "h2d_gbps": 2.0, "d2h_gbps": 3.0}
   report = {"platform": "gpu", "process_count": 2, "devices": [device], "collectives": [], "seconds": 1.0,
             "outliers": [{"metric": "matmul_tflops", "process": 1, "host": "b", "device_id": 5, "value": 1.0,
-                          "median": 2.0}], "bad_processes": [1]}
+                          "median": 2.0}],
+            "slow": [{"metric": "matmul_tflops", "process": 1, "host": "b", "device_id": 5, "value": 1.0,
+                      "others_median": 4.0}], "bad_processes": [1]}
   text = format_report(report)
-  assert "matmul_tflops" in text and "device 5" in text
+  assert "matmul_tflops" in text and "device 5" in text and "others' median 4.000" in text
   assert text.splitlines()[-1] == "bad processes: 1 (host b)"
-  assert format_report({**report, "outliers": [], "bad_processes": []}).splitlines()[-1] == "bad processes: none"
+  clean = {**report, "outliers": [], "slow": [], "bad_processes": []}
+  assert format_report(clean).splitlines()[-1] == "bad processes: none"
 
 
 def test_diagnose_in_process_on_a_3d_mesh(tiny_config):
@@ -46,7 +83,7 @@ def test_diagnose_in_process_on_a_3d_mesh(tiny_config):
   assert all(c["seconds"] > 0 and c["busbw_gbps"] > 0 for c in report["collectives"])
   gather = next(c for c in report["collectives"] if c["op"] == "all_gather")
   assert gather["bytes"] == 2**16            # the gathered size
-  assert report["bad_processes"] == sorted({o["process"] for o in report["outliers"] if o["device_id"] is not None})
+  assert report["slow"] == [] and report["bad_processes"] == []     # one process: nobody to compare with
   assert json.loads(json.dumps(report)) == report
   text = format_report(report)
   for axis in ("dp", "pp", "tp"):

@@ -2,12 +2,16 @@
 layout, the command template, crash signals, its config checks. (The supervisor driving real
 jobs: tests/e2e.)"""
 
+import os
+
 import pytest
 
 from megajax.config import ConfigError, default_config, validate
-from megajax.launch.supervisor import elastic_layout, fill_template
+from megajax.launch.supervisor import Supervisor, elastic_layout, fill_template
+from megajax.launch.supervisor.diagnostics import SLOW_RUNS
 from megajax.launch.supervisor.driver import _crash_signal
 from megajax.launch.supervisor.hang_view import classify, format_hang_view
+from megajax.trainer.workdir import LOCK_FILE, SUPERVISOR_LOCK_FILE, WorkdirError, WorkdirLock
 
 
 def test_classify_names_the_silent_process_first():
@@ -60,3 +64,40 @@ def test_a_crash_signal_is_told_from_a_peers_exit():
   """When a killed worker takes its peers down, the one a crash signal ended is blamed."""
   assert _crash_signal(-9) and _crash_signal(128 + 9) and _crash_signal(-11)
   assert not _crash_signal(1) and not _crash_signal(-6) and not _crash_signal(143) and not _crash_signal(0)
+
+
+@pytest.mark.parametrize("slow_in_runs, runs, bad", [
+    ([[]], 1, []),                                # healthy: one run, the same hosts
+    ([[1], []], 2, []),                           # slow once (noise): run again, not again: the same hosts
+    ([[1]] * SLOW_RUNS, SLOW_RUNS, [1]),          # slow every time: bad
+    ([[0]], 1, []),                               # a slow bystander (0), process 1 blamed: the same hosts
+])
+def test_the_supervisor_runs_the_diagnostics_again_before_evicting(slow_in_runs, runs, bad, tmp_path, monkeypatch):
+  config = default_config()
+  config.supervisor.processes = 2
+  supervisor = Supervisor(config, str(tmp_path), [])
+  reports = iter({"bad_processes": slow, "devices": []} for slow in slow_in_runs)
+  ran = []
+  monkeypatch.setattr(supervisor, "_diagnose_once", lambda attempt, run: ran.append(run) or next(reports))
+  assert supervisor._diagnose(0, blamed=[1]) == bad
+  assert ran == list(range(runs))
+
+
+@pytest.mark.parametrize("held", [SUPERVISOR_LOCK_FILE, LOCK_FILE])
+def test_a_supervisor_refuses_a_workdir_another_supervisor_or_job_holds(held, tmp_path):
+  """Another supervisor (supervisor.lock) or a training job started without one (lock): refused
+  before a worker starts or the heartbeats are cleared; the holder is named."""
+  (tmp_path / "heartbeats").mkdir()
+  holder = WorkdirLock(str(tmp_path), held)
+  holder.acquire()
+  try:
+    with pytest.raises(WorkdirError, match=f"in use by another training job: process {os.getpid()} on host"):
+      Supervisor(default_config(), str(tmp_path), []).run()
+  finally:
+    holder.release()
+  assert (tmp_path / "heartbeats").is_dir() and not (tmp_path / "logs").exists()
+  # Both locks free again: a later supervisor may take them.
+  for name in (SUPERVISOR_LOCK_FILE, LOCK_FILE):
+    lock = WorkdirLock(str(tmp_path), name)
+    lock.acquire()
+    lock.release()

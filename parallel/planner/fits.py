@@ -1,0 +1,97 @@
+"""Does a config fit its devices? The cost model's memory estimate, checked before anything
+is initialized or compiled.
+
+`check_fits(config, devices)` estimates the bytes one device of the job needs for the training
+step (cost_model.memory for the config's model and plan: `plan_of`) and compares them with
+what the device has (`device_memory`):
+
+  GPU   the device's `bytes_limit` from memory_stats(): what XLA's allocator may use (by
+        default 75% of the HBM, XLA_PYTHON_CLIENT_MEM_FRACTION);
+  CPU   the machine's memory divided among this process's devices in the mesh (other
+        processes on the same machine are not counted).
+
+A config whose estimate is more than MEMORY_MARGIN x the device's memory is refused with a
+one-line ConfigError giving both figures and the largest part; between 1x and that margin a
+warning is logged and XLA decides. The margin: the memory model is within 10% of XLA's
+buffer assignment where it was checked (calibration.MEMORY_CASES, CPU), and XLA:GPU
+rematerializes when memory runs short, which the model does not count; 1.5x keeps every
+config in configs/ on its intended hardware (tests/unit/test_fits.py) and still refuses in
+an instant a model that could never fit (model.hidden_dim=1000000: hundreds of TB). It is
+arithmetic on the config: nothing is materialized.
+"""
+
+from __future__ import annotations
+
+from absl import logging
+import jax
+import ml_collections
+import psutil
+
+from megajax.config_checks import ConfigError
+from megajax.model import ModelConfig
+from megajax.parallel.planner import cost_model
+from megajax.parallel.planner.cost_model import GB, Memory, Plan
+
+MEMORY_MARGIN = 1.5     # refuse above this multiple of the device's memory (see the docstring)
+
+
+def plan_of(config: ml_collections.ConfigDict) -> Plan:
+  """The cost model's Plan for a megajax config (its own block and attention, no switches changed)."""
+  c, p, t = config.model, config.parallel, config.train
+  opts = cost_model.Optimizations(ptb=c.block == "parallel", swa=True, fused_ops=c.attention_impl != "xla",
+                                  lamb=config.optimizer.name == "lamb")
+  return Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches), t.batch_size, opts,
+              "megajax")
+
+
+def estimate(config: ml_collections.ConfigDict, platform: str) -> Memory:
+  """Bytes per device of the config's step. On CPU with remat none whatever model.remat says:
+  XLA:CPU's scheduler runs the recomputation early, measured equal to none (calibration.py)."""
+  return cost_model.memory(ModelConfig.from_config(config.model), plan_of(config),
+                           remat="none" if platform == "cpu" else None)
+
+
+def device_memory(devices) -> tuple[float | None, str]:
+  """(bytes one of `devices` (this process's) may use, where the figure comes from); None
+  when the platform does not say (a backend without memory_stats)."""
+  if devices[0].platform == "cpu":
+    total = psutil.virtual_memory().total
+    return total / len(devices), f"CPU: {total / GB:.1f} GB of machine memory shared by {len(devices)} device(s)"
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+  if not all(limits):
+    return None, f"{devices[0].device_kind}: no bytes_limit in memory_stats()"
+  return float(min(limits)), f"{devices[0].device_kind}: memory_stats() bytes_limit"
+
+
+def check_fits(config: ml_collections.ConfigDict, devices) -> Memory:
+  """The estimate for this process's share of `devices` (the job's, dp * pp * tp of them);
+  raises ConfigError when it is more than MEMORY_MARGIN x their memory, warns above 1x."""
+  devices = [d for d in devices if d.process_index == jax.process_index()]
+  needed = estimate(config, devices[0].platform)
+  have, where = device_memory(devices)
+  if have is None:
+    logging.info("memory per device: %s estimated; not checked (%s)", _gb(needed.total), where)
+  else:
+    refuse_or_warn(needed, have, where)
+  return needed
+
+
+def refuse_or_warn(needed: Memory, have: float, where: str) -> None:
+  """The decision, apart from the devices: ConfigError above MEMORY_MARGIN x `have`."""
+  parts = {"optimizer state": needed.state, "parameters in use": needed.params_temp,
+           "activations": needed.activations + needed.pipeline, "logits": needed.logits}
+  largest = max(parts, key=parts.get)
+  shown = f"{_gb(needed.total)} estimated, {_gb(parts[largest])} of it {largest}"
+  if needed.total > MEMORY_MARGIN * have:
+    fix = (("a smaller model, or more devices: parallel.tp and parallel.pp split the parameters, parallel.dp "
+            "the optimizer state") if largest in ("optimizer state", "parameters in use") else
+           "more train.microbatches (smaller microbatches), model.remat=full, or a larger parallel.dp")
+    raise ConfigError("memory per device", shown,
+                      f"more than {MEMORY_MARGIN:g} x the {_gb(have)} a device has ({where})", f"use {fix}")
+  if needed.total > have:
+    logging.warning("memory per device: %s, more than the %s a device has (%s): the step may not fit",
+                    shown, _gb(have), where)
+
+
+def _gb(nbytes: float) -> str:
+  return f"{nbytes / GB:,.1f} GB"
