@@ -30,6 +30,7 @@ import json
 import os
 import threading
 
+from absl import logging
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -64,13 +65,20 @@ def sealed(value: dict) -> dict:
   return {**value, "digest": digest(value)}
 
 
-def unsealed(value: dict, what: str, reason: str) -> dict:
-  """`value` without its digest, which must match; else IntegrityError(reason)."""
+def unsealed(value, what: str, reason: str) -> dict:
+  """`value` without its digest, which must match; else IntegrityError(reason). A file of the
+  format before digests (no "digest" and, for a meta, no "checksums") is read unchecked, with
+  a warning: a workdir of an earlier megajax resumes."""
+  if not isinstance(value, dict):
+    raise IntegrityError(reason, f"{what} holds a JSON {type(value).__name__}, not an object")
   value = dict(value)
   stored = value.pop("digest", None)
+  if stored is None and "checksums" not in value:
+    logging.warning("%s was saved before checkpoints carried digests: read unchecked", what)
+    return value
   if stored != digest(value):
     raise IntegrityError(reason, f"{what}: its digest does not match its contents"
-                         if stored else f"{what} has no digest (damaged, or saved without integrity checks)")
+                         if stored else f"{what} has no digest (damaged)")
   return value
 
 

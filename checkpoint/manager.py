@@ -26,6 +26,7 @@ readable older one is found, so the run resumes from that one and can save the s
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import itertools
 import json
@@ -164,6 +165,8 @@ class TrainingCheckpointer:
     except _PROGRAMMING_ERRORS:
       raise
     except Exception as error:  # pylint: disable=broad-except  (a full disk, a refused write: one line)
+      if not storage_refused(error):
+        raise                       # a transient fault (a timeout, the network): a restart may pass it
       raise self._save_failed(error, step, step) from error
     finally:
       if checksums:
@@ -178,7 +181,12 @@ class TrainingCheckpointer:
     that filled): the loop calls it every step (`step`, the one just done), so the failure is
     reported at the next step, not at the next save. Cheap: Orbax's in-progress flag. A
     committed save leaves _pending (the post-finalization callback) before Orbax clears the
-    flag, so a pending step with the flag down is a save that failed."""
+    flag, so a pending step with the flag down is a save that failed. One process only: in a
+    job, each process's flag falls at its own moment, and a process that stopped at another
+    step than its peers would leave them waiting in the next step's collectives; there a
+    failure surfaces at the next save (or the end), where every process waits for it."""
+    if jax.process_count() > 1:
+      return
     with self._lock:
       pending = bool(self._pending)
     if pending and not self._manager.is_saving_in_progress():
@@ -228,6 +236,7 @@ class TrainingCheckpointer:
     differences.
     """
     unreadable = {}     # step -> why (the quarantine's name for it)
+    unreadable_errors, transient = {}, set()   # step -> the failure; steps whose failure may pass
     for step in sorted(self.all_steps(), reverse=True):
       if before is not None and step >= before:
         continue
@@ -235,12 +244,19 @@ class TrainingCheckpointer:
         restored = self._restore_checked(parallel_step, step)
       except _Unusable as unusable:
         failure = unusable.cause
+        unreadable_errors[step] = failure
         logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous complete one",
                       self.path(step), type(failure).__name__, str(failure).splitlines()[0][:300] if str(failure) else "")
         unreadable[step] = failure.reason if isinstance(failure, IntegrityError) else "unreadable"
+        if not _damaged(failure):
+          transient.add(step)
         continue
       for bad, reason in unreadable.items():
-        self._quarantine(bad, reason)
+        if bad in transient:        # not moved: a later restore may read it
+          logging.warning("checkpoint %s left in place: its read failed with %s, which may pass", self.path(bad),
+                          type(unreadable_errors[bad]).__name__)
+        else:
+          self._quarantine(bad, reason)
       return restored
     if unreadable:
       raise CheckpointError(f"no readable checkpoint in {self.directory}: "
@@ -253,7 +269,9 @@ class TrainingCheckpointer:
     """Moves checkpoint `step` to quarantine/<step>-<reason> (never deletes: a person may want
     it): process 0 moves, after every process agreed it is unreadable; then every process's
     Orbax manager forgets the step, so that it can be saved again."""
-    if jax.process_index() == 0:
+    def move_aside():
+      if jax.process_index() != 0:
+        return
       os.makedirs(os.path.join(self.directory, QUARANTINE), exist_ok=True)
       target = os.path.join(self.directory, QUARANTINE, f"{step}-{reason}")
       for again in itertools.count(2):      # the same step may fail again in a later run
@@ -262,9 +280,12 @@ class TrainingCheckpointer:
         target = os.path.join(self.directory, QUARANTINE, f"{step}-{reason}-{again}")
       os.rename(self.path(step), target)
       logging.error("checkpoint %s moved to %s", self.path(step), target)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices(f"megajax_quarantine_{step}")
+    try:
+      _agreed(move_aside)     # every process learns whether process 0 could move it
+    except _Unusable as unusable:
+      raise CheckpointError(f"checkpoint {self.path(step)} is unreadable ({reason}) and could not be moved to "
+                            f"{os.path.join(self.directory, QUARANTINE)}/: {unusable.cause}; move it aside by hand "
+                            "and relaunch") from None
     self._manager.reload()
 
   def _restore_checked(self, parallel_step: ParallelStep, step: int) -> Restored:
@@ -334,8 +355,14 @@ class TrainingCheckpointer:
       raise
     except Exception as error:  # pylint: disable=broad-except
       with self._lock:
-        failed = min(self._pending, default=None)
+        failed = max(self._pending, default=None)
+      if not storage_refused(error):
+        with self._lock:
+          self._pending.clear()
+        raise                       # a transient fault: the supervisor restarts from the last checkpoint
       raise self._save_failed(error, failed, step) from error
+    with self._lock:                # committed (Orbax calls _finalized on process 0 alone)
+      self._pending.clear()
 
   def close(self) -> None:
     try:
@@ -360,6 +387,24 @@ class TrainingCheckpointer:
         f"{f' (found after step {now})' if now is not None else ''}: {why}; {free_space(self.directory)}; "
         + (f"the last committed checkpoint, {self.path(kept)}, is kept: a relaunch resumes from it" if kept is not None
            else "no checkpoint was committed before it"))
+
+
+# A save the storage refused: what a restart would meet again (one line, exit 2, not retried).
+# Anything else (a timeout, a network error, a barrier a slow host missed) propagates: retried.
+_REFUSED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def storage_refused(error: BaseException) -> bool:
+  """Whether `error` (or one it came from) is the storage refusing the write: full, over quota,
+  read-only, not allowed. Tensorstore reports the OS error in its message only."""
+  words = tuple(os.strerror(code) for code in _REFUSED_ERRNOS)
+  while error is not None:
+    if isinstance(error, OSError) and error.errno in _REFUSED_ERRNOS:
+      return True
+    if any(word in str(error) for word in words):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def free_space(path: str) -> str:
@@ -406,6 +451,17 @@ class _Unusable(Exception):
   def __init__(self, cause: Exception):
     super().__init__(str(cause))
     self.cause = cause
+
+
+def _damaged(failure: BaseException) -> bool:
+  """Whether a failed read says the checkpoint itself is bad (moved aside), rather than a fault
+  that may pass (left in place): an I/O error of the storage other than a missing file, or the
+  devices' memory running out."""
+  if isinstance(failure, IntegrityError):
+    return True
+  if isinstance(failure, OSError) and failure.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, None):
+    return False
+  return not str(failure).startswith("RESOURCE_EXHAUSTED")
 
 
 def _agreed(read):

@@ -99,6 +99,7 @@ class NonFiniteGuard(Callback):
     self.rollbacks += 1
     self.in_a_row, self.pending = 0, None   # the step in flight ran on the state being replaced
     restored = None
+    loop.state = None                       # its buffers go before the restore's arrive (device memory)
     if self.checkpointer:
       self.checkpointer.wait()
       restored = self.checkpointer.restore_latest(loop.parallel_step, before=self.rolled_back_to)

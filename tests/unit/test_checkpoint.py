@@ -2,6 +2,7 @@
 the config's checks, integrity (checksums, digests, quarantine), bad checkpoints and another
 model's. (Across kills, preemption and processes: tests/e2e; onto other meshes: tests/integration.)"""
 
+import errno
 import os
 import threading
 import time
@@ -12,7 +13,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from megajax.checkpoint import CheckpointError, TrainingCheckpointer, load_params
-from megajax.checkpoint.integrity import checksums, fingerprints
+from megajax.checkpoint.integrity import IntegrityError, checksums, fingerprints, sealed, unsealed
+from megajax.checkpoint.manager import _damaged, storage_refused
 from megajax.config import ConfigError, validate
 from megajax.trainer import train
 from tests.support.checkpoints import DAMAGES, parallel_step_for, quarantined, restore_latest, truncate_arrays
@@ -161,3 +163,32 @@ def test_a_checkpoint_of_another_model_lists_the_fields(two_checkpoints):
                      r"model\.num_layers: checkpoint 2, this run 4; model\.hidden_dim: checkpoint 32, this run 64|"
                      r"model\.hidden_dim: checkpoint 32, this run 64; model\.num_layers: checkpoint 2, this run 4"):
     restore_latest(workdir, config, parallel_step_for(config))
+
+
+def test_digests_refuse_a_changed_file_and_read_one_from_before_digests():
+  meta = {"step": 3, "checksums": {"params/w": "00ff"}}
+  assert unsealed(sealed(meta), "m", "meta-digest") == meta
+  with pytest.raises(IntegrityError, match="digest does not match"):
+    unsealed({**sealed(meta), "step": 4}, "m", "meta-digest")
+  with pytest.raises(IntegrityError, match="no digest"):
+    unsealed(meta, "m", "meta-digest")                     # has checksums: a digest was written, and lost
+  with pytest.raises(IntegrityError, match="JSON list"):
+    unsealed([1, 2], "m", "meta-digest")
+  old = {"step": 3, "config": {}}                          # an earlier megajax's meta: resumes, unchecked
+  assert unsealed(old, "m", "meta-digest") == old
+
+
+def test_only_a_refused_write_is_final_and_only_damage_is_moved_aside():
+  """A full or read-only disk fails the run with one line (exit 2, not retried); a timeout or
+  network error propagates (the supervisor restarts). A read that may pass (an I/O error, device
+  memory) leaves the checkpoint in place; damage moves it aside."""
+  assert storage_refused(OSError(errno.ENOSPC, "No space left on device"))
+  assert storage_refused(ValueError("FAILED_PRECONDITION: write failed [OS error: No space left on device]"))
+  wrapped = RuntimeError("commit failed")
+  wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system")
+  assert storage_refused(wrapped)
+  assert not storage_refused(TimeoutError("Timed out while waiting for async_write_complete barrier"))
+  assert _damaged(IntegrityError("checksum", "differs")) and _damaged(FileNotFoundError(errno.ENOENT, "gone"))
+  assert _damaged(ValueError("DATA_LOSS: Error reading"))
+  assert not _damaged(OSError(errno.EIO, "Input/output error"))
+  assert not _damaged(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB"))
