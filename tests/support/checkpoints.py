@@ -8,6 +8,8 @@ import shutil
 
 import jax
 import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
 
 from megajax.checkpoint import TrainingCheckpointer
 from megajax.trainer import train
@@ -51,13 +53,35 @@ def truncate_arrays(checkpoint):
 
 
 def flip_bytes(checkpoint, count=256):
-  """Inverts `count` bytes in the middle of the largest array file: it still reads, as other numbers."""
+  """Inverts `count` bytes in the middle of the largest array file. The chunks are zstd
+  compressed, so where the flip lands decides: a chunk that no longer decodes (unreadable) or
+  one that decodes to other numbers (caught by the checksums); the file layout varies between
+  runs, so a test must accept either."""
   path = max(array_files(checkpoint), key=os.path.getsize)
   data = bytearray(open(path, "rb").read())
   middle = len(data) // 2
   data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
   with open(path, "wb") as f:
     f.write(data)
+
+
+def change_values(checkpoint, count=256):
+  """Silent corruption: the state item rewritten as valid files, with `count` values of its
+  largest array changed (what bit rot that still decodes reads as). Only the checksums can tell."""
+  state = checkpoint / "state"
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    tree = checkpointer.metadata(state).item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    values = checkpointer.restore(state, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  leaves, treedef = jax.tree.flatten(values)
+  largest = max(range(len(leaves)), key=lambda i: leaves[i].size)
+  flat = leaves[largest].reshape(-1).copy()
+  flat[:count] += 1
+  leaves[largest] = flat.reshape(leaves[largest].shape)
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    checkpointer.save(checkpoint / "state.changed", jax.tree.unflatten(treedef, leaves))
+  shutil.rmtree(state)
+  os.rename(checkpoint / "state.changed", state)
 
 
 def edit_meta(checkpoint):
@@ -68,16 +92,22 @@ def edit_meta(checkpoint):
   path.write_text(json.dumps(meta))
 
 
-# Damage to a checkpoint -> the reason its quarantine directory is named with.
+# Damage to a checkpoint -> the reasons its quarantine directory may be named with.
 DAMAGES = {
-    "flipped_bytes": (flip_bytes, "checksum"),
-    "truncated_arrays": (truncate_arrays, "unreadable"),
-    "garbage_meta": (lambda c: (c / "meta" / "metadata").write_bytes(os.urandom(64)), "unreadable"),
-    "edited_meta": (edit_meta, "meta-digest"),
-    "deleted_meta": (lambda c: shutil.rmtree(c / "meta"), "unreadable"),
-    "deleted_state_metadata": (lambda c: os.remove(c / "state" / "_METADATA"), "unreadable"),
-    "deleted_data_state": (lambda c: os.remove(c / "data" / "process_0.json"), "unreadable"),
+    "changed_values": (change_values, ("checksum",)),
+    "flipped_bytes": (flip_bytes, ("checksum", "unreadable")),
+    "truncated_arrays": (truncate_arrays, ("unreadable",)),
+    "garbage_meta": (lambda c: (c / "meta" / "metadata").write_bytes(os.urandom(64)), ("unreadable",)),
+    "edited_meta": (edit_meta, ("meta-digest",)),
+    "deleted_meta": (lambda c: shutil.rmtree(c / "meta"), ("unreadable",)),
+    "deleted_state_metadata": (lambda c: os.remove(c / "state" / "_METADATA"), ("unreadable",)),
+    "deleted_data_state": (lambda c: os.remove(c / "data" / "process_0.json"), ("unreadable",)),
 }
+
+
+def quarantined_as(workdir, step: int, damage: str) -> bool:
+  """Whether checkpoint `step` alone is in quarantine/, under one of the damage's reasons."""
+  return quarantined(workdir) in [[f"{step}-{reason}"] for reason in DAMAGES[damage][1]]
 
 
 def quarantined(workdir) -> list[str]:

@@ -17,7 +17,8 @@ from megajax.checkpoint.integrity import IntegrityError, checksums, fingerprints
 from megajax.checkpoint.manager import _damaged, storage_refused
 from megajax.config import ConfigError, validate
 from megajax.trainer import train
-from tests.support.checkpoints import DAMAGES, parallel_step_for, quarantined, restore_latest, truncate_arrays
+from tests.support.checkpoints import (DAMAGES, parallel_step_for, quarantined, quarantined_as, restore_latest,
+                                       truncate_arrays)
 
 
 def test_retention_keeps_the_last_k_and_every_mth(tmp_path, tiny_config):
@@ -111,24 +112,24 @@ def test_a_fingerprint_is_the_same_on_any_sharding_and_moves_with_any_change():
   assert checksums(fingerprints({"x": flipped})) != want and checksums(fingerprints({"x": swapped})) != want
 
 
-@pytest.mark.parametrize("damage,restore_mode", [(d, "direct") for d in DAMAGES] + [("flipped_bytes", "broadcast")])
+@pytest.mark.parametrize("damage,restore_mode", [(d, "direct") for d in DAMAGES] + [("changed_values", "broadcast")])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(two_checkpoints, damage, restore_mode, caplog):
-  """Each damage is caught (a flipped byte by the checksums, an edited meta by its digest), the
+  """Each damage is caught (changed values by the checksums, an edited meta by its digest), the
   previous checkpoint restored, and the damaged one moved to quarantine/<step>-<reason>."""
   workdir, config, parallel_step = two_checkpoints
   config.checkpoint.restore_mode = restore_mode
   latest = workdir / "checkpoints" / "6"
-  damage_fn, reason = DAMAGES[damage]
+  damage_fn = DAMAGES[damage][0]
   damage_fn(latest)
   with caplog.at_level("ERROR"):
     restored = restore_latest(workdir, config, parallel_step)
   assert restored.step == 3 and int(restored.state.step) == 3
   assert f"checkpoint {latest} is unreadable" in caplog.text and "falling back" in caplog.text
-  assert quarantined(workdir) == [f"6-{reason}"] and not latest.exists()
+  assert quarantined_as(workdir, 6, damage) and not latest.exists()
 
 
-@pytest.mark.parametrize("damage", ["flipped_bytes", "truncated_arrays", "deleted_meta", "deleted_state_metadata",
-                                    "deleted_data_state"])
+@pytest.mark.parametrize("damage", ["changed_values", "flipped_bytes", "truncated_arrays", "deleted_meta",
+                                    "deleted_state_metadata", "deleted_data_state"])
 def test_a_finished_run_with_a_damaged_last_checkpoint_is_finished_again(two_checkpoints, damage):
   """The last checkpoint of a finished run damaged, the run relaunched: it resumes from the
   one before, trains to the end again, saves the step again, and exports the uninterrupted
@@ -138,7 +139,7 @@ def test_a_finished_run_with_a_damaged_last_checkpoint_is_finished_again(two_che
   DAMAGES[damage][0](workdir / "checkpoints" / "6")
   result = train(config, str(workdir), devices=jax.devices()[:1])
   assert result.start_step == 3 and [h["step"] for h in result.history][-1] == 6
-  assert quarantined(workdir) == [f"6-{DAMAGES[damage][1]}"]
+  assert quarantined_as(workdir, 6, damage)
   for a, b in zip(want, jax.tree.leaves(load_params(str(workdir / "params")))):
     np.testing.assert_array_equal(a, b)
   checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
