@@ -235,8 +235,7 @@ class TrainingCheckpointer:
     stay where they are. One saved by a different model raises CheckpointError naming the
     differences.
     """
-    unreadable = {}     # step -> why (the quarantine's name for it)
-    unreadable_errors, transient = {}, set()   # step -> the failure; steps whose failure may pass
+    unreadable = {}     # step -> the failure that made it so
     for step in sorted(self.all_steps(), reverse=True):
       if before is not None and step >= before:
         continue
@@ -244,19 +243,16 @@ class TrainingCheckpointer:
         restored = self._restore_checked(parallel_step, step)
       except _Unusable as unusable:
         failure = unusable.cause
-        unreadable_errors[step] = failure
         logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous complete one",
                       self.path(step), type(failure).__name__, str(failure).splitlines()[0][:300] if str(failure) else "")
-        unreadable[step] = failure.reason if isinstance(failure, IntegrityError) else "unreadable"
-        if not _damaged(failure):
-          transient.add(step)
+        unreadable[step] = failure
         continue
-      for bad, reason in unreadable.items():
-        if bad in transient:        # not moved: a later restore may read it
+      for bad, failure in unreadable.items():
+        if _damaged(failure):
+          self._quarantine(bad, failure.reason if isinstance(failure, IntegrityError) else "unreadable")
+        else:                       # not moved: a later restore may read it
           logging.warning("checkpoint %s left in place: its read failed with %s, which may pass", self.path(bad),
-                          type(unreadable_errors[bad]).__name__)
-        else:
-          self._quarantine(bad, reason)
+                          type(failure).__name__)
       return restored
     if unreadable:
       raise CheckpointError(f"no readable checkpoint in {self.directory}: "

@@ -65,8 +65,9 @@ def check_workdir(workdir: str) -> str:
   try:
     # A real write, not os.access (which says yes to root on any mode, and cannot see an NFS
     # server's refusal); an unnamed file (O_TMPFILE) leaves nothing behind.
-    with tempfile.TemporaryFile(dir=path):
-      pass
+    with tempfile.TemporaryFile(dir=path) as probe:
+      probe.write(b"\0")
+      probe.flush()
   except OSError as error:
     raise WorkdirError(f"the workdir {path} is not writable: {_reason(error, path)}") from error
   return path
