@@ -150,10 +150,13 @@ def verify_state(state, meta: dict, path: str) -> None:
 class PendingChecksums:
   """A state's checksums between the save and the meta's write: the saver dispatches the
   fingerprints (once Orbax has copied the state to the host), the writer, in Orbax's
-  background thread, waits for them and fetches them."""
+  background thread, waits for them and fetches them. `fingerprint_fn`: `fingerprints`, or
+  its program compiled ahead of time for the state's shapes and shardings (the trainer's: a
+  first save that compiled it would hold the step for the compile)."""
 
-  def __init__(self, state):
+  def __init__(self, state, fingerprint_fn=None):
     self._state, self._fingerprints = state, None
+    self._fingerprint_fn = fingerprint_fn or fingerprints
     self._dispatched = threading.Event()
 
   def dispatch(self) -> None:
@@ -161,7 +164,7 @@ class PendingChecksums:
     if self._dispatched.is_set():
       return
     try:
-      self._fingerprints = fingerprints(self._state)
+      self._fingerprints = self._fingerprint_fn(self._state)
     finally:
       self._state = None                    # the step may donate its buffers from here on
       self._dispatched.set()

@@ -117,6 +117,7 @@ class TrainingCheckpointer:
     self.directory = os.path.abspath(directory)
     self._config = config
     self._checksums = c.checksums if checksums is None else checksums
+    self._fingerprint_fn = None     # integrity.fingerprints compiled for the state (compile_checksums)
     self._lock = threading.Lock()
     self._pending: dict[int, float] = {}    # step -> save start (perf_counter), until finalized
     self.finished: list[tuple[int, float]] = []   # (step, ckpt_total_s), in finalization order
@@ -137,6 +138,12 @@ class TrainingCheckpointer:
         self.finished.append((step, now - start))
       self._pending.clear()
 
+  def compile_checksums(self, abstract_state) -> None:
+    """Compiles the checksums' program for states like `abstract_state` (ShapeDtypeStructs with
+    shardings) now, with the step: else the first save compiles it while the step waits."""
+    if self._checksums:
+      self._fingerprint_fn = integrity.fingerprints.lower(abstract_state).compile()
+
   def due(self, step: int, preempted: bool = False) -> bool:
     """Whether the state after `step` is to be saved: every checkpoint.every_steps steps (0:
     never on a schedule), at train.steps, and when the job is preempted."""
@@ -155,7 +162,7 @@ class TrainingCheckpointer:
             "seed": self._config.train.seed, "process_count": jax.process_count()}
     # The state's checksums: dispatched once Orbax has copied the state out (dispatched before,
     # they would hold up that copy), fetched by the meta's write in the background (integrity.py).
-    checksums = integrity.PendingChecksums(state) if self._checksums else None
+    checksums = integrity.PendingChecksums(state, self._fingerprint_fn) if self._checksums else None
     if checksums and not self._config.checkpoint.async_save:
       checksums.dispatch()          # the synchronous write waits for them inside Orbax's save
     try:

@@ -1,6 +1,10 @@
-"""Causal self-attention: rotary positions, grouped KV heads, an optional sliding window.
+"""Causal self-attention: rotary positions, grouped KV heads, an optional sliding window,
+optional packed documents.
 
-Token i attends to token j when  i - window < j <= i  (window=None: plain causal).
+Token i attends to token j when  i - window < j <= i  (window=None: plain causal) and, with
+`segment_ids` (int32[b, s], the document of each token, non-decreasing along a row),
+segment_ids[i] == segment_ids[j]: attention never crosses a document boundary. Rotary
+positions are then each token's position within its document.
 `xla_attention` is the reference implementation every kernel is tested against.
 """
 
@@ -29,47 +33,60 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
   return rotated.astype(x.dtype)
 
 
-def sliding_window_mask(q_len: int, kv_len: int, window: int | None) -> jax.Array:
-  """bool[q_len, kv_len], True where query i may attend to key j."""
+def sliding_window_mask(q_len: int, kv_len: int, window: int | None,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
+  """bool[q_len, kv_len], True where query i may attend to key j; with segment_ids [b, s]
+  (q_len == kv_len == s) bool[b, s, s], also only within a document."""
   i = jnp.arange(q_len)[:, None]
   j = jnp.arange(kv_len)[None, :]
   mask = j <= i
   if window is not None:
     mask &= j > i - window
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
   return mask
 
 
-def attention_probs(q: jax.Array, k: jax.Array, window: int | None) -> jax.Array:
+def attention_probs(q: jax.Array, k: jax.Array, window: int | None,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
   """softmax(q k^T / sqrt(d)) under the mask, fp32 [b, kv_h, g, q, s] (g = h / kv_h query heads
-  per KV head; masked entries 0). q: [b, s, h, d]; k: [b, s, kv_h, d]."""
+  per KV head; masked entries 0). q: [b, s, h, d]; k: [b, s, kv_h, d]; segment_ids [b, s]."""
   b, s, h, d = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, s, kv_heads, h // kv_heads, d)                          # [b, s, kv_h, g, d]
   scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
   scores = scores / math.sqrt(d)                                          # [b, kv_h, g, q, s] fp32
-  mask = sliding_window_mask(s, s, window)
+  mask = sliding_window_mask(s, s, window, segment_ids)
+  if segment_ids is not None:
+    mask = mask[:, None, None]                                            # [b, 1, 1, q, s]
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(scores, axis=-1)
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
   """Reference attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] with h % kv_h == 0."""
   b, s, h, d = q.shape
-  probs = attention_probs(q, k, window).astype(v.dtype)
+  probs = attention_probs(q, k, window, segment_ids).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)                         # [b, s, kv_h, g, d]
   return out.reshape(b, s, h, d)
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
-                    implementation: str | None = "cudnn") -> jax.Array:
+                    segment_ids: jax.Array | None = None, implementation: str | None = "cudnn") -> jax.Array:
   """jax.nn.dot_product_attention with the same mask: cuDNN's fused kernel on GPU (bf16 /
   fp16), the comparator and fallback for our kernels. Its window (left, right) counts the
-  keys besides the diagonal: ours, i - w < j <= i, is (w - 1, 0)."""
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
+  keys besides the diagonal: ours, i - w < j <= i, is (w - 1, 0).
+
+  It takes no segment ids (jax 0.10-0.11): documents go in as its boolean `mask`
+  [b, 1, s, s], which cuDNN turns into a dense additive bias, O(b s^2) memory; for long
+  packed rows model.attention_impl=pallas skips the other documents' blocks instead."""
+  mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation,
                                       local_window_size=None if window is None else (window - 1, 0))
 
 
-# model.attention_impl -> (q, k, v, window) -> out; every entry is tested against "xla". The
+# model.attention_impl -> (q, k, v, window, segment_ids=None) -> out; every entry is tested against "xla". The
 # names a config may give are megajax.config.ATTENTION_IMPL_CHOICES (kept equal, tested).
 ATTENTION_IMPLS = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_attention}
 
@@ -90,8 +107,8 @@ class Attention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    # x: [b, s, hidden]; positions: [b, s]
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    # x: [b, s, hidden]; positions, segment_ids: [b, s]
     hidden = x.shape[-1]
 
     def projection(heads: int, heads_axis: str, name: str):
@@ -106,7 +123,7 @@ class Attention(nn.Module):
     v = projection(self.num_kv_heads, "kv_heads", "value")(x)
     q = rotary_embedding(q, positions, self.rope_theta)
     k = rotary_embedding(k, positions, self.rope_theta)
-    out = ATTENTION_IMPLS[self.impl](q, k, v, self.window)                # [b, s, h, d]
+    out = ATTENTION_IMPLS[self.impl](q, k, v, self.window, segment_ids)   # [b, s, h, d]
     return nn.DenseGeneral(
         features=hidden, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name="out",

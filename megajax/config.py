@@ -117,6 +117,10 @@ def _train() -> ml_collections.ConfigDict:
   # many consecutive skips the run rolls back to the latest checkpoint and reads on past the
   # batches that failed. No NaN or Inf is ever saved.
   t.nonfinite_rollback_after = 3
+  # Held-out loss every eval_every steps and after the last one (0: never), over eval_batches
+  # batches of train.batch_size rows of the eval data (data.eval_path / data.eval_fraction).
+  t.eval_every = 0
+  t.eval_batches = 8
   return t
 
 
@@ -129,6 +133,9 @@ def _check_train(config) -> None:
                 f"train.batch_size={t.batch_size} is not divisible by it",
                 f"use a divisor of {t.batch_size}, e.g. {check.nearest_divisor(t.batch_size, t.microbatches)}")
   check.positive_int(config, "train.nonfinite_rollback_after")
+  # (Whether there is eval data for train.eval_every is data's check: _check_data.)
+  check.non_negative_int(config, "train.eval_every")
+  check.positive_int(config, "train.eval_batches")
 
 
 # --- optimizer --------------------------------------------------------------------------------
@@ -245,12 +252,25 @@ def _check_parallel(config) -> None:
 
 DATA_SOURCE_CHOICES = ("synthetic", "tokens")
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")
+MIXTURE_EXAMPLE = "books.bin:0.7,code.bin:0.3"
+EVAL_FRACTION_MAX = 0.5       # Holding out half or more of a corpus is a split, not an eval set.
 
 
 def _data() -> ml_collections.ConfigDict:
   d = ml_collections.ConfigDict()
   d.source = "synthetic"     # "synthetic" or "tokens" (a megajax-prepare-data file).
   d.path = ""                # Token file (.bin with its .json, or .npy) for "tokens".
+  # Instead of data.path: several token files read in proportion to their weights,
+  # "books.bin:0.7,code.bin:0.3" (one tokenizer and vocabulary for all).
+  d.mixture = ""
+  # Token data: a row's documents attend only within themselves (the batch carries
+  # segment_ids and positions) and no loss on predicting a document's first token from the
+  # previous document's EOS. Synthetic data has no documents.
+  d.document_masking = True
+  # Evaluation data, one of: a token file, or a fraction of the training file's documents held
+  # out (chosen by a hash of the document number; never trained on). Neither: no eval data.
+  d.eval_path = ""
+  d.eval_fraction = 0.0
   # Hash the whole .bin when it is opened and compare with its sidecar's checksum: up to ~1 s per
   # GB per process. False for corpora where that start-up cost matters (every record's ids are
   # still range-checked); `megajax-prepare-data --verify=FILE` checks a file once instead.
@@ -262,20 +282,79 @@ def _data() -> ml_collections.ConfigDict:
   return d
 
 
+def parse_mixture(text: str) -> list[tuple[str, float]]:
+  """"books.bin:0.7,code.bin:0.3" -> [("books.bin", 0.7), ("code.bin", 0.3)]; a ConfigError on
+  data.mixture for anything else (a missing weight, a weight <= 0, a path twice)."""
+  fix = f"write it as FILE:WEIGHT,FILE:WEIGHT, e.g. --config.data.mixture='{MIXTURE_EXAMPLE}'"
+  if not isinstance(text, str) or not text.strip():
+    raise ConfigError("data.mixture", text, "no token files in it", fix)
+  sources = []
+  for item in text.split(","):
+    path, colon, weight = item.strip().rpartition(":")   # rpartition: a path may hold a ':'
+    try:
+      weight = float(weight)
+    except ValueError:
+      weight = None
+    if not colon or not path or weight is None:
+      raise ConfigError("data.mixture", text, f"{item.strip()!r} is not FILE:WEIGHT", fix)
+    check.require(check.finite(weight) and weight > 0, "data.mixture", text,
+                  f"the weight of {path} is {weight}, not a finite number > 0", fix)
+    check.require(path not in [p for p, _ in sources], "data.mixture", text, f"{path} is in it twice",
+                  "name each file once, with the sum of its weights")
+    sources.append((path, weight))
+  return sources
+
+
+def _check_token_file(field: str, path: str) -> None:
+  check.require(path.endswith(TOKEN_FILE_SUFFIXES), field, path, "not a .bin or .npy token file",
+                "make one with megajax-prepare-data")
+  check.require(os.path.isfile(path), field, path, "file not found",
+                "check the path, or make the file with megajax-prepare-data")
+
+
 def _check_data(config) -> None:
   d, t = config.data, config.train
   check.choice(config, "data.source", DATA_SOURCE_CHOICES)
   check.require(d.read_threads >= 1, "data.read_threads", d.read_threads, "must be >= 1", "e.g. 2")
   check.require(d.prefetch >= 0, "data.prefetch", d.prefetch, "must be >= 0", "e.g. 4")
+  f = d.eval_fraction
+  check.require(check.finite(f) and 0 <= f < EVAL_FRACTION_MAX, "data.eval_fraction", f,
+                f"must be in [0, {EVAL_FRACTION_MAX}) (0: no documents held out)", "e.g. 0.01")
   if d.source == "synthetic":
+    # A token file named while synthetic data trains is a run on the wrong data: refuse it.
+    for field in ("path", "mixture", "eval_path"):
+      check.require(not d[field], f"data.{field}", d[field], "set while data.source='synthetic', which reads no file",
+                    "train on it with --config.data.source=tokens")
+    check.require(f == 0, "data.eval_fraction", f, "set while data.source='synthetic', which has no documents to "
+                  "hold out (its eval records are fresh ones)", "train on a token file with --config.data.source=tokens")
     check.require(d.synthetic_records >= t.batch_size, "data.synthetic_records", d.synthetic_records,
                   f"smaller than train.batch_size={t.batch_size}", "raise it")
+    return
+  check.require(not (d.path and d.mixture), "data.mixture", d.mixture, f"set together with data.path={d.path!r}",
+                "keep one: --config.data.path='' to train on the mixture")
+  if d.mixture:
+    for path, _ in parse_mixture(d.mixture):
+      check.require(path.endswith(TOKEN_FILE_SUFFIXES) and os.path.isfile(path), "data.mixture", d.mixture,
+                    f"{path} is not an existing .bin or .npy token file",
+                    "check the paths, or make the files with megajax-prepare-data")
   else:
-    check.require(bool(d.path) and d.path.endswith(TOKEN_FILE_SUFFIXES), "data.path", d.path,
-                  "data.source='tokens' needs a .bin or .npy token file",
+    check.require(bool(d.path), "data.path", d.path, "data.source='tokens' needs a .bin or .npy token file",
                   "make one with megajax-prepare-data and pass --config.data.path=FILE")
-    check.require(os.path.isfile(d.path), "data.path", d.path, "file not found",
-                  "check the path, or make the file with megajax-prepare-data")
+    _check_token_file("data.path", d.path)
+  if d.eval_path:
+    _check_token_file("data.eval_path", d.eval_path)
+    check.require(f == 0, "data.eval_fraction", f, f"set together with data.eval_path={d.eval_path!r}",
+                  "keep one: --config.data.eval_fraction=0 to evaluate on the file")
+  eval_every = t.get("eval_every", 0)
+  check.require(not eval_every or bool(d.eval_path) or f > 0, "data.eval_path", d.eval_path,
+                f"train.eval_every={eval_every} evaluates, but token data has no eval data",
+                "set --config.data.eval_path=FILE or --config.data.eval_fraction=0.01")
+
+
+def uses_document_masking(config) -> bool:
+  """Does the batch carry segment_ids and positions (documents packed in rows)? The loader
+  emits them exactly then; the step and the model read them."""
+  return config.data.source == "tokens" and bool(config.data.document_masking)
 
 
 # --- checkpoint -------------------------------------------------------------------------------

@@ -1,17 +1,24 @@
-"""The input pipeline: record sources, the grain dataset of local batches, device prefetch.
+"""The input pipeline: record sources, the grain datasets of local batches, device prefetch.
 
 Token files (the byte tokenizer, the file format and its checks) are megajax.token_files'.
-Records are int32 windows of seq_len + 1 tokens. A global order over records
-(shuffled per epoch, repeated forever) is cut into global batches of
-train.batch_size; process p of P reads only its contiguous slice p*b .. p*b+b-1
-of every global batch (b = B / P). So global batch k holds the same tokens in
-the same order whatever the process count, and a run can change its host count
-and still see the same data stream.
+A record is seq_len + 1 consecutive tokens of a token stream: the documents of one file (all
+of them, or the ones training keeps when data.eval_fraction holds some out) back to back,
+cut at stride seq_len, so a document is split across rows where a window cuts it. A global
+order over records (each source shuffled per epoch and repeated forever, several sources
+mixed by weight) is cut into global batches of train.batch_size; process p of P reads only
+its contiguous slice p*b .. p*b+b-1 of every global batch (b = B / P). So global batch k
+holds the same tokens in the same order whatever the process count, and a run can change
+its host count and still see the same data stream.
 
     it = make_iterator(config)                     # grain DatasetIterator
     with DevicePrefetcher(it, put_fn) as batches:  # overlaps loading with the step
-      batch = next(batches)                        # {"inputs", "targets", "loss_mask"}
+      batch = next(batches)                        # {"inputs", "targets", "loss_mask"} (+ below)
       state = batches.get_state()                  # {"next_index": int}, JSON-safe
+
+With document masking (config.uses_document_masking) a batch also holds "segment_ids" (the
+input's document number within its row, from 1) and "positions" (its place in that part of
+the document, from 0 at the row start or the document's start), and loss_mask is 0 where a
+document's EOS would predict the next document's first token.
 """
 
 from __future__ import annotations
@@ -19,15 +26,22 @@ from __future__ import annotations
 import queue
 import threading
 
+from absl import logging
 import grain
 import numpy as np
 
-from megajax.config import ConfigError
+from megajax.config import ConfigError, parse_mixture, uses_document_masking
 # Re-exported: what users of the data API (the launcher's tests, notebooks) reach for here.
-from megajax.token_files import BYTE_VOCAB_SIZE, EOS, TokenFileSource, decode_tokens, encode_text, write_token_file
+from megajax.token_files import (BYTE_VOCAB_SIZE, EOS, TokenFile, TokenFileSource, decode_tokens, encode_text,
+                                 write_token_file)
 
-__all__ = ["BYTE_VOCAB_SIZE", "EOS", "DevicePrefetcher", "SyntheticSource", "TokenFileSource", "decode_tokens",
-           "encode_text", "make_dataset", "make_iterator", "make_source", "write_token_file"]
+__all__ = ["BYTE_VOCAB_SIZE", "EOS", "DevicePrefetcher", "SyntheticSource", "TokenFileSource", "TokenRecords",
+           "decode_tokens", "describe_data", "document_starts_of", "encode_text", "held_out_documents",
+           "make_dataset", "make_eval_dataset", "make_eval_iterator", "make_iterator", "make_source", "make_sources",
+           "token_file_paths", "write_token_file"]
+
+# model.vocab_size over this many times the data's: one warning line (the padding rows train nothing).
+VOCAB_SLACK = 2
 
 
 # Sources: random access (`__len__`, `__getitem__`) so grain can shuffle and shard by index.
@@ -39,16 +53,18 @@ class SyntheticSource:
   fixed probabilities; the table is drawn once from `seed`) gives ~1.2 nats of
   next-token entropy against log(vocab_size) for uniform tokens. Copy spans
   (an earlier span of the same record repeated later) reward attention beyond
-  the previous token. Record i depends only on (seed, i).
+  the previous token. Record i is record first_record + i of the chain's stream
+  and depends only on (seed, first_record + i): eval records start past the
+  training ones, so they are the same distribution and never trained on.
   """
 
   SUCCESSOR_PROBS = (0.55, 0.25, 0.12, 0.08)
   COPY_EVERY = 64            # About one copy span per this many tokens.
   COPY_LEN = (8, 32)         # Copy span length range [lo, hi).
 
-  def __init__(self, vocab_size: int, seq_len: int, seed: int, num_records: int):
+  def __init__(self, vocab_size: int, seq_len: int, seed: int, num_records: int, first_record: int = 0):
     self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
-    self.num_records = num_records
+    self.num_records, self.first_record = num_records, first_record
     table_rng = np.random.default_rng((seed, 0, 0))
     k = len(self.SUCCESSOR_PROBS)
     successors = table_rng.integers(0, vocab_size, size=(vocab_size, k))
@@ -61,7 +77,7 @@ class SyntheticSource:
 
   def __getitem__(self, index: int) -> np.ndarray:
     n = self.seq_len + 1
-    rng = np.random.default_rng((self.seed, 1, int(index)))
+    rng = np.random.default_rng((self.seed, 1, self.first_record + int(index)))
     # Draw every random choice up front (vectorised); only the walk is a loop.
     slots = np.searchsorted(self._cum_probs, rng.random(n - 1) * self._cum_probs[-1], side="right")
     k, succ = len(self.SUCCESSOR_PROBS), self._successors
@@ -82,59 +98,261 @@ class SyntheticSource:
     return record
 
 
-def make_source(config):
-  """The record source named by config.data.source."""
+def _tokenizer_of(token_file) -> dict:
+  """The sidecar's tokenizer entry ({"kind", "eos_id", ...}); none means the byte tokenizer."""
+  return getattr(token_file, "tokenizer", None) or token_file.meta.get("tokenizer") or {"kind": "bytes", "eos_id": EOS}
+
+
+def document_starts_of(source) -> np.ndarray:
+  """Where each document starts in the token stream (int64, first 0), of a TokenFile or
+  TokenFileSource: their document index (`document_starts`) when they have one, else the token
+  after every EOS of the file's tokenizer (each document is its tokens then EOS)."""
+  starts = getattr(source, "document_starts", None)
+  if starts is not None:
+    return np.asarray(starts, dtype=np.int64)
+  token_file = getattr(source, "file", source)
+  after_eos = np.flatnonzero(token_file.tokens == _tokenizer_of(token_file)["eos_id"]) + 1
+  return np.concatenate([[0], after_eos[after_eos < len(token_file.tokens)]]).astype(np.int64)
+
+
+def held_out_documents(num_documents: int, fraction: float) -> np.ndarray:
+  """Which documents (bool per document number) evaluation holds out: those whose hash
+  (splitmix64 of the number) falls under `fraction`. It depends on nothing but the number, so
+  the held-out set is the same for every run, seed and process count over the same file."""
+  with np.errstate(over="ignore"):   # The hash wraps around 2**64 on purpose.
+    x = np.arange(num_documents, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+  return (x >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
+
+
+class TokenRecords:
+  """Records of seq_len + 1 tokens at stride seq_len over a token stream: the documents
+  `keep` selects (bool per document; None: all) of an opened TokenFile, back to back in file
+  order. Record i is the stream's tokens [i*S, i*S + S + 1); each is a dict {"tokens"} and,
+  with `segments`, {"segment_ids"}: every token's document number within the record, from 1.
+  Each record's ids are checked as it is read (the error names the file and record)."""
+
+  def __init__(self, token_file: TokenFile, seq_len: int, keep: np.ndarray | None = None,
+               segments: bool = True, starts: np.ndarray | None = None):
+    self.file, self.path, self.seq_len, self.segments = token_file, token_file.path, seq_len, segments
+    self.tokens, self.vocab_size = token_file.tokens, token_file.vocab_size
+    starts = document_starts_of(token_file) if starts is None else starts
+    ends = np.append(starts[1:], len(self.tokens))
+    chosen = np.ones(len(starts), bool) if keep is None else np.asarray(keep, bool)
+    documents = np.flatnonzero(chosen & (ends > starts))   # An empty document is no boundary.
+    lengths = ends[documents] - starts[documents]
+    self.num_documents, self.num_tokens = len(documents), int(lengths.sum())
+    # Each document's start in the stream, and the runs of adjacent documents: each run is one
+    # contiguous piece of the file, so a record is one slice, or a few across held-out gaps.
+    self._document_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    first_of_run = np.flatnonzero(np.diff(documents, prepend=-2) != 1)
+    self._run_starts = self._document_starts[first_of_run]                 # in the stream
+    self._run_file_starts = starts[documents[first_of_run]]               # in the file
+    self._run_ends = np.append(self._run_starts[1:], self.num_tokens)
+
+  def __len__(self) -> int:
+    return max(self.num_tokens - 1, 0) // self.seq_len
+
+  def __getitem__(self, index: int) -> dict:
+    start, n = int(index) * self.seq_len, self.seq_len + 1
+    run = int(np.searchsorted(self._run_starts, start, side="right")) - 1
+    pieces, at = [], start
+    while at < start + n:
+      file_at = int(self._run_file_starts[run]) + at - int(self._run_starts[run])
+      piece = self.tokens[file_at:file_at + min(start + n, int(self._run_ends[run])) - at]
+      # On the stored dtype, before int32: a uint32 id >= 2**31 would wrap to a negative.
+      self.file.check_ids(piece, file_at, f"record {index}")
+      pieces.append(piece)
+      at, run = at + len(piece), run + 1
+    record = {"tokens": np.concatenate(pieces).astype(np.int32) if len(pieces) > 1
+              else np.asarray(pieces[0], dtype=np.int32)}
+    if self.segments:
+      first = int(np.searchsorted(self._document_starts, start, side="right"))
+      last = int(np.searchsorted(self._document_starts, start + n, side="left"))
+      new_document = np.zeros(n, np.int32)
+      new_document[self._document_starts[first:last] - start] = 1
+      record["segment_ids"] = 1 + np.cumsum(new_document, dtype=np.int32)
+    return record
+
+
+def _check_same_tokenizer(files: list, field: str, value: str) -> None:
+  """Files read together must share a tokenizer: ids mean the same tokens in each."""
+  def identity(token_file):
+    tokenizer = _tokenizer_of(token_file)
+    return token_file.vocab_size, tokenizer.get("kind"), tokenizer.get("eos_id")
+
+  with_sidecars = [f for f in files if f.meta]   # a .npy has no sidecar: its vocab is its largest id + 1
+  for other in with_sidecars[1:]:
+    if identity(other) != identity(with_sidecars[0]):
+      (vocab, kind, eos), (vocab2, kind2, eos2) = identity(with_sidecars[0]), identity(other)
+      raise ConfigError(field, value, f"{with_sidecars[0].path} (tokenizer {kind}, vocab {vocab}, EOS {eos}) and "
+                        f"{other.path} (tokenizer {kind2}, vocab {vocab2}, EOS {eos2}) use different tokenizers",
+                        "prepare every file with the same --tokenizer")
+
+
+def _training_files(config) -> list[tuple[str, float]]:
+  d = config.data
+  return parse_mixture(d.mixture) if d.mixture else [(d.path, 1.0)]
+
+
+def token_file_paths(config) -> list[str]:
+  """Every token file the run reads (training files, then data.eval_path); none for synthetic data."""
+  d = config.data
+  if d.source != "tokens":
+    return []
+  return [path for path, _ in _training_files(config)] + ([d.eval_path] if d.eval_path else [])
+
+
+def make_sources(config, split: str = "train") -> list[tuple[object, float]]:
+  """[(record source, weight)] of config.data for `split` ("train" or "eval"): one source, or
+  one per mixture file. Eval records are data.eval_path's, or the documents data.eval_fraction
+  holds out of each training file (the training sources then skip them)."""
   d, m = config.data, config.model
   if d.source == "synthetic":
-    return SyntheticSource(m.vocab_size, m.seq_len, config.train.seed, d.synthetic_records)
-  if d.source == "tokens":
-    source = TokenFileSource(d.path, m.seq_len, verify_checksum=d.verify_checksum)
-    if source.vocab_size > m.vocab_size:
+    if split == "train":
+      return [(SyntheticSource(m.vocab_size, m.seq_len, config.train.seed, d.synthetic_records), 1.0)]
+    return [(SyntheticSource(m.vocab_size, m.seq_len, config.train.seed, _eval_rows(config),
+                             first_record=d.synthetic_records), 1.0)]
+  if d.source != "tokens":
+    raise ConfigError("data.source", d.source, "unknown name", "choose one of synthetic, tokens")
+  train_files = _training_files(config)
+  field, value = ("data.mixture", d.mixture) if d.mixture else ("data.path", d.path)
+  files = [(path, weight, TokenFile(path, d.verify_checksum)) for path, weight in train_files]
+  if split == "eval" and d.eval_path:
+    # The training files are opened (no checksum: cheap) only to check the tokenizers agree.
+    eval_file = TokenFile(d.eval_path, d.verify_checksum)
+    _check_same_tokenizer([f for _, _, f in files] + [eval_file], "data.eval_path", d.eval_path)
+    files, field, value = [(d.eval_path, 1.0, eval_file)], "data.eval_path", d.eval_path
+  elif split == "eval" and not d.eval_fraction:
+    raise ConfigError("data.eval_path", d.eval_path, "token data has no eval data",
+                      "set --config.data.eval_path=FILE or --config.data.eval_fraction=0.01")
+  _check_same_tokenizer([f for _, _, f in files], field, value)
+  sources = []
+  for path, weight, token_file in files:
+    if token_file.vocab_size > m.vocab_size:
       raise ConfigError("model.vocab_size", m.vocab_size,
-                        f"smaller than the vocab_size {source.vocab_size} of data.path={d.path}",
-                        f"set --config.model.vocab_size={source.vocab_size}")
-    return source
-  raise ConfigError("data.source", d.source, "unknown name", "choose one of synthetic, tokens")
+                        f"smaller than the vocab_size {token_file.vocab_size} of {path}",
+                        f"set --config.model.vocab_size={token_file.vocab_size}")
+    if m.vocab_size > VOCAB_SLACK * token_file.vocab_size and split == "train":
+      logging.warning("model.vocab_size=%d is over %dx the vocab_size %d of %s: the unused rows of the embedding "
+                      "and the head cost memory and FLOPs for nothing; set --config.model.vocab_size=%d",
+                      m.vocab_size, VOCAB_SLACK, token_file.vocab_size, path, token_file.vocab_size)
+    starts, keep = document_starts_of(token_file), None
+    if d.eval_fraction and not d.eval_path:
+      held_out = held_out_documents(len(starts), d.eval_fraction)
+      keep = held_out if split == "eval" else ~held_out
+      if not keep.any():
+        raise ConfigError("data.eval_fraction", d.eval_fraction,
+                          f"holds out {'none' if split == 'eval' else 'all'} of the {len(starts)} documents of {path}",
+                          "use a file with more documents, or --config.data.eval_path=FILE")
+    source = TokenRecords(token_file, m.seq_len, keep, uses_document_masking(config), starts)
+    if len(source) == 0:
+      what = "" if keep is None else f" ({split} documents)"
+      raise ConfigError(field, value, f"{path} has {source.num_tokens} tokens{what}, fewer than one record of "
+                        f"model.seq_len + 1 = {m.seq_len + 1}", "use more text or a shorter model.seq_len")
+    sources.append((source, weight))
+  return sources
 
 
-# The dataset: global order -> this process's slice of each global batch -> batches.
-
-def _to_example(records: np.ndarray) -> dict:
-  return {
-      "inputs": records[:, :-1],
-      "targets": records[:, 1:],  # Next token at every position.
-      "loss_mask": np.ones(records[:, 1:].shape, np.float32),
-  }
+def make_source(config):
+  """The training record source of config.data (the first file's, for a mixture)."""
+  return make_sources(config)[0][0]
 
 
-def make_dataset(config, process_index: int, process_count: int) -> grain.IterDataset:
-  """Infinite, deterministic grain IterDataset of this process's batches.
+# The datasets: global order -> this process's slice of each global batch -> batches.
 
-  Each element is {"inputs", "targets": int32 (b, S), "loss_mask": float32 (b, S)}
-  with b = train.batch_size // process_count.
-  """
+def _to_example(batch: dict, segments: bool) -> dict:
+  """A batch of records -> the step's arrays, every one of shape (b, S) (module docstring)."""
+  tokens = batch["tokens"]
+  example = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}   # Next token at every position.
+  if not segments:
+    example["loss_mask"] = np.ones(tokens[:, 1:].shape, np.float32)
+    return example
+  documents = batch["segment_ids"]
+  # An EOS predicting the next document's first token has nothing to learn from: no loss.
+  example["loss_mask"] = (documents[:, 1:] == documents[:, :-1]).astype(np.float32)
+  segment_ids = documents[:, :-1]
+  b, s = segment_ids.shape
+  columns = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+  starts = np.concatenate([np.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  example["segment_ids"] = segment_ids
+  example["positions"] = columns - np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
+  return example
+
+
+def _as_record(record) -> dict:
+  return record if isinstance(record, dict) else {"tokens": record}
+
+
+def _local_slice(config, process_index: int, process_count: int) -> int:
   global_batch = config.train.batch_size
   if global_batch % process_count:
     raise ConfigError("train.batch_size", global_batch, f"not divisible into {process_count} per-process slices",
                       f"use a multiple of {process_count}")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} not in [0, {process_count})")
-  local_batch = global_batch // process_count
+  return global_batch // process_count
 
-  ds = grain.MapDataset.source(make_source(config))
-  if config.data.shuffle:
-    # grain's index shuffle: O(1) memory, and repeat() reseeds it every epoch.
-    ds = ds.shuffle(seed=config.train.seed % 2**32)
-  ds = ds.repeat()  # Infinite; global position n is one fixed record.
+
+def _batched(config, ds: grain.MapDataset, process_index: int, process_count: int) -> grain.IterDataset:
+  local_batch = _local_slice(config, process_index, process_count)
   # Chunks of b consecutive global positions; global batch k is chunks kP .. kP+P-1,
   # so process p takes every P-th chunk starting at p: positions kB+pb .. kB+pb+b-1, and
   # reads no other record. drop_remainder: without it grain sizes the batched dataset as
   # ceil(len / b) in floating point, which overflows on the infinite (sys.maxsize long)
   # order at b = 1; floor division is exact, and the remainder it drops is 2**63 records away.
-  ds = ds.batch(local_batch, drop_remainder=True)[process_index::process_count]
-  ds = ds.map(_to_example)
+  ds = ds.map(_as_record).batch(local_batch, drop_remainder=True)[process_index::process_count]
+  segments = uses_document_masking(config)
+  ds = ds.map(lambda batch: _to_example(batch, segments))
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=config.data.read_threads,
                                               prefetch_buffer_size=config.data.prefetch))
+
+
+def make_dataset(config, process_index: int, process_count: int) -> grain.IterDataset:
+  """Infinite, deterministic grain IterDataset of this process's training batches.
+
+  Each element is {"inputs", "targets": int32 (b, S), "loss_mask": float32 (b, S)} with
+  b = train.batch_size // process_count, plus "segment_ids", "positions": int32 (b, S)
+  when config.uses_document_masking.
+  """
+  _local_slice(config, process_index, process_count)   # A bad layout fails before any file opens.
+  sources, parts = make_sources(config), []
+  for i, (source, _) in enumerate(sources):
+    ds = grain.MapDataset.source(source)
+    if config.data.shuffle:
+      # grain's index shuffle: O(1) memory, and repeat() reseeds it every epoch. A seed per
+      # source; the first keeps train.seed, so one file's order is what it always was.
+      ds = ds.shuffle(seed=(config.train.seed + 7919 * i) % 2**32)
+    parts.append(ds.repeat())  # Infinite; global position n is one fixed record.
+  # grain's mix interleaves the sources by weight, position by position (deterministic), before
+  # the global batching: the global batch is the same for any process count.
+  ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [weight for _, weight in sources])
+  return _batched(config, ds, process_index, process_count)
+
+
+def _eval_rows(config) -> int:
+  return config.train.eval_batches * config.train.batch_size
+
+
+def make_eval_dataset(config, process_index: int, process_count: int) -> grain.IterDataset:
+  """The eval pass: train.eval_batches global batches of this process's rows, the same
+  layout and keys as training's, read in order (no shuffle) from the start of the eval
+  records, so every pass is the same tokens. Eval records fewer than the pass wrap around."""
+  _local_slice(config, process_index, process_count)
+  sources = make_sources(config, "eval")
+  parts = [grain.MapDataset.source(source).repeat() for source, _ in sources]
+  ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [weight for _, weight in sources])
+  return _batched(config, ds[:_eval_rows(config)], process_index, process_count)
+
+
+def _process_layout(process_index, process_count):
+  if process_index is None or process_count is None:
+    import jax  # Only needed when the caller leaves the process layout to jax.
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  return process_index, process_count
 
 
 def make_iterator(config, process_index: int | None = None, process_count: int | None = None):
@@ -144,11 +362,38 @@ def make_iterator(config, process_index: int | None = None, process_count: int |
   number of batches handed out so far); `set_state(state)` on a fresh iterator
   from the same config and process layout resumes at exactly the next batch.
   """
-  if process_index is None or process_count is None:
-    import jax  # Only needed when the caller leaves the process layout to jax.
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-  return iter(make_dataset(config, process_index, process_count))
+  return iter(make_dataset(config, *_process_layout(process_index, process_count)))
+
+
+def make_eval_iterator(config, process_index: int | None = None, process_count: int | None = None):
+  """A fresh iterator over one eval pass (make_eval_dataset): finite, the same every call. It
+  opens the files (and checks their checksums) again: to evaluate every N steps, make the
+  dataset once and `iter()` it for each pass."""
+  return iter(make_eval_dataset(config, *_process_layout(process_index, process_count)))
+
+
+def describe_data(config) -> str:
+  """One line for the start-up log: the source, tokenizer, vocabulary, tokens, documents and
+  how many epochs train.steps take (steps * batch_size * seq_len / training tokens)."""
+  d, t, m = config.data, config.train, config.model
+  read = t.steps * t.batch_size * m.seq_len
+  if d.source == "synthetic":
+    tokens = d.synthetic_records * m.seq_len
+    return (f"data: synthetic (Markov chain with copy spans), vocab {m.vocab_size}, {d.synthetic_records:,} records "
+            f"= {tokens:,} tokens, no documents; {t.steps:,} steps read {read / tokens:.3g} epochs")
+  quick = config.copy_and_resolve_references()
+  quick.data.verify_checksum = False   # A description reads sidecars and the index, not every byte.
+  sources = make_sources(quick)
+  tokens = sum(source.num_tokens for source, _ in sources)
+  documents = sum(source.num_documents for source, _ in sources)
+  total = sum(weight for _, weight in sources)
+  names = " + ".join(f"{source.path} ({weight / total:.0%})" for source, weight in sources) if len(sources) > 1 \
+      else sources[0][0].path
+  tokenizer = _tokenizer_of(sources[0][0].file)["kind"]
+  held_out = f" (data.eval_fraction={d.eval_fraction} held out)" if d.eval_fraction else ""
+  masking = "document masking on" if uses_document_masking(config) else "document masking off"
+  return (f"data: tokens from {names}; tokenizer {tokenizer}, vocab {sources[0][0].vocab_size}; {tokens:,} training "
+          f"tokens in {documents:,} documents{held_out}; {masking}; {t.steps:,} steps read {read / tokens:.3g} epochs")
 
 
 # Device prefetch: host batching and host->device copies overlap the training step.

@@ -96,9 +96,9 @@ class ParallelBlock(nn.Module):
   window: int | None
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     h = _norm(self.config, "norm")(x)                                     # [b, s, hidden]
-    return x + _attention(self.config, self.window)(h, positions) + _mlp(self.config)(h)
+    return x + _attention(self.config, self.window)(h, positions, segment_ids) + _mlp(self.config)(h)
 
 
 class SerialBlock(nn.Module):
@@ -106,8 +106,8 @@ class SerialBlock(nn.Module):
   window: int | None
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    z = x + _attention(self.config, self.window)(_norm(self.config, "attention_norm")(x), positions)
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    z = x + _attention(self.config, self.window)(_norm(self.config, "attention_norm")(x), positions, segment_ids)
     return z + _mlp(self.config)(_norm(self.config, "mlp_norm")(z))
 
 
@@ -122,24 +122,31 @@ REMAT_POLICIES = {
 
 
 class GPT(nn.Module):
-  """tokens int32[b, s] -> logits float32[b, s, vocab]."""
+  """tokens int32[b, s] -> logits float32[b, s, vocab].
+
+  Packed rows (several documents per row) pass segment_ids int32[b, s] (each token's
+  document, non-decreasing along a row: attention stays within a document) and positions
+  int32[b, s] (each token's position within its document, for the rotary embedding).
+  Without them a row is one document: positions 0, 1, ... s - 1."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     c = self.config
     batch, seq = tokens.shape
     embedding = self.param("embedding", initializers.normal(c.init_std, ("vocab", "embed")),
                            (c.vocab_size, c.hidden_dim), c.param_dtype)
     x = jnp.take(embedding, tokens, axis=0).astype(c.compute_dtype)       # [b, s, hidden]
-    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
 
     block_cls = BLOCK_MODULES[c.block]
     if c.remat != "none":
       block_cls = nn.remat(block_cls, policy=REMAT_POLICIES[c.remat])
     for layer in range(c.num_layers):
-      x = block_cls(c, c.layer_window(layer), name=f"layer_{layer}")(x, positions)
+      x = block_cls(c, c.layer_window(layer), name=f"layer_{layer}")(x, positions, segment_ids)
 
     x = _norm(c, "final_norm")(x)
     if c.tie_embeddings:

@@ -27,9 +27,11 @@ class TrainState(NamedTuple):
 
 
 def make_loss_sums_fn(model: GPT, z_loss: float) -> Callable:
-  """(params, batch) -> (objective summed over masked tokens, stats with the token count)."""
+  """(params, batch) -> (objective summed over masked tokens, stats with the token count).
+  A packed batch also has "positions" and "segment_ids" (megajax.model.GPT)."""
   def loss_sums(params, batch):
-    logits = model.apply({"params": params}, batch["inputs"])             # f32[b, s, vocab]
+    logits = model.apply({"params": params}, batch["inputs"], batch.get("positions"),
+                         batch.get("segment_ids"))                        # f32[b, s, vocab]
     return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
   return loss_sums
 

@@ -1,30 +1,39 @@
-"""Token files: text -> tokens (byte-level), the file format, and every check a loader makes.
+"""Token files: the file format (tokens, document index, sidecar) and every check a loader makes.
 
 A token file is `NAME.bin`, the raw token ids (uint16, or uint32 for vocabularies over 65536),
-with a sidecar `NAME.json` that megajax-prepare-data writes after the tokens:
+`NAME.idx`, the int64 start offset of every document in the token stream (a document is its
+tokens followed by its tokenizer's EOS), and a sidecar `NAME.json`, written last:
 
     {"dtype": "uint16", "vocab_size": 257, "num_tokens": 1048576, "num_documents": 12,
-     "checksum": "crc32:1c291ca3"}
+     "checksum": "crc32:1c291ca3", "index": {"file": "NAME.idx", "checksum": "crc32:0a1b2c3d"},
+     "tokenizer": {"kind": "bytes", "file": null, "eos_id": 256}}
 
-The checksum is zlib's CRC-32 of the .bin bytes, computed while writing (1-2 GB/s here; a
-corruption check, not a signature). A `.npy` holding one 1-D integer array also loads; it
-has no sidecar, so opening it scans it once for its smallest and largest id.
+The checksums are zlib's CRC-32 of the .bin and .idx bytes, computed while writing (1-2 GB/s
+here; a corruption check, not a signature). `tokenizer` names the tokenizer that wrote the
+ids (megajax/tokenizer.py: "bytes", "huggingface" or "sentencepiece", its file saved beside
+the .bin, its end-of-text id); a sidecar without one means bytes. A `.npy` holding one 1-D
+integer array also loads; it has no sidecar, so opening it scans it once for its smallest and
+largest id.
 
-Opening a file (`TokenFile`) checks the sidecar against the file's size and, when asked, the
-checksum (data.verify_checksum: about 1 s per GB at most, docs/data.md); `TokenFileSource`
-reads records of seq_len + 1 tokens and checks each one's largest id (under a microsecond for
-2049 tokens). Every bad file is one line, a ConfigError on
-data.path that names the file and what is wrong, never a traceback or silent garbage.
-Sidecars written before the checksum and the document count still load (a warning says the
-bytes go unchecked): their size, dtype and every id are still checked.
+Opening a file (`TokenFile`) checks the sidecar against the file's size, the index against
+num_tokens and num_documents (starts at 0, strictly increasing, below num_tokens) and, when
+asked, both checksums (data.verify_checksum: about 1 s per GB at most, docs/data.md);
+`document_starts` is the index (for segment ids and positions of packed rows).
+`TokenFileSource` reads records of seq_len + 1 tokens and checks each one's largest id (under
+a microsecond for 2049 tokens). Every bad file is one line, a ConfigError on data.path that
+names the file and what is wrong, never a traceback or silent garbage. Older files still load
+with a warning: without a checksum their bytes go unchecked (size, dtype and every id still
+are); without an index the document starts are derived from the EOS ids of their tokenizer
+(bytes: 256), once, when asked for. Text becomes token files in megajax/text_inputs.py
+(megajax-prepare-data).
 """
-
 from __future__ import annotations
 
-import glob
+import functools
 import json
 import os
 import re
+import shutil
 import zlib
 
 from absl import logging
@@ -38,6 +47,8 @@ TOKEN_DTYPES = ("uint16", "uint32")
 CHECKSUM = r"crc32:[0-9a-f]{8}"    # how a sidecar spells it
 CHECKSUM_CHUNK_BYTES = 64 << 20   # Hash in pieces: a memory-mapped file is never copied whole.
 REWRITE = "rerun megajax-prepare-data to rewrite it"
+TOKENIZER_KINDS = ("bytes", "huggingface", "sentencepiece")
+BYTES_TOKENIZER = {"kind": "bytes", "file": None, "eos_id": EOS}   # what a sidecar without "tokenizer" means
 
 
 # Byte-level tokenizer: no vocabulary file, works offline, every text encodes.
@@ -59,6 +70,10 @@ def sidecar_path(path: str) -> str:
   return path[:-len(".bin")] + ".json"
 
 
+def index_path(path: str) -> str:
+  return path[:-len(".bin")] + ".idx"
+
+
 def checksum(tokens: np.ndarray) -> str:
   """CRC-32 of the array's bytes, as the sidecar spells it."""
   data = memoryview(np.ascontiguousarray(tokens)).cast("B")
@@ -68,105 +83,83 @@ def checksum(tokens: np.ndarray) -> str:
   return f"crc32:{crc:08x}"
 
 
-def write_token_file(path: str, documents, vocab_size: int) -> dict:
-  """Writes `path` (.bin) and its sidecar atomically; returns the sidecar's fields.
+def write_token_file(path: str, documents, vocab_size: int, tokenizer: dict | None = None,
+                     tokenizer_file: str | None = None) -> dict:
+  """Writes `path` (.bin), its document index (.idx) and its sidecar atomically; returns the
+  sidecar's fields.
 
-  `documents` is one array or an iterable of arrays, one per document, streamed to disk in
-  order. Tokens are stored as uint16 when vocab_size <= 65536. Ids outside [0, vocab_size)
-  and a stream with no token at all are ValueErrors, and nothing is written.
+  `documents` is one array or an iterable of arrays, one per document (EOS included, if any),
+  or of pairs (tokens, lengths): several documents back to back, streamed to disk in order;
+  an empty document is no document. Tokens are stored as uint16 when
+  vocab_size <= 65536. `tokenizer` is the sidecar's "tokenizer" entry (none: no entry, which
+  means bytes); `tokenizer_file` is copied to its "file" beside the .bin before the sidecar is
+  written. Ids outside [0, vocab_size) and a stream with no token at all are ValueErrors, and
+  nothing is written.
   """
   if not path.endswith(".bin"):
     raise ValueError(f"token file path {path!r} must end with .bin")
   dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
   if isinstance(documents, np.ndarray):
     documents = [documents]
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp_bin, tmp_meta = path + ".tmp", sidecar_path(path) + ".tmp"
-  num_tokens = num_documents = crc = 0
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  final = {"bin": path, "idx": index_path(path)}
+  if tokenizer_file is not None:
+    final["tokenizer"] = os.path.join(folder, tokenizer["file"])
+  final["meta"] = sidecar_path(path)   # last: a reader never sees a sidecar for missing files
+  tmp = {name: target + ".tmp" for name, target in final.items()}
+  num_tokens = crc = index_crc = 0
   try:
-    with open(tmp_bin, "wb") as f:
-      for tokens in documents:
+    with open(tmp["bin"], "wb") as f, open(tmp["idx"], "wb") as index:
+      for item in documents:
+        tokens, lengths = item if isinstance(item, tuple) else (item, None)
         tokens = np.asarray(tokens).reshape(-1)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        lengths = np.array([tokens.size]) if lengths is None else np.asarray(lengths, np.int64)
+        if lengths.sum() != tokens.size:
+          raise ValueError(f"document lengths sum to {lengths.sum()}, not to their {tokens.size} tokens")
+        if not tokens.size:
+          continue
+        if tokens.min() < 0 or tokens.max() >= vocab_size:
           raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+        lengths = lengths[lengths > 0]
+        starts = (num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype("<i8").tobytes()
         raw = tokens.astype(dtype).tobytes()
         f.write(raw)
-        crc = zlib.crc32(raw, crc)
+        index.write(starts)
+        crc, index_crc = zlib.crc32(raw, crc), zlib.crc32(starts, index_crc)
         num_tokens += tokens.size
-        num_documents += 1
     if num_tokens == 0:
       raise ValueError(f"no tokens to write to {path}")
     meta = {"dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": num_tokens,
-            "num_documents": num_documents, "checksum": f"crc32:{crc:08x}"}
-    with open(tmp_meta, "w") as f:
+            "num_documents": os.path.getsize(tmp["idx"]) // 8, "checksum": f"crc32:{crc:08x}",
+            "index": {"file": os.path.basename(final["idx"]), "checksum": f"crc32:{index_crc:08x}"}}
+    if tokenizer is not None:
+      meta["tokenizer"] = dict(tokenizer)
+    if tokenizer_file is not None and not (os.path.exists(final["tokenizer"])
+                                           and os.path.samefile(tokenizer_file, final["tokenizer"])):
+      shutil.copyfile(tokenizer_file, tmp["tokenizer"])
+    with open(tmp["meta"], "w") as f:
       json.dump(meta, f)
-    # Tokens first, then the sidecar: a reader never sees a sidecar for missing tokens.
-    os.replace(tmp_bin, path)
-    os.replace(tmp_meta, sidecar_path(path))
+    for name, target in final.items():
+      if os.path.exists(tmp[name]):
+        os.replace(tmp[name], target)
   finally:
-    for tmp in (tmp_bin, tmp_meta):
-      if os.path.exists(tmp):
-        os.remove(tmp)
+    for name in tmp.values():
+      if os.path.exists(name):
+        os.remove(name)
   return meta
 
 
 class PrepareError(Exception):
-  """Why megajax-prepare-data refuses its inputs or output: `kind` ("input error", "output
-  error") and a one-line message."""
+  """Why megajax-prepare-data refuses its inputs, output or flags: `kind` ("input error",
+  "output error", "usage error", "tokenizer error") and a one-line message."""
 
   def __init__(self, kind: str, message: str):
     self.kind = kind
     super().__init__(message)
 
-
-def prepare_text_files(patterns: list[str], output: str, eos: bool = True) -> tuple[dict, list[str]]:
-  """Tokenizes the files `patterns` match (sorted per pattern: the same inputs give the same
-  file) into the token file `output`, one document per non-empty file, EOS after each when
-  `eos`. Returns (the sidecar's fields, the input paths). Raises PrepareError, having written
-  nothing, for a pattern matching no file, a directory, an unreadable file, inputs with no
-  text, an output that is a directory or cannot be written."""
-  paths = []
-  for pattern in patterns:
-    matches = sorted(glob.glob(pattern))
-    if not matches:
-      raise PrepareError("input error", f"{pattern!r} matches no file")
-    for path in matches:
-      if os.path.isdir(path):
-        raise PrepareError("input error", f"{path} is a directory; pass its files, e.g. '{path.rstrip('/')}/*.txt'")
-      if not os.access(path, os.R_OK):
-        raise PrepareError("input error", f"{path} is not readable")
-    paths.extend(matches)
-  if sum(os.path.getsize(path) for path in paths) == 0:
-    raise PrepareError("input error", f"the {len(paths)} input file(s) are empty: no text to tokenize")
-  if os.path.isdir(output):
-    raise PrepareError("output error",
-                       f"{output} is a directory; name the token file, e.g. {output.rstrip('/')}/data.bin")
-  folder = os.path.dirname(os.path.abspath(output))
-  if os.path.exists(folder) and not os.path.isdir(folder):
-    raise PrepareError("output error", f"cannot write {output}: {folder} is a file, not a folder")
-  try:
-    os.makedirs(folder, exist_ok=True)
-  except OSError as error:
-    raise PrepareError("output error", f"cannot create the folder {folder}: {error.strerror}") from None
-  if not os.access(folder, os.W_OK):
-    raise PrepareError("output error", f"cannot write to {folder}")
-  try:
-    meta = write_token_file(output, _documents(paths, eos), BYTE_VOCAB_SIZE)
-  except OSError as error:
-    raise PrepareError("output error", f"cannot write {output}: {error.strerror}") from None
-  return meta, paths
-
-
-def _documents(paths: list[str], eos: bool):
-  for path in paths:
-    try:
-      with open(path, "rb") as f:
-        text = f.read()
-    except OSError as error:
-      raise PrepareError("input error", f"cannot read {path}: {error.strerror}") from None
-    if text:   # Byte-level: the raw bytes are the tokens, no decode / encode round trip.
-      tokens = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
-      yield np.append(tokens, np.uint16(EOS)) if eos else tokens
+  def __reduce__(self):   # raised in a worker process, re-raised in the writer
+    return (PrepareError, (self.kind, str(self)))
 
 
 # Reading: every check, each failure one ConfigError on data.path.
@@ -177,14 +170,18 @@ def _bad_file(path: str, problem: str, fix: str = REWRITE) -> ConfigError:
 
 class TokenFile:
   """An opened, checked token file: `tokens` (read-only, memory-mapped), `vocab_size` (the sidecar's,
-  or max id + 1 for a .npy), `meta` (the sidecar's fields; {} for a .npy)."""
+  or max id + 1 for a .npy), `meta` (the sidecar's fields; {} for a .npy), `tokenizer` (the
+  sidecar's entry; bytes without one), `document_starts` (int64 start of every document)."""
 
   def __init__(self, path: str, verify_checksum: bool = True):
     self.path = path
+    self._index = None
     if path.endswith(".bin"):
       self.meta = self._read_sidecar()
       self.tokens = self._map_bin()
       self.vocab_size = self.meta["vocab_size"]
+      if "index" in self.meta:
+        self._index = self._map_index(verify_checksum)
       if verify_checksum and "checksum" in self.meta:
         found = checksum(self.tokens)
         if found != self.meta["checksum"]:
@@ -199,6 +196,22 @@ class TokenFile:
       self.vocab_size = int(self.tokens.max()) + 1
     else:
       raise _bad_file(path, "not a .bin or .npy token file", "make one with megajax-prepare-data")
+
+  @property
+  def tokenizer(self) -> dict:
+    return self.meta.get("tokenizer", BYTES_TOKENIZER)
+
+  @functools.cached_property
+  def document_starts(self) -> np.ndarray:
+    """The int64 start offset of every document: the index, or for files without one (older
+    files, a .npy) the token after every EOS of the data's tokenizer, derived once."""
+    if self._index is not None:
+      return self._index
+    eos = self.tokenizer["eos_id"]
+    logging.warning("%s has no document index (an older megajax-prepare-data, or a .npy, wrote it): its documents "
+                    "are taken to end at each EOS id %d; %s", self.path, eos, REWRITE)
+    ends = np.flatnonzero(self.tokens == eos) + 1
+    return np.concatenate([[0], ends[ends < len(self.tokens)]]).astype(np.int64)
 
   def check_ids(self, window: np.ndarray, start: int, what: str) -> None:
     """`window` (the tokens from `start`, named `what` in the error) holds no id >= vocab_size.
@@ -234,9 +247,41 @@ class TokenFile:
         raise bad(field, "must be a positive integer")
     if meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
       raise bad("vocab_size", f"more ids than {meta['dtype']} holds")
-    if "checksum" in meta and not (isinstance(meta["checksum"], str) and re.fullmatch(CHECKSUM, meta["checksum"])):
+    if "checksum" in meta and not _is_checksum(meta["checksum"]):
       raise bad("checksum", "not 'crc32:<8 hex digits>'")
+    index = meta.get("index")
+    if index is not None and not (isinstance(index, dict) and isinstance(index.get("file"), str)
+                                  and os.path.basename(index["file"]) == index["file"]
+                                  and _is_checksum(index.get("checksum"))):
+      raise bad("index", "not {\"file\": <a file name beside it>, \"checksum\": \"crc32:<8 hex digits>\"}")
+    if "index" in meta and "num_documents" not in meta:
+      raise _bad_file(self.path, f"its sidecar {meta_path} has an index but no 'num_documents'")
+    tokenizer = meta.get("tokenizer", BYTES_TOKENIZER)
+    if not (isinstance(tokenizer, dict) and tokenizer.get("kind") in TOKENIZER_KINDS
+            and (tokenizer.get("file") is None if tokenizer.get("kind") == "bytes"
+                 else isinstance(tokenizer.get("file"), str) and os.path.basename(tokenizer["file"]) == tokenizer["file"])
+            and type(tokenizer.get("eos_id")) is int and 0 <= tokenizer["eos_id"] < meta["vocab_size"]):
+      raise bad("tokenizer", f"not {{\"kind\": one of {', '.join(TOKENIZER_KINDS)}, \"file\": a file name beside it "
+                f"(null for bytes), \"eos_id\": an id below vocab_size}}")
     return meta
+
+  def _map_index(self, verify_checksum: bool) -> np.ndarray:
+    index_file = os.path.join(os.path.dirname(os.path.abspath(self.path)), self.meta["index"]["file"])
+    count = self.meta["num_documents"]
+    if not os.path.isfile(index_file):
+      raise _bad_file(self.path, f"its document index {index_file} is missing", f"copy it with the data, or {REWRITE}")
+    if (size := os.path.getsize(index_file)) != count * 8:
+      raise _bad_file(self.path, f"its document index {index_file} holds {size} bytes, not num_documents={count} "
+                      "int64 starts: truncated, or not the index of this file")
+    starts = np.memmap(index_file, dtype="<i8", mode="r").view(np.ndarray)
+    if verify_checksum and (found := checksum(starts)) != self.meta["index"]["checksum"]:
+      raise _bad_file(self.path, f"its document index's checksum {found} is not the {self.meta['index']['checksum']} "
+                      "its sidecar records: the index changed after it was written or is corrupt",
+                      f"copy it again, or {REWRITE}")
+    if starts[0] != 0 or (count > 1 and np.any(np.diff(starts) <= 0)) or starts[-1] >= len(self.tokens):
+      raise _bad_file(self.path, f"its document index {index_file} is not {count} strictly increasing starts from 0 "
+                      f"below num_tokens={len(self.tokens)}", f"the index is corrupt: {REWRITE}")
+    return starts
 
   def _map_bin(self) -> np.ndarray:
     size, dtype, count = os.path.getsize(self.path), np.dtype(self.meta["dtype"]), self.meta["num_tokens"]
@@ -272,9 +317,13 @@ class TokenFile:
     return tokens.view(np.ndarray)
 
 
+def _is_checksum(value) -> bool:
+  return isinstance(value, str) and re.fullmatch(CHECKSUM, value) is not None
+
+
 def verify_token_file(path: str) -> dict:
-  """Every check a loader makes, on the whole file: the sidecar, the checksum, every id.
-  Returns the sidecar's fields; raises the ConfigError a loader would."""
+  """Every check a loader makes, on the whole file: the sidecar, the checksums, the document
+  index, every id. Returns the sidecar's fields; raises the ConfigError a loader would."""
   token_file = TokenFile(path, verify_checksum=True)
   if "checksum" not in token_file.meta and path.endswith(".bin"):
     raise _bad_file(path, "has no checksum to verify (an older megajax-prepare-data wrote it)", REWRITE)
@@ -291,9 +340,14 @@ class TokenFileSource:
   def __init__(self, path: str, seq_len: int, verify_checksum: bool = True):
     self.file, self.seq_len = TokenFile(path, verify_checksum), seq_len
     self.path, self.tokens, self.vocab_size = path, self.file.tokens, self.file.vocab_size
+    self.tokenizer = self.file.tokenizer
     if len(self.tokens) < seq_len + 1:
       raise ConfigError("data.path", path, f"has {len(self.tokens)} tokens, fewer than one record "
                         f"of model.seq_len + 1 = {seq_len + 1}", "use more text or a shorter model.seq_len")
+
+  @property
+  def document_starts(self) -> np.ndarray:
+    return self.file.document_starts
 
   def __len__(self) -> int:
     return (len(self.tokens) - 1) // self.seq_len

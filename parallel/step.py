@@ -35,14 +35,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import ConfigError, wants_probes
+from megajax.config import ConfigError, uses_document_masking, wants_probes
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding
 from megajax.parallel.mesh import DP, PP, TP, batch_sharding
 from megajax.parallel.pipeline import simulate
+from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
-from megajax.reference_step import TrainState, accumulate_gradients
+from megajax.reference_step import TrainState, accumulate_gradients, split_microbatches
 
 # tp_overlap="xla": plain collectives, and XLA's own windowed-einsum rewrite of them (GPU).
 XLA_WINDOWED_EINSUM_OPTIONS = {
@@ -141,11 +142,15 @@ class ParallelStep:
 
   def abstract_inputs(self) -> tuple[TrainState, dict]:
     """The step's (state, batch) as ShapeDtypeStructs with their shardings: for
-    `.lower(...).compile()` and a checkpoint's restore, without materializing anything."""
+    `.lower(...).compile()` and a checkpoint's restore, without materializing anything.
+    Packed data (megajax.config.uses_document_masking) adds "positions" and "segment_ids"."""
     shape, rows = (self.config.train.batch_size, self.config.model.seq_len), batch_sharding(self.mesh)
     batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)}
+    if uses_document_masking(self.config):
+      batch.update({key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
+                    for key in ("positions", "segment_ids")})
     return self._abstract_state, batch
 
   @functools.cached_property
@@ -237,6 +242,39 @@ class ParallelStep:
     mapped = jax.shard_map(functools.partial(self._train_step, with_gradients=with_gradients), mesh=self.mesh,
                            in_specs=(self.state_specs, P(DP)), out_specs=out_specs)
     return jax.jit(mapped, donate_argnums=0, compiler_options=self.compiler_options)
+
+  # --- Held-out evaluation: the forward alone, on the same mesh and layouts.
+
+  def _eval_sums(self, params, batch):
+    """ZeRO gather -> the forward of every microbatch -> the loss sums, per device; summed
+    over dp (and pp) so every device holds the batch's global sums. No gradients, no z-loss:
+    the held-out loss is the cross-entropy alone."""
+    c = self.config
+    if self.pipeline is not None:
+      stats = pipeline_loss_sums(params, batch, self.layouts, c.parallel.pp, c.parallel.virtual_stages,
+                                 c.train.microbatches, self.model.config, self.overlap)
+    else:
+      full_params = sharding.gather_params(params, self.layouts)
+      microbatches = split_microbatches(batch, c.train.microbatches)
+      # One microbatch's activations at a time, as in training; the zeros are typed like the
+      # batch (inside the shard_map the sums vary over dp as it does).
+      zero = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)
+
+      def one_microbatch(sums, microbatch):
+        _, stats = jax.named_scope("forward")(loss_sums)(full_params, microbatch, self.model.config, self.overlap)
+        return {k: sums[k] + stats[k] for k in sums}, None
+
+      stats, _ = lax.scan(one_microbatch, {"nll_sum": zero, "tokens": zero}, microbatches)
+      stats = {k: lax.psum(v, DP) for k, v in stats.items()}
+    return {"eval_loss_sum": stats["nll_sum"], "eval_tokens": stats["tokens"]}
+
+  def eval_step(self):
+    """(params, batch) -> {"eval_loss_sum", "eval_tokens"}: the batch's summed cross-entropy and
+    its token count, global (every device holds them). Sum over batches, then divide: the
+    held-out loss is the mean over every token. Nothing is donated: the state trains on."""
+    mapped = jax.shard_map(self._eval_sums, mesh=self.mesh, in_specs=(self.state_specs.params, P(DP)),
+                           out_specs=P())
+    return jax.jit(mapped, compiler_options=self.compiler_options)
 
   @property
   def compiler_options(self) -> dict | None:

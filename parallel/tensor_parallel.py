@@ -68,15 +68,16 @@ def _split(x, widths):
   return jnp.split(x, offsets, axis=-1)
 
 
-def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=None):
-  """Local heads: q [b, s, h/n * d], k, v [b, s, kv/n * d] -> [b, s, h/n * d]."""
+def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=None, segment_ids=None):
+  """Local heads: q [b, s, h/n * d], k, v [b, s, kv/n * d] -> [b, s, h/n * d]. Every rank
+  sees the whole sequence here, so positions and segment_ids are the full [b, s]."""
   b, s, _ = q.shape
   d = c.head_dim
   q = rotary_embedding(q.reshape(b, s, -1, d), positions, c.rope_theta)
   k = rotary_embedding(k.reshape(b, s, -1, d), positions, c.rope_theta)
   if probe is not None and probe.wants("attn_probs"):   # recomputed: fused kernels never hold them
-    captured["attn_probs"] = probe.capture_probs(q, k, window)
-  out = ATTENTION_IMPLS[c.attention_impl](q, k, v.reshape(b, s, -1, d), window)
+    captured["attn_probs"] = probe.capture_probs(q, k, window, segment_ids)
+  out = ATTENTION_IMPLS[c.attention_impl](q, k, v.reshape(b, s, -1, d), window, segment_ids)
   return out.reshape(b, s, -1)
 
 
@@ -97,7 +98,7 @@ def _bias_sum(biases, c: ModelConfig):
   return sum(b.astype(c.compute_dtype) for b in biases) if c.use_bias else 0
 
 
-def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None):
+def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None, segment_ids=None):
   """y = x + Attn(LN(x)) + MLP(LN(x)): one all-gather, one reduce-scatter on tp.
   Returns (y, the statistics `probe` captured: {} without one)."""
   attention, mlp = p["attention"], p["mlp"]
@@ -108,7 +109,7 @@ def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, pr
   if bias is not None:
     fused = fused + bias
   q, k, v, hidden = _split(fused, widths)
-  attended = _attention(q, k, v, positions, window, c, probe, captured)
+  attended = _attention(q, k, v, positions, window, c, probe, captured, segment_ids)
   activations = jnp.concatenate([_observe(probe, captured, "attn_out", attended),
                                  _observe(probe, captured, "mlp_out", nn.gelu(hidden, approximate=True))], axis=-1)
   out_kernel = jnp.concatenate([_out_kernel(attention), mlp["wo"]["kernel"]], axis=0).astype(c.compute_dtype)
@@ -116,7 +117,7 @@ def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, pr
   return x + out + _bias_sum([attention["out"].get("bias"), mlp["wo"].get("bias")], c), captured
 
 
-def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None):
+def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None, segment_ids=None):
   """z = x + Attn(LN1(x)); y = z + MLP(LN2(z)): two all-gathers, two reduce-scatters on tp.
   Returns (y, the statistics `probe` captured: {} without one)."""
   attention, mlp = p["attention"], p["mlp"]
@@ -126,7 +127,8 @@ def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, prob
   if bias is not None:
     qkv = qkv + bias
   q, k, v = _split(qkv, widths)
-  attended = _observe(probe, captured, "attn_out", _attention(q, k, v, positions, window, c, probe, captured))
+  attended = _observe(probe, captured, "attn_out",
+                      _attention(q, k, v, positions, window, c, probe, captured, segment_ids))
   z = x + overlap.row(attended, _out_kernel(attention).astype(c.compute_dtype)) \
       + _bias_sum([attention["out"].get("bias")], c)
   kernel, bias, _ = _fused_input([mlp["wi"]], c)
@@ -179,15 +181,16 @@ def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float)
   return nll_sum + z_loss * z_sum, stats
 
 
-def apply_block(p, x, positions, window, c: ModelConfig, overlap: Overlap):
-  """One transformer block on this device's shards, recomputed in the backward if c.remat says so."""
-  return probed_block(p, x, positions, window, c, overlap, None)[0]
+def apply_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, segment_ids=None):
+  """One transformer block on this device's shards, recomputed in the backward if c.remat says so.
+  segment_ids: None, or the packed documents' [b, s] (full sequence)."""
+  return probed_block(p, x, positions, window, c, overlap, None, segment_ids)[0]
 
 
-def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe):
+def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe, segment_ids=None):
   """apply_block with a megajax.observe.probes.LayerProbe (or None): (y, {tensor: statistics}).
   The perturbation and the residual's capture sit outside the remat: y is kept anyway."""
-  block = lambda p, x: BLOCK_FUNCTIONS[c.block](p, x, positions, window, c, overlap, probe)
+  block = lambda p, x: BLOCK_FUNCTIONS[c.block](p, x, positions, window, c, overlap, probe, segment_ids)
   if c.remat != "none":
     block = jax.checkpoint(block, policy=REMAT_POLICIES[c.remat])
   y, captured = block(p, x)
@@ -196,8 +199,12 @@ def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, prob
   return _observe(probe, captured, "residual", y), captured
 
 
-def positions_of(tokens):
-  batch_size, seq = tokens.shape
+def positions_of(batch):
+  """The rotary positions of a (micro)batch dict: its "positions" when packed, else 0 .. s - 1
+  (also for a bare tokens array [b, s])."""
+  if isinstance(batch, dict) and "positions" in batch:
+    return batch["positions"]
+  batch_size, seq = (batch["inputs"] if isinstance(batch, dict) else batch).shape
   return jnp.broadcast_to(jnp.arange(seq), (batch_size, seq))
 
 
@@ -211,6 +218,7 @@ def head_loss_sums(params, x, batch, c: ModelConfig, overlap: Overlap, z_loss: f
 
 def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0, probes=None):
   """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
+  A packed batch has "positions" and "segment_ids" [b, s] too (megajax.model.GPT).
 
   The pipeline (megajax.parallel.pipeline) runs the same pieces split into stages. With
   `probes` (megajax.observe.probes.Probes, bound to the step; the batch then has "rows") the stats
@@ -218,11 +226,12 @@ def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0
   """
   tokens = batch["inputs"]                                                # [b, s], every tp rank
   x = vocab_parallel_embed(params["embedding"], tokens, c)                # [b, s/n, hidden]
-  positions = positions_of(tokens)
+  positions, segment_ids = positions_of(batch), batch.get("segment_ids")
   captured = {}
   for layer in range(c.num_layers):
     probe = probes.at_layer(layer, batch["rows"]) if probes is not None else None
-    x, stats = probed_block(params[f"layer_{layer}"], x, positions, c.layer_window(layer), c, overlap, probe)
+    x, stats = probed_block(params[f"layer_{layer}"], x, positions, c.layer_window(layer), c, overlap, probe,
+                            segment_ids)
     captured.update({f"{layer}:{tensor}": s for tensor, s in stats.items()})
   total, stats = head_loss_sums(params, x, batch, c, overlap, z_loss)
   if probes is not None and probes.capturing:

@@ -6,6 +6,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench startup
   python -m megajax.launch.bench faults [--trials=20]
   python -m megajax.launch.bench planner
+  python -m megajax.launch.bench data [--data_batches=50] [--data_steps=20]
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
 """
 
@@ -24,6 +25,8 @@ _CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
 _CHECKPOINT_REPEATS = flags.DEFINE_integer("checkpoint_repeats", 5,
                                            "Saves with and without checksums in the checkpoint benchmark (medians).")
 _TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
+_DATA_BATCHES = flags.DEFINE_integer("data_batches", 50, "Batches the data benchmark's loader is timed over.")
+_DATA_STEPS = flags.DEFINE_integer("data_steps", 20, "Steps of the default job the data benchmark times.")
 _SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the train (MFU) benchmark.")
 _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
 _WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
@@ -39,6 +42,7 @@ BENCHMARKS = {
     "faults": lambda bench: bench.faults(_TRIALS.value),
     "observe": lambda bench: bench.observe(_REPEATS.value),
     "planner": lambda bench: bench.planner(),
+    "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value),
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
 }
 

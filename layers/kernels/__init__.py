@@ -6,7 +6,8 @@ model through `megajax.layers` (attention: `ATTENTION_IMPLS["pallas"]`).
 
   attention.py         the portable (Triton) forward, dq and dk/dv kernels, custom_vjp, dispatch
   attention_hopper.py  the Hopper forward (TMA ring, wgmma, warp specialization)
-  band.py              the band geometry: which KV / query blocks a window makes each program visit
+  band.py              the band geometry: which KV / query blocks a window (and, for packed rows,
+                       the documents) make each program visit
   layer_norm.py, gelu.py  the fused operators
   support.py           what the kernels share: interpret mode on CPU, Triton params, output types
 """

@@ -1,8 +1,10 @@
 """Sliding-window flash attention as Pallas kernels: forward, and backward (dq, dk, dv).
 
-Token i attends to key j when i - window < j <= i (window=None: plain causal), the same
-mask as `xla_attention`, which these kernels are tested against. Layout [b, s, heads, d]
-like the model's; grouped KV heads (heads % kv_heads == 0) are read in place.
+Token i attends to key j when i - window < j <= i (window=None: plain causal) and, with
+packed documents (`segment_ids` [b, s], non-decreasing along a row), segment_ids[i] ==
+segment_ids[j]: the same mask as `xla_attention`, which these kernels are tested against.
+Layout [b, s, heads, d] like the model's; grouped KV heads (heads % kv_heads == 0) are
+read in place.
 
   forward   grid (q blocks, b, heads): online softmax over the KV blocks the q block can
             see, fp32 statistics and accumulator; writes out and the logsumexp.
@@ -17,6 +19,15 @@ split Splash-style into partial blocks (the window's left edge and the diagonal,
 and full blocks between them, which skip the mask. Sequences that are not a block
 multiple are zero-padded: padded keys lie right of every real query's diagonal, and padded
 queries get zero cotangents, so neither changes a real value.
+
+Documents: the wrapper computes each token's document [start, end) (`band.document_bounds`,
+a cumulative max / min). A program reads its own block of segment ids and of those bounds
+(blocked like q, or like k in dk/dv) and the other side's whole row of segment ids: the
+first and last row's document starts raise the q block's first KV block and shrink its
+full range, the first and last key's document ends lower the KV block's last q block and
+shrink its full range (`band.kv_block_ranges`, `band.q_block_ranges`); partial blocks also
+compare segment ids. So short documents cost O(s * document length), like a window. Padded
+positions are one more document (`band.PADDING_SEGMENT`), which no real token sees.
 
 Back ends (`backend`): "triton", these kernels lowered through Triton (requested explicitly
 with Triton compiler params); "mosaic", the Hopper forward (`attention_hopper`: TMA,
@@ -35,7 +46,8 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
 from megajax.layers.kernels import attention_hopper as hopper
-from megajax.layers.kernels.band import DEFAULT_BLOCK, kv_block_ranges, padded_length, q_block_ranges
+from megajax.layers.kernels.band import (DEFAULT_BLOCK, PADDING_SEGMENT, document_bounds, kv_block_ranges,
+                                         padded_length, q_block_ranges)
 from megajax.layers.kernels.attention_hopper import hopper_attention_forward
 from megajax.layers.kernels.support import compiler_params, out_struct, use_interpret
 
@@ -43,10 +55,12 @@ from megajax.layers.kernels.support import compiler_params, out_struct, use_inte
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _visible(rows, cols, window):
+def _visible(rows, cols, window, row_segments=None, col_segments=None):
   mask = cols[None, :] <= rows[:, None]
   if window is not None:
     mask &= cols[None, :] > rows[:, None] - window
+  if row_segments is not None:
+    mask &= row_segments[:, None] == col_segments[None, :]
   return mask
 
 
@@ -65,10 +79,18 @@ def _band_loop(bounds, step, carry):
 
 # --- Forward.
 
-def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, window, block_q, block_k, kv_blocks):
+def _forward_kernel(*refs, scale, window, block_q, block_k, kv_blocks, segmented):
+  if segmented:
+    q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref, doc_start_ref, out_ref, lse_ref = refs
+  else:
+    (q_ref, k_ref, v_ref, out_ref, lse_ref), q_segment_ref = refs, None
   q_block = pl.program_id(0)
   q = q_ref[...]                                                     # [block_q, d]
   rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+  row_segments, doc_starts = None, None
+  if segmented:                  # starts never decrease: the first and last row's are min, max
+    row_segments, doc_start = q_segment_ref[...], doc_start_ref[...]
+    doc_starts = (jnp.min(doc_start), jnp.max(doc_start))
 
   def step(kv_block, carry, masked):
     m, l, acc = carry
@@ -78,7 +100,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, window, blo
     s = _dot(q, k, transpose_b=True) * scale                         # [block_q, block_k] fp32
     if masked:
       cols = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-      s = jnp.where(_visible(rows, cols, window), s, MASK_VALUE)
+      col_segments = kv_segment_ref[pl.ds(start, block_k)] if segmented else None
+      s = jnp.where(_visible(rows, cols, window, row_segments, col_segments), s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.exp(s - m_new[:, None])
     alpha = jnp.exp(m - m_new)
@@ -87,42 +110,65 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, window, blo
   d = q.shape[-1]
   carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
            jnp.zeros((block_q, d), jnp.float32))
-  m, l, acc = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks), step, carry)
+  m, l, acc = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks, doc_starts), step, carry)
   out_ref[...] = (acc / l[:, None]).astype(out_ref.dtype)
   lse_ref[...] = m + jnp.log(l)
 
 
-def _forward(q, k, v, window, block_q, block_k, interpret, backend):
+def _segment_specs(block: int, s: int):
+  """BlockSpecs of three [b, s] int32 inputs: this program's block, the whole row, this block
+  (its own segment ids, the other side's, its own document bounds)."""
+  this_block = pl.BlockSpec((None, block), lambda i, n, h: (n, i))
+  return [this_block, pl.BlockSpec((None, s), lambda i, n, h: (n, 0)), this_block]
+
+
+def _forward(q, k, v, documents, window, block_q, block_k, interpret, backend):
+  """documents: None, or (segment_ids, doc_start, doc_end) int32 [b, s] each."""
   if backend == "mosaic":
-    return hopper_attention_forward(q, k, v, window, interpret=interpret)
+    doc_start = None if documents is None else documents[1]
+    return hopper_attention_forward(q, k, v, window, doc_start, interpret=interpret)
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
   group = heads // kv_heads
+  segmented = documents is not None
   kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(d), window=window, block_q=block_q,
-                             block_k=block_k, kv_blocks=s // block_k)
+                             block_k=block_k, kv_blocks=s // block_k, segmented=segmented)
+  segment_inputs, segment_specs = (), []
+  if segmented:          # the rows' segment ids and document starts, every key's segment id
+    segment_ids, doc_start, _ = documents
+    segment_inputs = (segment_ids, segment_ids, doc_start)
+    segment_specs = _segment_specs(block_q, s)
   return pl.pallas_call(
       kernel,
       grid=(s // block_q, b, heads),
       in_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, n, h: (n, i, h, 0)),
                 pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
-                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0))],
+                pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
+                *segment_specs],
       out_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, n, h: (n, i, h, 0)),
                  pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
       out_shape=[out_struct(q.shape, q.dtype, q), out_struct((b, heads, s), jnp.float32, q)],
       compiler_params=compiler_params(interpret, 4, 2),
       interpret=interpret,
       name="sliding_window_attention_forward",
-  )(q, k, v)
+  )(q, k, v, *segment_inputs)
 
 
 # --- Backward.
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, block_q, block_k,
-               kv_blocks):
+def _dq_kernel(*refs, scale, window, block_q, block_k, kv_blocks, segmented):
+  if segmented:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref, kv_segment_ref, doc_start_ref, dq_ref = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
   q_block = pl.program_id(0)
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+  row_segments, doc_starts = None, None
+  if segmented:
+    row_segments, doc_start = q_segment_ref[...], doc_start_ref[...]
+    doc_starts = (jnp.min(doc_start), jnp.max(doc_start))
 
   def step(kv_block, dq, masked):
     start = pl.multiple_of(kv_block * block_k, block_k)
@@ -131,21 +177,30 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
     p = jnp.exp(_dot(q, k, transpose_b=True) * scale - lse[:, None])
     if masked:
       cols = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-      p = jnp.where(_visible(rows, cols, window), p, 0.0)
+      col_segments = kv_segment_ref[pl.ds(start, block_k)] if segmented else None
+      p = jnp.where(_visible(rows, cols, window, row_segments, col_segments), p, 0.0)
     ds = p * (_dot(do, v, transpose_b=True) - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = jnp.zeros(q.shape, jnp.float32)
-  dq = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks), step, dq)
+  dq = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks, doc_starts), step, dq)
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, window, block_q,
-                 block_k, q_blocks, group):
+def _dkdv_kernel(*refs, scale, window, block_q, block_k, q_blocks, group, segmented):
+  if segmented:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_segment_ref, q_segment_ref, doc_end_ref,
+     dk_ref, dv_ref) = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
   kv_block = pl.program_id(0)
   k, v = k_ref[...], v_ref[...]                                      # [block_k, d]
   cols = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-  bounds = q_block_ranges(kv_block, block_q, block_k, window, q_blocks)
+  col_segments, doc_ends = None, None
+  if segmented:                  # ends never decrease: the first and last key's are min, max
+    col_segments, doc_end = kv_segment_ref[...], doc_end_ref[...]
+    doc_ends = (jnp.min(doc_end), jnp.max(doc_end))
+  bounds = q_block_ranges(kv_block, block_q, block_k, window, q_blocks, doc_ends)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for head in range(group):                                          # the q heads sharing this KV head
@@ -159,7 +214,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       p = jnp.exp(_dot(q, k, transpose_b=True) * scale - lse[:, None])   # [block_q, block_k]
       if masked:
         rows = start + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-        p = jnp.where(_visible(rows, cols, window), p, 0.0)
+        row_segments = q_segment_ref[pl.ds(start, block_q)] if segmented else None
+        p = jnp.where(_visible(rows, cols, window, row_segments, col_segments), p, 0.0)
       dv = dv + _dot(p.T.astype(do.dtype), do)
       ds = p * (_dot(do, v, transpose_b=True) - delta[:, None])
       return dk + _dot(ds.T.astype(q.dtype), q), dv
@@ -168,8 +224,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
+def _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, interpret):
   b, s, heads, d = q.shape
+  segmented = documents is not None
+  dq_segments, dkdv_segments = (), ()
+  if segmented:
+    segment_ids, doc_start, doc_end = documents
+    dq_segments, dkdv_segments = (segment_ids, segment_ids, doc_start), (segment_ids, segment_ids, doc_end)
   kv_heads = k.shape[2]
   group = heads // kv_heads
   scale = 1.0 / math.sqrt(d)
@@ -179,52 +240,55 @@ def _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret):
   row_block = lambda i, n, h: (n, i, h, 0)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-                        kv_blocks=s // block_k),
+                        kv_blocks=s // block_k, segmented=segmented),
       grid=(s // block_q, b, heads),
       in_specs=[pl.BlockSpec((None, block_q, None, d), row_block),
                 pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
                 pl.BlockSpec((None, s, None, d), lambda i, n, h: (n, 0, h // group, 0)),
                 pl.BlockSpec((None, block_q, None, d), row_block),
                 pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i)),
-                pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i))],
+                pl.BlockSpec((None, None, block_q), lambda i, n, h: (n, h, i)),
+                *(_segment_specs(block_q, s) if segmented else [])],
       out_specs=pl.BlockSpec((None, block_q, None, d), row_block),
       out_shape=out_struct(q.shape, q.dtype, q),
       compiler_params=params, interpret=interpret, name="sliding_window_attention_dq",
-  )(q, k, v, d_out, lse, delta)
+  )(q, k, v, d_out, lse, delta, *dq_segments)
   kv_block = lambda j, n, g: (n, j, g, 0)
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-                        q_blocks=s // block_q, group=group),
+                        q_blocks=s // block_q, group=group, segmented=segmented),
       grid=(s // block_k, b, kv_heads),
       in_specs=[pl.BlockSpec((None, s, group, d), lambda j, n, g: (n, 0, g, 0)),
                 pl.BlockSpec((None, block_k, None, d), kv_block),
                 pl.BlockSpec((None, block_k, None, d), kv_block),
                 pl.BlockSpec((None, s, group, d), lambda j, n, g: (n, 0, g, 0)),
                 pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0)),
-                pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0))],
+                pl.BlockSpec((None, group, s), lambda j, n, g: (n, g, 0)),
+                *(_segment_specs(block_k, s) if segmented else [])],
       out_specs=[pl.BlockSpec((None, block_k, None, d), kv_block),
                  pl.BlockSpec((None, block_k, None, d), kv_block)],
       out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
       compiler_params=params, interpret=interpret, name="sliding_window_attention_dkdv",
-  )(q, k, v, d_out, lse, delta)
+  )(q, k, v, d_out, lse, delta, *dkdv_segments)
   return dq, dk, dv
 
 
 # --- The op.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _attention(q, k, v, window, block_q, block_k, interpret, backend):
-  return _forward(q, k, v, window, block_q, block_k, interpret, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, documents, window, block_q, block_k, interpret, backend):
+  return _forward(q, k, v, documents, window, block_q, block_k, interpret, backend)[0]
 
 
-def _attention_fwd(q, k, v, window, block_q, block_k, interpret, backend):
-  out, lse = _forward(q, k, v, window, block_q, block_k, interpret, backend)
-  return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, documents, window, block_q, block_k, interpret, backend):
+  out, lse = _forward(q, k, v, documents, window, block_q, block_k, interpret, backend)
+  return out, (q, k, v, documents, out, lse)
 
 
 def _attention_bwd(window, block_q, block_k, interpret, backend, residuals, d_out):
-  q, k, v, out, lse = residuals
-  return _backward(q, k, v, out, lse, d_out, window, block_q, block_k, interpret)
+  q, k, v, documents, out, lse = residuals
+  dq, dk, dv = _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, interpret)
+  return dq, dk, dv, None                       # None: the integer documents have no cotangent
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -239,10 +303,13 @@ def default_backend(dtype, head_dim: int) -> str:
 
 
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
-                     block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
-                     interpret: bool | None = None, backend: str | None = None) -> jax.Array:
+                     segment_ids: jax.Array | None = None, block_q: int = DEFAULT_BLOCK,
+                     block_k: int = DEFAULT_BLOCK, interpret: bool | None = None,
+                     backend: str | None = None) -> jax.Array:
   """Sliding-window causal attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] -> [b, s, h, d].
 
+  segment_ids: int32[b, s], non-decreasing along each row (packed documents): a query sees
+  only keys of its own segment. None: one document per row.
   interpret=None runs the kernels in interpret mode on CPU and lowers them on GPU.
   backend: "triton" | "mosaic" | None (by device kind and dtype, `default_backend`).
   """
@@ -263,5 +330,10 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
   if padded != s:
     pad = [(0, 0), (0, padded - s), (0, 0), (0, 0)]
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-  out = _attention(q, k, v, window, block_q, block_k, interpret, backend)
+  documents = None
+  if segment_ids is not None:   # padded positions: one document no real token is in
+    segment_ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, padded - s)],
+                          constant_values=PADDING_SEGMENT)
+    documents = (segment_ids, *document_bounds(segment_ids))
+  out = _attention(q, k, v, documents, window, block_q, block_k, interpret, backend)
   return out[:, :s]

@@ -15,6 +15,12 @@ Block skipping is the portable kernel's: a program streams only the KV blocks it
 can see (`kv_block_ranges`), each compute warpgroup masks only its partial blocks and
 passes over (without computing) the few blocks that only its sibling needs.
 
+Packed documents come in as each token's document start (`band.document_bounds`): they
+raise the bands' first block (scalars read from global memory), and, since segment ids never
+decrease, "same document" under the causal mask is "key >= the row's document start", so
+the element mask needs only that per-row vector (in the accumulator's row layout), no
+key-side segment ids.
+
 K reaches the kernel transposed ([b, kv_heads, d, s], one XLA transpose) and P goes through
 shared memory, so both wgmma operands are plain [M, K] x [K, N] tiles: the form that
 Pallas's GPU interpreter runs on CPU, which is how the tests check this kernel without a
@@ -55,11 +61,20 @@ def supports(dtype, head_dim: int) -> bool:
   return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim in (64, 128, 256)
 
 
-def streamed_kv_blocks(q_tile, window: int | None, kv_blocks: int):
+def warpgroup_doc_starts(q_block, doc_start_of):
+  """The document starts of a warpgroup's (first, last) row; None without documents."""
+  if doc_start_of is None:
+    return None
+  return doc_start_of(q_block * BLOCK), doc_start_of(q_block * BLOCK + BLOCK - 1)
+
+
+def streamed_kv_blocks(q_tile, window: int | None, kv_blocks: int, doc_start_of=None):
   """KV blocks [first, last) program `q_tile` streams: from warpgroup 0's first visible block
-  to warpgroup 1's last. Ints (tests) or traced ints (the kernel)."""
+  to warpgroup 1's last. Ints (tests) or traced ints (the kernel). doc_start_of: with
+  documents, row -> the document start of that row."""
   first_block = q_tile * COMPUTE_WARPGROUPS
-  first = kv_block_ranges(first_block, BLOCK, BLOCK, window, kv_blocks)[0]
+  first = kv_block_ranges(first_block, BLOCK, BLOCK, window, kv_blocks,
+                          warpgroup_doc_starts(first_block, doc_start_of))[0]
   last = kv_block_ranges(first_block + COMPUTE_WARPGROUPS - 1, BLOCK, BLOCK, window, kv_blocks)[3]
   return first, last
 
@@ -70,9 +85,10 @@ def _plgpu():
 
 
 def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
-                             slots: int = 2, interpret: bool = False):
+                             doc_start: jax.Array | None = None, slots: int = 2, interpret: bool = False):
   """q: [b, s, h, d], k, v: [b, s, kv_h, d], s a multiple of 128 -> (out [b, s, h, d],
-  lse [b, h, s] fp32, natural log, softmax scale 1/sqrt(d) included)."""
+  lse [b, h, s] fp32, natural log, softmax scale 1/sqrt(d) included). doc_start: packed
+  documents, int32[b, s] (`band.document_bounds`), or None."""
   plgpu = _plgpu()
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
@@ -89,10 +105,18 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-  def program_kv_range():
-    return streamed_kv_blocks(lax.axis_index("q_tile"), window, kv_blocks)
+  documents = doc_start is not None
 
-  def compute(q_ref, out_ref, lse_ref, q_smem, p_smem, lse_smem, k_smem, v_smem, q_barrier,
+  def doc_start_reader(doc_start_ref):
+    """row -> its document start, a scalar read from global memory (None without documents)."""
+    if doc_start_ref is None:
+      return None
+    return lambda row: doc_start_ref[lax.axis_index("batch"), row]
+
+  def program_kv_range(doc_start_ref):
+    return streamed_kv_blocks(lax.axis_index("q_tile"), window, kv_blocks, doc_start_reader(doc_start_ref))
+
+  def compute(q_ref, doc_start_ref, out_ref, lse_ref, q_smem, p_smem, lse_smem, k_smem, v_smem, q_barrier,
               k_loaded, v_loaded, k_consumed, v_consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     warpgroup = lax.axis_index("wg")
@@ -101,8 +125,13 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     rows = (batch, pl.ds(row_start, BLOCK), head)
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_barrier)
     plgpu.barrier_wait(q_barrier)
-    program_lo, program_hi = program_kv_range()
-    lo, full_lo, full_hi, hi = kv_block_ranges(q_block, BLOCK, BLOCK, window, kv_blocks)
+    program_lo, program_hi = program_kv_range(doc_start_ref)
+    lo, full_lo, full_hi, hi = kv_block_ranges(q_block, BLOCK, BLOCK, window, kv_blocks,
+                                               warpgroup_doc_starts(q_block, doc_start_reader(doc_start_ref)))
+    if documents:            # this warpgroup's rows' document starts, one per accumulator row
+      rows_doc_start = (batch, pl.ds(row_start, BLOCK))
+      row_doc_starts = (doc_start_ref[rows_doc_start] if interpret else
+                        plgpu.load(doc_start_ref, rows_doc_start, layout=row_layout, optimized=False))
 
     def slot_of(kv_block):
       return lax.rem(kv_block - program_lo, slots)
@@ -133,6 +162,8 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
         visible = col_ids <= row_ids
         if window is not None:
           visible &= col_ids > row_ids - window
+        if documents:        # same document, given col <= row and non-decreasing segment ids
+          visible &= col_ids >= lax.broadcast_in_dim(row_doc_starts, (BLOCK, BLOCK), [0])
         s_block = jnp.where(visible, s_block, MASK_VALUE)
       m_new = jnp.maximum(m, s_block.max(axis=1))
       alpha = jnp.exp2(m - m_new)
@@ -165,10 +196,10 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(row_start, BLOCK)])
     plgpu.wait_smem_to_gmem(0)
 
-  def memory(k_t_ref, v_ref, k_smem, v_smem, k_loaded, v_loaded, k_consumed, v_consumed):
+  def memory(k_t_ref, v_ref, doc_start_ref, k_smem, v_smem, k_loaded, v_loaded, k_consumed, v_consumed):
     batch = lax.axis_index("batch")
     kv_head = lax.div(lax.axis_index("heads"), jnp.array(group, jnp.int32))
-    program_lo, program_hi = program_kv_range()
+    program_lo, program_hi = program_kv_range(doc_start_ref)
 
     def load(kv_block, slot):
       keys = pl.ds(kv_block * BLOCK, BLOCK)
@@ -194,7 +225,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       plgpu.barrier_wait(k_consumed.at[slot])
       plgpu.barrier_wait(v_consumed.at[slot])
 
-  def kernel(q_ref, k_t_ref, v_ref, out_ref, lse_ref, buffers, loaded, consumed):
+  def kernel(q_ref, k_t_ref, v_ref, doc_start_ref, out_ref, lse_ref, buffers, loaded, consumed):
     q_smem, p_smem, lse_smem, k_smem, v_smem = buffers
     q_barriers, k_loaded, v_loaded = loaded
     k_consumed, v_consumed = consumed
@@ -203,15 +234,20 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      compute(q_ref, out_ref, lse_ref, q_smem.at[warpgroup], p_smem.at[warpgroup], lse_smem.at[warpgroup],
-              k_smem, v_smem, q_barriers.at[warpgroup], k_loaded, v_loaded, k_consumed, v_consumed)
+      compute(q_ref, doc_start_ref, out_ref, lse_ref, q_smem.at[warpgroup], p_smem.at[warpgroup],
+              lse_smem.at[warpgroup], k_smem, v_smem, q_barriers.at[warpgroup], k_loaded, v_loaded, k_consumed,
+              v_consumed)
 
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
-      memory(k_t_ref, v_ref, k_smem, v_smem, k_loaded, v_loaded, k_consumed, v_consumed)
+      memory(k_t_ref, v_ref, doc_start_ref, k_smem, v_smem, k_loaded, v_loaded, k_consumed, v_consumed)
 
-  def entry(q_ref, k_t_ref, v_ref, out_ref, lse_ref):
+  def entry(*refs):
+    if documents:
+      q_ref, k_t_ref, v_ref, doc_start_ref, out_ref, lse_ref = refs
+    else:
+      (q_ref, k_t_ref, v_ref, out_ref, lse_ref), doc_start_ref = refs, None
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     buffers = (
         plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK, d), dtype, transforms=swizzled),      # Q, then out
@@ -223,7 +259,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     loaded = (plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS), plgpu.Barrier(num_barriers=slots),
               plgpu.Barrier(num_barriers=slots))
     consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),) * 2
-    pl.run_scoped(lambda *scoped: kernel(q_ref, k_t_ref, v_ref, out_ref, lse_ref, *scoped),
+    pl.run_scoped(lambda *scoped: kernel(q_ref, k_t_ref, v_ref, doc_start_ref, out_ref, lse_ref, *scoped),
                   buffers, loaded, consumed, collective_axes="wg")
 
   if interpret:
@@ -241,4 +277,4 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params,
-  )(q, k_t, v)
+  )(q, k_t, v, *(() if doc_start is None else (doc_start.astype(jnp.int32),)))

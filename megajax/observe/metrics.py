@@ -1,6 +1,10 @@
 """Training metrics: where they go (WORKDIR/metrics.jsonl, TensorBoard scalars, the terminal),
 how they are read back, and the throughput / MFU and start-up figures that join them.
 
+Held-out evaluation (train.eval_every) writes records of its own, {"step", "eval_loss",
+"eval_perplexity", "eval_tokens", "eval_batches"}, through the same writer: TensorBoard
+scalars like every number, and the progress line keeps the last eval_loss beside the loss.
+
 metrics.jsonl is started by a fresh run; a run resumed from the checkpoint of step n drops
 the records after step n and appends (records.drop_after), so each step's records are there
 once. Only process 0 writes. On a terminal the step shows as a progress bar; otherwise (a
@@ -62,6 +66,11 @@ def seconds_since_process_start() -> float:
   return time.time() - psutil.Process().create_time()
 
 
+# What the progress bar shows, in this order: each the latest value written (an eval_loss stays
+# until the next evaluation, the training records in between carry none).
+PROGRESS_FIELDS = ("loss", "eval_loss", "tokens_per_sec", "mfu")
+
+
 def _json_number(value):
   """JSON has no NaN/Inf: write them as null (and keep ints ints)."""
   if value is None or isinstance(value, (int, str)):
@@ -79,6 +88,7 @@ class MetricsWriter:
     self.enabled = enabled
     self.total_steps = total_steps
     self._jsonl = self._tensorboard = self._progress = None
+    self._shown = {}            # PROGRESS_FIELDS' latest values
     if not enabled:
       return
     if workdir:
@@ -107,13 +117,16 @@ class MetricsWriter:
       for name, value in record.items():
         if name != "step" and isinstance(value, (int, float)):
           self._tensorboard.add_scalar(name, value, step)
+    self._shown.update({k: record[k] for k in PROGRESS_FIELDS if record.get(k) is not None})
     if self._progress:
-      short = {k: record.get(k) for k in ("loss", "tokens_per_sec", "mfu") if record.get(k) is not None}
-      self._progress.update(self._task, completed=step,
-                            description="  ".join(f"{k}={_fmt(v)}" for k, v in short.items()))
+      self._progress.update(self._task, completed=step, description=self.progress_line())
     else:
       summary = "  ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "step")
       logging.info("step %d/%d  %s", step, self.total_steps, summary)
+
+  def progress_line(self) -> str:
+    """The progress bar's text: "loss=2.31  eval_loss=2.45  tokens_per_sec=1.2e+04  mfu=0.41"."""
+    return "  ".join(f"{k}={_fmt(self._shown[k])}" for k in PROGRESS_FIELDS if k in self._shown)
 
   def step_done(self, step: int) -> None:
     """Moves the progress bar (a cheap call; rich redraws at its own pace)."""

@@ -171,10 +171,11 @@ class LayerProbe:
     with jax.named_scope(f"capture {tensor}"):
       return tensor_statistics(x, self.probes.sample, self.rows)
 
-  def capture_probs(self, q, k, window) -> dict:
-    """attn_probs from this layer's (rotated) local heads q [b, s, h/n, d], k [b, s, kv/n, d]."""
+  def capture_probs(self, q, k, window, segment_ids=None) -> dict:
+    """attn_probs from this layer's (rotated) local heads q [b, s, h/n, d], k [b, s, kv/n, d]
+    (segment_ids [b, s]: packed documents)."""
     with jax.named_scope("capture attn_probs"):
-      return tensor_statistics(attention_probs(q, k, window), self.probes.sample, self.rows)
+      return tensor_statistics(attention_probs(q, k, window, segment_ids), self.probes.sample, self.rows)
 
   @property
   def perturbed(self) -> bool:

@@ -74,6 +74,9 @@ def plot_loss(metrics, path: str) -> None:
   fig, ax = plt.subplots(figsize=(9, 4))
   steps, losses = numbers(metrics.get("loss", []))
   ax.plot(steps, losses, lw=1.2, label="loss")
+  eval_steps, eval_losses = numbers(metrics.get("eval_loss", []))
+  if eval_steps:     # train.eval_every: a point per evaluation, joined
+    ax.plot(eval_steps, eval_losses, "o-", lw=1, ms=4, color="tab:orange", label="held-out loss")
   skipped = skipped_steps(metrics.get("skipped_steps", []))
   for i, step in enumerate(skipped):
     ax.axvline(step, color="tab:red", alpha=0.4, lw=1, label="update skipped (non-finite)" if i == 0 else None)
@@ -186,11 +189,15 @@ def header(workdir: str, metrics) -> str:
   steps = sorted({s for series in metrics.values() for s, _ in series})
   logged = len(numbers(metrics.get("loss", []))[0])
   final_step, final_loss = _last(metrics.get("loss", []))
+  eval_step, eval_loss = _last(metrics.get("eval_loss", []))
+  _, eval_perplexity = _last(metrics.get("eval_perplexity", []))
   tokens = _median(numbers(metrics.get("tokens_per_sec", []))[1])
   mfu = _median(numbers(metrics.get("mfu", []))[1])
   rows = [("workdir", _e(os.path.abspath(workdir))),
           ("steps covered", f"{steps[0]}&ndash;{steps[-1]} ({logged} logged)" if steps else "none"),
           ("final loss", _e(f"{final_loss:.4f} (step {final_step})") if final_loss is not None else "n/a"),
+          ("final held-out loss", _e(f"{eval_loss:.4f}, perplexity {eval_perplexity:.4g} (step {eval_step})")
+           if eval_loss is not None and eval_perplexity is not None else "n/a: train with train.eval_every > 0"),
           ("median tokens/s", _e(f"{tokens:,.0f}") if tokens is not None else "n/a"),
           ("median MFU", _e(f"{100 * mfu:.1f} % (between logged steps)") if mfu is not None
            else "n/a: unknown peak for this device")]
@@ -209,7 +216,10 @@ def loss_section(metrics, report_dir: str) -> str:
   skipped = skipped_steps(metrics.get("skipped_steps", []))
   text = (f"Updates skipped (non-finite loss or gradients) by logged steps: {', '.join(map(str, skipped))}."
           if skipped else "No update was skipped.")
-  return _img("loss.png", "loss vs step") + f"<p>{_e(text)}</p>"
+  evaluated = numbers(metrics.get("eval_loss", []))[0]
+  if evaluated:
+    text += f" Held-out loss at {len(evaluated)} step(s), the last at step {evaluated[-1]}."
+  return _img("loss.png", "loss and held-out loss vs step") + f"<p>{_e(text)}</p>"
 
 
 def throughput_section(metrics, report_dir: str) -> str:

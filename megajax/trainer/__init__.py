@@ -5,6 +5,7 @@
                 the small collaborators: tracing, activation capture, start-up log,
                 preemption, metrics log, checkpointing
   nonfinite.py  the non-finite loss policy: skip, then roll back (further back, then stop)
+  evaluation.py held-out evaluation: every train.eval_every steps and at the end; evaluate() (megajax-eval)
   drills.py     every fault the config can inject (debug.*)
   heartbeat.py  this process's heartbeat file, and the supervisor's reader of them
   workdir.py    the workdir's checks and its lock: one training job per workdir

@@ -32,7 +32,9 @@ from megajax.parallel import ParallelStep, local_batch_slice, local_device_coord
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.planner.fits import check_fits
 from megajax.reference_step import TrainState
+from megajax.tokenizer import copy_tokenizer
 from megajax.trainer import callbacks, drills
+from megajax.trainer.evaluation import Evaluation
 from megajax.trainer.heartbeat import Heartbeat
 from megajax.trainer.nonfinite import NonFiniteGuard
 from megajax.trainer.workdir import claim_workdir
@@ -82,6 +84,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
     # --- Data: one loader per process, reading only the rows of each global batch its devices
     # hold (a bad token file fails here, before anything compiles).
     iterator = data.make_iterator(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
+    evaluation = Evaluation.from_config(config, parallel_step)   # train.eval_every; None: no evaluation
 
     # --- Preemption: SIGTERM / SIGINT from here on ask for a save after the next step.
     preemption = cleanup.enter_context(callbacks.Preemption())
@@ -97,14 +100,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
     batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))
 
     # --- Step: compiled ahead of time; with several processes, every one meets the others first.
-    step_fn = _compile_and_meet(config, parallel_step, heartbeat, start_step)
+    step_fn = _compile_and_meet(config, parallel_step, heartbeat, start_step, evaluation, checkpointer)
 
     # --- Loop: the steps, each between its collaborators' callbacks.
     writer = MetricsWriter(workdir, config.train.steps, enabled=jax.process_index() == 0, progress=progress,
                            start_step=start_step)
     cleanup.callback(writer.close)
     loop = callbacks.Loop(config, parallel_step, start_step, state, batches, heartbeat=heartbeat, writer=writer)
-    _run_loop(loop, step_fn, _callbacks(loop, workdir, checkpointer, step_fn, cache, preemption))
+    _run_loop(loop, step_fn, _callbacks(loop, workdir, checkpointer, step_fn, cache, preemption, evaluation))
     outcome["finished"] = not loop.preempted
 
   # --- Export: the trained parameters, the model's own pytree whatever the mesh.
@@ -131,7 +134,7 @@ def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callb
     collaborator.on_end(loop)
 
 
-def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption) -> list:
+def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption, evaluation) -> list:
   """The loop's collaborators, in the order they are called at each point of a step."""
   config, parallel_step, is_chief = loop.config, loop.parallel_step, jax.process_index() == 0
   guard = NonFiniteGuard(config, checkpointer)
@@ -143,6 +146,7 @@ def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, pree
       callbacks.StartupLog(cache),                                       # time to the first step
       preemption,                                                        # SIGTERM: save and stop
       callbacks.MetricsLog(config, parallel_step, guard),                # metrics.jsonl, progress
+      *([evaluation] if evaluation else []),                             # train.eval_every: held-out loss
       callbacks.Checkpointing(checkpointer, guard),                      # the checkpointer's cadence
       drills.Crash(config),                                              # debug.fail_at_step: after the save
   ]
@@ -158,12 +162,22 @@ def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, clea
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
+    _copy_tokenizers(config, workdir)
   heartbeat = Heartbeat(workdir, jax.process_index(), local_device_coordinates(parallel_step.mesh),
                         config.supervisor.heartbeat_interval_s)
   cleanup.callback(lambda: heartbeat.close(done=outcome["finished"]))
   checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config)
   cleanup.callback(checkpointer.close)
   return heartbeat, checkpointer
+
+
+def _copy_tokenizers(config, workdir: str) -> None:
+  """The data's tokenizer into WORKDIR/tokenizer/, so that the run's samples and exported
+  weights are read with the very vocabulary they were trained on (none for byte files)."""
+  for path in data.token_file_paths(config):
+    copied = copy_tokenizer(path, os.path.join(workdir, "tokenizer"))
+    if copied:
+      logging.info("tokenizer of %s copied to %s", path, copied)
 
 
 def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator, heartbeat):
@@ -186,6 +200,7 @@ def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator
 
 
 def _describe(config, parallel_step: ParallelStep, state) -> None:
+  logging.info("%s", data.describe_data(config))
   logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
                config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
                *parallel_step.mesh.devices.shape, config.parallel.tp_overlap)
@@ -200,7 +215,8 @@ def _describe(config, parallel_step: ParallelStep, state) -> None:
 _BARRIERS = itertools.count()
 
 
-def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step: int):
+def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step: int, evaluation=None,
+                      checkpointer=None):
   """Compiles the step ahead of time (from its abstract inputs: the trace analysis reads its
   operations); with several processes, then waits at a coordination-service barrier until
   every process has: all enter the step's collectives together. Without it a process that
@@ -208,12 +224,18 @@ def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step
   collectives; on CPU, gloo's reduce-scatter has a fixed 30 s timeout whose error path can
   hang (jax-ml/jax#40831), and 2-process CPU jobs hung, rarely, in their first step that way.
   The coordination service's barrier waits as long as we say. None when the checkpoint is
-  at train.steps already: nothing to run (every process restored the same step)."""
+  at train.steps already: nothing to run (every process restored the same step). The
+  evaluation's program (train.eval_every) and the checkpoints' checksums compile here too, before
+  the barrier, for the same reason (and so that the first save does not hold the step for a compile)."""
   if start_step >= config.train.steps:
     return None
   if heartbeat:
     heartbeat.update(phase="compiling the step")
   compiled = parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile()
+  if evaluation:
+    evaluation.compile()
+  if checkpointer:
+    checkpointer.compile_checksums(parallel_step.abstract_inputs()[0])
   if jax.process_count() > 1:
     # A barrier's name is used once per job: numbered, for a process that trains more than once.
     distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}",

@@ -44,10 +44,10 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
       valid = (t - stage >= 0) & (t - stage < m)
       mb = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), split)
       x = jnp.where(stage == 0, vocab_parallel_embed(full["embedding"], mb["inputs"], c), received)
-      positions = positions_of(mb["inputs"])
+      positions = positions_of(mb)
       for j in range(rows):                             # row j is layer stage * rows + j
         x = apply_block(jax.tree.map(lambda a, j=j: a[j], full[LAYERS]), x, positions, c.layer_window(j), c,
-                        overlap)
+                        overlap, mb.get("segment_ids"))
       _, step_stats = head_loss_sums(full, x, mb, c, overlap, z_loss)
       keep = (valid & (stage == p - 1)).astype(jnp.float32)
       stats = {k: stats[k] + keep * step_stats[k] for k in STAT_NAMES}

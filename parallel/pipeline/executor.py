@@ -113,11 +113,12 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     """(chunk params [k, ...], shared params, input activation, microbatch) -> (output, stats)."""
     @jax.named_scope("forward")    # its vjp's ops: transpose(jvp(forward)), the backward
     def run(layers, shared, x, mb):
-      positions = positions_of(mb["inputs"])
+      positions = positions_of(mb)             # a microbatch carries the batch's keys, packed ones too
       if program.first:
         x = vocab_parallel_embed(shared["embedding"], mb["inputs"], c)
       for j, window in enumerate(program.windows):
-        x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, window, c, overlap)
+        x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, window, c, overlap,
+                        mb.get("segment_ids"))
       if program.last:
         return head_loss_sums(shared, x, mb, c, overlap, z_loss)
       return x, None

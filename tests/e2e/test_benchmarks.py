@@ -38,3 +38,18 @@ def test_pipeline_benchmark_prints_its_ratios():
   ours, baseline = re.search(r"m=16p over m=4p: ours ([\d.]+)x, GPipe by autodiff ([\d.]+)x", out).groups()
   assert abs(float(ours) - 1) <= 0.1 and float(baseline) > 2
   assert re.search(r"interleaved_1f1b p=2 v=2 m=4 .* 1\.000x", out)
+
+
+def test_data_benchmark_prints_the_input_side_against_the_step():
+  """`python -m megajax.launch.bench data`: prepare and loader tokens/s side by side, the need
+  of 8 GPUs of a 1.3B model, and the default job's wait for data as a share of its step."""
+  result = run_module(["-m", "megajax.launch.bench", "data", "--data_batches=5", "--data_steps=3"], timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert re.search(r"prepare: bpe / bytes tokens/s \(1 worker\): [\d.]+", out)
+  on_off = float(re.search(r"loader: packing on / off tokens/s: ([\d.]+)", out).group(1))
+  assert 0 < on_off < 2
+  need = float(re.search(r"at 55% MFU consume ([\d,]+) tokens/s per host", out).group(1).replace(",", ""))
+  assert 3e5 < need < 1e6    # the issue's estimate: about 0.6M tokens/s
+  share = float(re.search(r"waits [\d.]+ ms for its batch = ([\d.]+)% of the step", out).group(1))
+  assert 0 <= share < 100

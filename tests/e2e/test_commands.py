@@ -1,17 +1,25 @@
 """The command lines besides megajax-train, each run as a user would: megajax-schedule,
-megajax-prepare-data, megajax-plan, megajax-diagnose's one-line error; XLA accepting every
+megajax-prepare-data, megajax-plan, megajax-eval, megajax-diagnose's one-line error; XLA accepting every
 preset flag (a new process reads XLA_FLAGS); and a fresh process importing the package."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
+import pyarrow
+import pyarrow.parquet
 import pytest
 
 from megajax import data
 from megajax.launch import runtime
+from megajax.trainer.evaluation import evaluate, held_out_batches
+from tests.support import SMALL_MESH, config_flags
+from tests.support.checkpoints import restore_latest
 from tests.support.processes import run_module
+from tests.support.records import metrics
 
 VERSION = runtime.jaxlib_version()
 
@@ -58,6 +66,78 @@ def test_prepare_data_cli_end_to_end(tmp_path):
   assert result.returncode == 0 and result.stdout.startswith(f"{output}: ok: "), result.stderr
 
 
+def _prepare(*args):
+  return subprocess.run([sys.executable, "-m", "megajax.launch.prepare_data", *args], capture_output=True, text=True,
+                        timeout=120)
+
+
+def test_prepare_data_trains_a_bpe_over_jsonl_and_parquet_the_same_for_any_worker_count(tmp_path):
+  docs = [f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(40)]
+  (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs[:20]))
+  pyarrow.parquet.write_table(pyarrow.table({"body": docs[20:]}), tmp_path / "b.parquet")
+  outputs = []
+  for workers in (1, 2):
+    output = str(tmp_path / f"w{workers}" / "corpus.bin")
+    result = _prepare(f"--input={tmp_path}/a.jsonl", f"--input={tmp_path}/b.parquet", "--text-field=body",
+                      "--train-tokenizer=bpe", "--vocab-size=300", f"--workers={workers}", f"--output={output}")
+    assert result.returncode == 0, result.stderr
+    meta = json.loads(open(output[:-4] + ".json").read())
+    assert meta["num_documents"] == 40 and meta["tokenizer"]["file"] == "corpus.tokenizer.json"
+    assert f"40 documents, {meta['num_tokens']} tokens in " in result.stdout and "tokens/s" in result.stdout
+    assert (f"train with: --config.data.source=tokens --config.data.path={output} "
+            f"--config.model.vocab_size={meta['vocab_size']}") in result.stdout
+    assert _prepare(f"--verify={output}").returncode == 0
+    outputs.append([open(output[:-4] + suffix, "rb").read() for suffix in (".bin", ".idx", ".json")])
+  assert outputs[0] == outputs[1]
+
+
+def test_own_corpus_journey_bpe_then_packed_training_with_held_out_eval(tmp_path):
+  """A user's corpus end to end: prepare with a trained BPE, train on it (packed documents,
+  5 of its documents held out, evaluated in the loop), then megajax-eval on the saved run. The
+  run logs its data, carries the tokenizer in its workdir, and writes eval records."""
+  words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+  rng = np.random.default_rng(0)
+  for i in range(4):
+    docs = [" ".join(rng.choice(words, size=int(rng.integers(20, 120)))) for _ in range(30)]
+    (tmp_path / f"part{i}.txt").write_text("\n\n".join(docs))
+  output = str(tmp_path / "corpus.bin")
+  result = _prepare(f"--input={tmp_path}/part*.txt", "--documents=blank_line", "--train-tokenizer=bpe",
+                    "--vocab-size=300", f"--output={output}")
+  assert result.returncode == 0, result.stderr
+  vocab = json.loads(open(output[:-4] + ".json").read())["vocab_size"]
+  workdir = tmp_path / "run"
+  overrides = {**SMALL_MESH, "model.vocab_size": vocab, "model.seq_len": 64, "train.batch_size": 8, "train.microbatches": 2, "train.steps": 4,
+               "data.source": "tokens", "data.path": output, "data.eval_fraction": 0.1, "train.eval_every": 2,
+               "train.eval_batches": 2, "checkpoint.every_steps": 0, "optimizer.warmup_steps": 1}
+  result = run_module(["-m", "megajax.launch.train", "--config=configs/default.py", f"--workdir={workdir}",
+                       *config_flags(overrides)], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(rf"data: tokens from {re.escape(output)}; tokenizer huggingface, vocab {vocab}; [\d,]+ training "
+                   r"tokens in \d+ documents \(data.eval_fraction=0.1 held out\); document masking on", result.stderr)
+  assert open(workdir / "tokenizer" / "corpus.tokenizer.json").read() == open(output[:-4] + ".tokenizer.json").read()
+  evals = [r for r in metrics(workdir) if "eval_loss" in r]
+  assert [r["step"] for r in evals] == [2, 4] and all(np.isfinite(r["eval_loss"]) for r in evals)
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  printed = float(re.search(r"eval_loss=([\d.]+)", result.stdout).group(1))   # 6 significant digits
+  assert abs(printed - evals[-1]["eval_loss"]) <= 1e-5 * evals[-1]["eval_loss"], (result.stdout, evals[-1])
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--tokenizer=bytes", "--train-tokenizer=bpe", "--vocab-size=300"],
+     "usage error: pass --tokenizer or --train-tokenizer, not both"),
+    (["--train-tokenizer=bpe", "--vocab-size=100"], "tokenizer error: --vocab-size=100: a byte-level BPE needs 258"),
+    (["--tokenizer=missing/tokenizer.json"], "tokenizer error: no tokenizer file missing/tokenizer.json"),
+    (["--documents=lines"], "usage error: --documents=lines: one of file, blank_line"),
+])
+def test_prepare_data_bad_flags_are_one_line(tmp_path, flags, line):
+  (tmp_path / "a.txt").write_text("text")
+  result = _prepare(f"--input={tmp_path}/a.txt", f"--output={tmp_path}/o.bin", *flags)
+  assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+  assert result.stderr.startswith(f"megajax-prepare-data: {line}"), result.stderr
+  assert sorted(os.listdir(tmp_path)) == ["a.txt"]
+
+
 def test_plan_cli_prints_the_best_plan_with_its_bottleneck():
   result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", "--gpus=12288",
                        "--hardware=a100-80g", "--batch=6144", "--top=3"], timeout=120)
@@ -77,6 +157,42 @@ def test_plan_cli_bad_input_is_one_line_naming_the_flag(flags, flag):
   assert result.returncode == 2
   error = result.stderr.strip().splitlines()
   assert len(error) == 1 and flag in error[0] and "; " in error[0], result.stderr
+
+
+def test_eval_cli_evaluates_the_latest_checkpoint(two_checkpoints):
+  """megajax-eval on a saved run: one line with the step of its latest checkpoint and the
+  held-out loss the eval step gives in process on the same parameters and batches."""
+  workdir, config, parallel_step = two_checkpoints
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}", "--batches=2"], timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  fields = dict(item.split("=") for item in result.stdout.strip().splitlines()[-1].split())
+  assert fields["step"] == "6" and fields["batches"] == "2"
+  assert int(fields["tokens"]) == 2 * config.train.batch_size * config.model.seq_len
+  config.train.eval_batches = 2
+  params = restore_latest(workdir, config, parallel_step).state.params
+  want = evaluate(parallel_step.eval_step(), params, held_out_batches(config, parallel_step)(), parallel_step.put_batch)
+  assert float(fields["eval_loss"]) == pytest.approx(want["eval_loss"], rel=1e-5)
+  assert float(fields["eval_perplexity"]) == pytest.approx(np.exp(want["eval_loss"]), rel=1e-5)
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--batches=0"], "megajax-eval: config error: train.eval_batches=0: must be a positive integer"),
+    (["--data=held_out.bin"], "megajax-eval: config error: data.eval_path='held_out.bin': set while "
+                              "data.source='synthetic'"),
+    (["stray"], "megajax-eval: usage error: unexpected arguments: stray"),
+], ids=["batches", "data", "usage"])
+def test_eval_cli_bad_input_is_one_line_and_exit_2(two_checkpoints, args, error):
+  workdir, _, _ = two_checkpoints
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}", *args], timeout=120)
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+  assert result.stderr.startswith(error), result.stderr
+
+
+def test_eval_cli_without_a_checkpoint_says_what_is_missing(tmp_path):
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={tmp_path}"], timeout=120)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      f"megajax-eval: missing input: {tmp_path}/checkpoints: no checkpoint; train with checkpoints first "
+      "(megajax-train saves every checkpoint.every_steps and at the end)"], result.stderr
 
 
 def test_config_error_is_one_line_and_exit_2():

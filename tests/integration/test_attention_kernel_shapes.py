@@ -3,15 +3,18 @@
 Forward output and dq, dk, dv: fp32 within 1e-5, bf16 within 2e-2 (of the largest entry),
 over sequence lengths that are and are not block multiples, windows smaller than a block,
 larger than the sequence and None, grouped KV heads, head dims 64, 128 and 256, plus a small
-hypothesis sweep. Then the Hopper (Mosaic GPU) forward in Pallas's GPU interpreter, which
-simulates the warpgroups, shared memory, TMA copies and mbarriers (it fails on a barrier
-phase a warpgroup never observed), so those tests check the kernel's synchronization as well
-as its values; its backward is the portable kernels', reading the Hopper forward's logsumexp.
+hypothesis sweep (the portable kernels with packed documents: tests/unit/test_document_masking.py).
+Then the Hopper (Mosaic GPU) forward in Pallas's GPU interpreter, which simulates the
+warpgroups, shared memory, TMA copies and mbarriers (it fails on a barrier phase a warpgroup
+never observed), so those tests check the kernel's synchronization as well as its values,
+with and without packed documents; its backward is the portable kernels', reading the Hopper
+forward's logsumexp.
 """
 
 import hypothesis
 from hypothesis import strategies as st
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from megajax.layers import xla_attention
@@ -56,11 +59,24 @@ def test_hopper_forward_and_gradients_match_xla(s, heads, kv_heads, d, window):
     assert_close(got, want, 2e-2)
 
 
+@pytest.mark.parametrize("lengths,heads,kv_heads,window", [
+    ([70, 60, 1, 69, 56], 2, 1, None),   # documents across the warpgroups' and programs' edges
+    ([130, 2, 124], 2, 2, 100),          # window across a boundary, a two-token document
+    ([64, 64, 72], 1, 1, 16),            # boundaries at the warpgroups' edges, padded to 256
+])
+def test_hopper_forward_with_documents_matches_xla(lengths, heads, kv_heads, window):
+  """Packed documents: the raised band starts (warpgroups skipping what only the sibling
+  needs) and the per-row document-start mask, forward and (portable) gradients."""
+  segment_ids = jnp.asarray(np.repeat(np.arange(1, len(lengths) + 1), lengths), jnp.int32)[None]
+  check(1, sum(lengths), heads, kv_heads, 64, window, jnp.bfloat16, block=64, segment_ids=segment_ids,
+        backend="mosaic")
+
+
 def test_hopper_logsumexp_is_the_portable_kernels():
   """The backward reads the forward's logsumexp: both back ends must write the same one."""
   q, k, v, _ = inputs(1, 256, 2, 1, 64, jnp.bfloat16)
   _, lse_hopper = hopper.hopper_attention_forward(q, k, v, 80, interpret=True)
-  _, lse_portable = _forward(q, k, v, 80, 64, 64, True, "triton")
+  _, lse_portable = _forward(q, k, v, None, 80, 64, 64, True, "triton")
   assert_close(lse_hopper, lse_portable, 1e-2)
 
 

@@ -35,3 +35,11 @@ def test_model_variants_match_the_reference(overrides, rtol):
   for field, value in overrides:
     config.model[field] = value
   assert_matches_reference(config, overrides, rtol)
+
+
+@pytest.mark.parametrize("mesh,block", [((2, 1, 4), "parallel"), ((4, 1, 2), "serial")], ids=["2x1x4", "4x1x2"])
+def test_packed_documents_match_the_reference(mesh, block):
+  """Packed rows (segment_ids, positions) through the sharded forward: attention sees the
+  full sequence's segment ids on every tp rank; equal to the reference on the same rows."""
+  dp, _, tp = mesh
+  assert_matches_reference(parallel_config(dp, tp, block, "collective_matmul", 2), packed=True)

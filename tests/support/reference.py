@@ -44,11 +44,18 @@ def parallel_config(dp=1, tp=1, block="parallel", mode="none", microbatches=1, l
   return c
 
 
-def fixed_batch(rows=BATCH):
+def fixed_batch(rows=BATCH, packed=False):
+  """packed=True: each row holds 1-4 documents (segment_ids, positions restarting at each)."""
   rng = np.random.default_rng(0)
   mask = (rng.random((rows, SEQ)) > 0.2).astype(np.float32)  # unequal token counts per row
-  return {"inputs": rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32),
-          "targets": rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32), "loss_mask": mask}
+  batch = {"inputs": rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32),
+           "targets": rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32), "loss_mask": mask}
+  if packed:
+    starts = [np.sort(rng.choice(np.arange(1, SEQ), rng.integers(0, 4), replace=False)) for _ in range(rows)]
+    segment_ids = np.stack([np.searchsorted(s, np.arange(SEQ), side="right") + 1 for s in starts])
+    first = np.stack([np.concatenate([[0], s])[ids - 1] for s, ids in zip(starts, segment_ids)])
+    batch.update(segment_ids=segment_ids.astype(np.int32), positions=(np.arange(SEQ) - first).astype(np.int32))
+  return batch
 
 
 def relative_error(a, b):
@@ -57,7 +64,7 @@ def relative_error(a, b):
 
 
 @functools.cache
-def reference(block, microbatches, kv_heads, overrides=(), rows=BATCH):
+def reference(block, microbatches, kv_heads, overrides=(), rows=BATCH, packed=False):
   """Single device (megajax.reference_step): the initial params, first gradients, losses, final params."""
   config = parallel_config(block=block, microbatches=microbatches)
   config.model.num_kv_heads = kv_heads
@@ -71,28 +78,30 @@ def reference(block, microbatches, kv_heads, overrides=(), rows=BATCH):
     initial = jax.device_get(state.params)
     loss_sums = make_loss_sums_fn(model, config.train.z_loss)
     grads, stats = jax.jit(lambda p, b: accumulate_gradients(loss_sums, p, b, microbatches))(
-        state.params, fixed_batch(rows))
+        state.params, fixed_batch(rows, packed))
     grads = jax.device_get(jax.tree.map(lambda g: g / stats["tokens"], grads))
     step = make_reference_step(model, optimizer, config)
     losses, grad_norms = [], []
     for _ in range(STEPS):
-      state, metrics = step(state, fixed_batch(rows))
+      state, metrics = step(state, fixed_batch(rows, packed))
       losses.append(float(metrics["loss"]))
       grad_norms.append(float(metrics["grad_norm"]))
   return initial, grads, (losses, grad_norms), jax.device_get(state.params)
 
 
-def assert_matches_reference(config, overrides=(), rtol=1e-5, reference_microbatches=None, param_leaf_rtol=None):
+def assert_matches_reference(config, overrides=(), rtol=1e-5, reference_microbatches=None, param_leaf_rtol=None,
+                             packed=False):
   """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the
   reference (with `reference_microbatches`, default the config's: the math is the same for any).
 
   Final params: every leaf within `param_leaf_rtol` (default rtol) and the whole model within
   rtol. A bias gradient component near Adam's eps (1e-6) turns a 1e-9 difference in summation
-  order into a 1e-3 difference in its step, so a leaf may exceed what the whole model does."""
+  order into a 1e-3 difference in its step, so a leaf may exceed what the whole model does.
+  packed=True: both steps train on packed rows (fixed_batch(packed=True))."""
   microbatches = config.train.microbatches
   rows = config.train.batch_size
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
-      config.model.block, reference_microbatches or microbatches, config.model.num_kv_heads, overrides, rows)
+      config.model.block, reference_microbatches or microbatches, config.model.num_kv_heads, overrides, rows, packed)
   parallel_step = parallel_step_for(config)
   state = parallel_step.init_state(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
@@ -103,7 +112,7 @@ def assert_matches_reference(config, overrides=(), rtol=1e-5, reference_microbat
   step = parallel_step.train_step(with_gradients=True)
   losses, grad_norms = [], []
   for i in range(STEPS):
-    state, metrics, grads = step(state, parallel_step.put_batch(fixed_batch(rows)))
+    state, metrics, grads = step(state, parallel_step.put_batch(fixed_batch(rows, packed)))
     losses.append(float(metrics["loss"]))
     grad_norms.append(float(metrics["grad_norm"]))
     if i == 0:  # the first step's gradients, from the same parameters as the reference's
@@ -147,11 +156,14 @@ def pipeline_config(mesh, schedule="interleaved_1f1b", virtual_stages=1, microba
   return c
 
 
-def compiled_gradients(mesh, m, baseline=False):
+def compiled_gradients(mesh, m, baseline=False, packed=False):
   """(the 3D step, its compiled gradient program) for a 1F1B pipeline of m one-row
-  microbatches; baseline=True: GPipe by autodiff in its place."""
+  microbatches; baseline=True: GPipe by autodiff in its place; packed=True: the batch has
+  segment_ids and positions (token data with data.document_masking)."""
   config = pipeline_config(mesh, "1f1b", 1, microbatches=m, layers=mesh[1] * 2, mode="none", rows=m)
   config.model.window_pattern = "L"
+  if packed:
+    config.data.source, config.data.document_masking = "tokens", True
   parallel_step = parallel_step_for(config)
   fn = None
   if baseline:

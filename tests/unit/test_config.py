@@ -6,7 +6,7 @@ import re
 import pytest
 
 from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, REMAT_CHOICES, ConfigError, default_config,
-                            load_config, validate)
+                            load_config, parse_mixture, uses_document_masking, validate)
 from megajax.launch import train as train_command
 from megajax.layers import ATTENTION_IMPLS
 from megajax.model import BLOCK_MODULES, REMAT_POLICIES
@@ -115,6 +115,73 @@ def test_token_source_needs_an_existing_file(tmp_path):
   config.data.path = str(tmp_path / "missing.bin")
   with pytest.raises(ConfigError, match=r"^data\.path=.*file not found"):
     validate(config)
+
+
+def _token_data_config(tmp_path, **data_fields):
+  """A token-data config over two tiny files a.bin and b.bin (their sidecars are not read here)."""
+  for name in ("a.bin", "b.bin"):
+    (tmp_path / name).write_bytes(b"\0\0")
+  config = default_config()
+  config.data.source = "tokens"
+  config.data.path = str(tmp_path / "a.bin")
+  for name, value in data_fields.items():
+    config.data[name] = value
+  return config
+
+
+# (data fields, over two files a.bin and b.bin in tmp_path; the field and fix the message must name)
+INVALID_DATA = [
+    ({"source": "synthetic"}, r"^data\.path='.*a\.bin': set while data\.source='synthetic'.*--config\.data\.source=tokens$"),
+    ({"source": "synthetic", "path": "", "mixture": "{a}:1"}, r"^data\.mixture=.*--config\.data\.source=tokens$"),
+    ({"source": "synthetic", "path": "", "eval_path": "{b}"}, r"^data\.eval_path=.*--config\.data\.source=tokens$"),
+    ({"mixture": "{a}:0.5,{b}:0.5"}, r"^data\.mixture=.*set together with data\.path"),
+    ({"path": "", "mixture": "{a}:0.7,{b}"}, r"^data\.mixture=.*is not FILE:WEIGHT; write it as FILE:WEIGHT"),
+    ({"path": "", "mixture": "{a}:0.7,{b}:0"}, r"^data\.mixture=.*b\.bin is 0\.0, not a finite number > 0"),
+    ({"path": "", "mixture": "{a}:0.7,{b}:-1"}, r"^data\.mixture=.*not a finite number > 0"),
+    ({"path": "", "mixture": "{a}:0.7,{a}:0.3"}, r"^data\.mixture=.*a\.bin is in it twice"),
+    ({"path": "", "mixture": "{a}:0.7,{tmp}/c.bin:0.3"}, r"^data\.mixture=.*c\.bin is not an existing"),
+    ({"path": "", "mixture": "  "}, r"^data\.mixture=.*no token files in it"),
+    ({"eval_fraction": 0.5}, r"^data\.eval_fraction=0\.5: must be in \[0, 0\.5\)"),
+    ({"eval_fraction": -0.1}, r"^data\.eval_fraction="),
+    ({"eval_fraction": float("nan")}, r"^data\.eval_fraction="),
+    ({"eval_fraction": 0.1, "eval_path": "{b}"}, r"^data\.eval_fraction=0\.1: set together with data\.eval_path"),
+    ({"eval_path": "{tmp}/missing.bin"}, r"^data\.eval_path=.*file not found"),
+    ({"eval_path": "{tmp}/eval.txt"}, r"^data\.eval_path=.*not a \.bin or \.npy token file"),
+]
+
+
+@pytest.mark.parametrize("fields,message", INVALID_DATA, ids=[str(f) for f, _ in INVALID_DATA])
+def test_invalid_data_fields_are_one_line_naming_the_field_and_fix(tmp_path, fields, message):
+  names = {"a": tmp_path / "a.bin", "b": tmp_path / "b.bin", "tmp": tmp_path}
+  config = _token_data_config(tmp_path, **{k: v.format(**names) if isinstance(v, str) else v
+                                           for k, v in fields.items()})
+  with pytest.raises(ConfigError, match=message) as error:
+    validate(config)
+  assert "\n" not in str(error.value)
+
+
+def test_valid_data_fields_and_document_masking(tmp_path):
+  config = _token_data_config(tmp_path, eval_fraction=0.01)
+  validate(config)
+  assert uses_document_masking(config)
+  config.data.document_masking = False
+  assert not uses_document_masking(config)
+  config = _token_data_config(tmp_path, path="", mixture=f"{tmp_path}/a.bin:0.7, {tmp_path}/b.bin:0.3",
+                              eval_path=str(tmp_path / "b.bin"))
+  validate(config)
+  assert parse_mixture(config.data.mixture) == [(f"{tmp_path}/a.bin", 0.7), (f"{tmp_path}/b.bin", 0.3)]
+  default = default_config()
+  assert default.data.source == "synthetic" and default.data.document_masking and not uses_document_masking(default)
+
+
+def test_evaluating_token_data_needs_eval_data(tmp_path):
+  config = _token_data_config(tmp_path)
+  with config.train.unlocked():
+    config.train.eval_every = 50
+  with pytest.raises(ConfigError, match=r"^data\.eval_path='': train\.eval_every=50 evaluates.*eval_fraction=0\.01$"):
+    validate(config)
+  config.data.eval_fraction = 0.01
+  validate(config)
 
 
 @pytest.mark.parametrize("name", CONFIG_FILES)

@@ -71,6 +71,7 @@ def test_batch_layout_and_targets_are_inputs_shifted_by_one():
   for i in range(8):
     np.testing.assert_array_equal(batch["inputs"][i], source[i][:-1])
     np.testing.assert_array_equal(batch["targets"][i], source[i][1:])
+  assert "segment_ids" not in batch and not config_lib.uses_document_masking(c)   # synthetic: no documents
 
 
 def _global_batches(config, process_count, num_batches):
@@ -122,9 +123,10 @@ def test_each_process_reads_only_its_own_rows(tmp_path, monkeypatch, global_batc
   c = _arange_token_config(tmp_path, num_records=1000)   # no record twice in what is read here
   c.train.batch_size = global_batch
   reference = _global_batches(c, 1, 30)
-  sources, make_source = [], data.make_source          # sources[p]: process p's, made by make_iterator
-  monkeypatch.setattr(data, "make_source", lambda config: sources.append(_RecordingSource(make_source(config)))
-                      or sources[-1])
+  sources, make_sources = [], data.make_sources        # sources[p]: process p's, made by make_iterator
+  monkeypatch.setattr(data, "make_sources", lambda config: [(sources.append(_RecordingSource(source))
+                                                             or sources[-1], weight)
+                                                            for source, weight in make_sources(config)])
   b = global_batch // process_count
   for p in range(process_count):
     _take(data.make_iterator(c, p, process_count), 3)
@@ -167,20 +169,20 @@ def test_grain_iterator_state_json_round_trip_resumes_at_the_next_batch(global_b
 
 def test_a_bad_id_in_a_batch_is_one_line_naming_file_record_and_id(tmp_path):
   tokens = np.arange(200) % 50
-  tokens[130] = 99
+  tokens[130] = 299
   path = str(tmp_path / "tokens.bin")
-  data.write_token_file(path, tokens, 100)
+  data.write_token_file(path, tokens, 300)
   with open(token_files.sidecar_path(path)) as f:
     meta = json.load(f)
   with open(token_files.sidecar_path(path), "w") as f:
-    json.dump(dict(meta, vocab_size=64), f)   # a sidecar that lies about its ids
+    json.dump(dict(meta, vocab_size=257), f)   # a sidecar that lies about its ids
   c = _config(source="tokens", path=path, shuffle=False)
-  c.model.seq_len, c.train.batch_size = 16, 2
+  c.model.seq_len, c.model.vocab_size, c.train.batch_size = 16, 257, 2
   iterator = data.make_iterator(c, 0, 1)
   _take(iterator, 4)                         # records 0 .. 7
   with pytest.raises(config_lib.ConfigError) as error:
     next(iterator)                           # records 8 (tokens 128 .. 144) and 9
-  assert str(error.value).startswith(f"data.path={path!r}: record 8 holds the id 99 (token 130), outside [0, 64)")
+  assert str(error.value).startswith(f"data.path={path!r}: record 8 holds the id 299 (token 130), outside [0, 257)")
 
 
 def test_device_prefetcher_state_counts_only_handed_out_batches():
@@ -253,6 +255,9 @@ def test_token_file_errors_name_the_field(tmp_path):
     data.make_source(c)
   c.model.vocab_size = 257
   assert len(data.make_source(c)) == 2
+  c.model.seq_len = 10
+  with pytest.raises(config_lib.ConfigError, match=r"^data\.path=.*fewer than one record"):
+    data.make_source(c)
 
 
 def _conditional_entropy(records, vocab_size):
@@ -292,3 +297,250 @@ def test_synthetic_source_has_copy_spans():
   source = data.SyntheticSource(256, seq_len=128, seed=0, num_records=1000)
   with_copies = np.mean([_has_repeated_ngram(source[i], 12) for i in range(200)])
   assert with_copies > 0.8  # The Markov chain alone almost never repeats a 12-gram.
+
+
+# Documents: segment ids, positions and the loss mask of packed rows.
+
+def _token_file(path, documents, vocab_size=data.BYTE_VOCAB_SIZE):
+  """Writes `documents` (each gets EOS appended) to `path`; returns the token stream."""
+  documents = [np.append(np.asarray(d, np.int64), data.EOS) for d in documents]
+  data.write_token_file(str(path), documents, vocab_size)
+  return np.concatenate(documents)
+
+
+def _document_config(path, seq_len=8, batch_size=4, **data_overrides):
+  c = _config(source="tokens", path=str(path), **data_overrides)
+  c.model.seq_len, c.model.vocab_size, c.train.batch_size = seq_len, data.BYTE_VOCAB_SIZE, batch_size
+  config_lib.validate(c)
+  return c
+
+
+def _expected_example(stream, document_of, start, seq_len):
+  """What the batch contract says row `start // seq_len` is, computed token by token."""
+  record, docs = stream[start:start + seq_len + 1], document_of[start:start + seq_len + 1]
+  segment, position, segments, positions = 1, 0, [], []
+  for j in range(seq_len):
+    if j and docs[j] != docs[j - 1]:
+      segment, position = segment + 1, 0
+    segments.append(segment)
+    positions.append(position)
+    position += 1
+  return {"inputs": record[:-1], "targets": record[1:], "loss_mask": (docs[1:] == docs[:-1]).astype(np.float32),
+          "segment_ids": np.array(segments), "positions": np.array(positions)}
+
+
+def test_packed_rows_carry_segment_ids_positions_and_mask_the_document_boundary(tmp_path):
+  lengths = [3, 12, 1, 5, 9, 2, 20, 15]   # documents shorter than a row, one row long, spanning rows
+  stream = _token_file(tmp_path / "d.bin", [np.arange(n) + 10 * i for i, n in enumerate(lengths)])
+  document_of = np.repeat(np.arange(len(lengths)), np.array(lengths) + 1)
+  c = _document_config(tmp_path / "d.bin", shuffle=False)
+  assert config_lib.uses_document_masking(c)
+  batches = _take(data.make_iterator(c, 0, 1), 2)
+  for k, batch in enumerate(batches):
+    assert set(batch) == {"inputs", "targets", "loss_mask", "segment_ids", "positions"}
+    assert batch["segment_ids"].dtype == batch["positions"].dtype == np.int32
+    for row in range(4):
+      expected = _expected_example(stream, document_of, (4 * k + row) * 8, 8)
+      for key, value in expected.items():
+        np.testing.assert_array_equal(batch[key][row], value, err_msg=f"batch {k} row {row} {key}")
+  rows = {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
+  assert np.all(rows["segment_ids"][:, 0] == 1) and np.all(rows["positions"][:, 0] == 0)
+  assert np.all(np.diff(rows["segment_ids"], axis=1) >= 0)
+  # Masked exactly where an EOS is the input: it would predict the next document's first token.
+  boundary = (rows["inputs"] == data.EOS) & (rows["loss_mask"] == 0)
+  assert np.array_equal(rows["loss_mask"] == 0, boundary) and boundary.sum() >= 5
+
+
+def test_without_document_masking_rows_are_the_plain_windows(tmp_path):
+  stream = _token_file(tmp_path / "d.bin", [np.arange(5), np.arange(30)])
+  c = _document_config(tmp_path / "d.bin", shuffle=False, document_masking=False)
+  assert not config_lib.uses_document_masking(c)
+  batch = next(data.make_iterator(c, 0, 1))
+  assert set(batch) == {"inputs", "targets", "loss_mask"} and np.all(batch["loss_mask"] == 1)
+  np.testing.assert_array_equal(batch["inputs"][1], stream[8:16])
+
+
+def test_document_starts_of_prefers_the_index_else_splits_after_eos(tmp_path):
+  _token_file(tmp_path / "d.bin", [[1, 2], [3], [4, 5, 6]])
+  token_file = token_files.TokenFile(str(tmp_path / "d.bin"))
+  np.testing.assert_array_equal(data.document_starts_of(token_file), [0, 3, 5])
+
+  class NoIndex:   # a source without a document index: a .npy, or an older file
+    tokens, meta, vocab_size = np.array([1, 2, data.EOS, 3, data.EOS, 4, 5, 6, data.EOS]), {}, data.BYTE_VOCAB_SIZE
+    tokenizer = None
+
+  np.testing.assert_array_equal(data.document_starts_of(NoIndex()), [0, 3, 5])
+
+
+def test_packed_rows_resume_exactly(tmp_path):
+  _token_file(tmp_path / "d.bin", [np.arange(n % 13 + 1) for n in range(60)])
+  c = _document_config(tmp_path / "d.bin", batch_size=4)
+  iterator = data.make_iterator(c, 1, 2)
+  _take(iterator, 5)
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = _take(iterator, 4)
+  resumed = data.make_iterator(c, 1, 2)
+  resumed.set_state(state)
+  _assert_batches_equal(expected, _take(resumed, 4))
+
+
+# Mixtures.
+
+def _mixture_files(tmp_path, vocab_sizes=(data.BYTE_VOCAB_SIZE, data.BYTE_VOCAB_SIZE)):
+  """Two files whose tokens tell them apart: "a" in [0, 100), "b" in [100, 200)."""
+  rng = np.random.default_rng(0)
+  paths = []
+  for name, low, vocab_size in zip("ab", (0, 100), vocab_sizes):
+    paths.append(str(tmp_path / f"{name}.bin"))
+    _token_file(paths[-1], [rng.integers(low, low + 100, size=rng.integers(1, 30)) for _ in range(200)], vocab_size)
+  return paths
+
+
+def _mixture_config(tmp_path, weights=(0.7, 0.3), batch_size=40):
+  paths = _mixture_files(tmp_path)
+  c = _config(source="tokens", mixture=",".join(f"{p}:{w}" for p, w in zip(paths, weights)))
+  c.model.seq_len, c.model.vocab_size, c.train.batch_size = 8, data.BYTE_VOCAB_SIZE, batch_size
+  config_lib.validate(c)
+  return c
+
+
+def _from_b(batch):
+  """Which rows come from b.bin (every non-EOS token of a row is one file's)."""
+  inputs = np.where(batch["inputs"] == data.EOS, -1, batch["inputs"])
+  return inputs.max(axis=1) >= 100
+
+
+def test_mixture_rows_follow_the_weights(tmp_path):
+  c = _mixture_config(tmp_path, weights=(0.7, 0.3))
+  rows = np.concatenate([_from_b(b) for b in _take(data.make_iterator(c, 0, 1), 250)])   # 10,000 rows
+  assert len(rows) == 10_000 and abs(rows.mean() - 0.3) < 0.02
+  c = _mixture_config(tmp_path, weights=(1, 3))   # weights need not sum to 1
+  rows = np.concatenate([_from_b(b) for b in _take(data.make_iterator(c, 0, 1), 250)])
+  assert abs(rows.mean() - 0.75) < 0.02
+
+
+def test_mixture_resumes_exactly_and_splits_over_processes(tmp_path):
+  c = _mixture_config(tmp_path, batch_size=8)
+  iterator = data.make_iterator(c, 0, 1)
+  _take(iterator, 7)
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = _take(iterator, 3)
+  resumed = data.make_iterator(c, 0, 1)
+  resumed.set_state(state)
+  _assert_batches_equal(expected, _take(resumed, 3))
+  reference = _global_batches(c, 1, 6)
+  assert "segment_ids" in reference[0]
+  for count in (2, 4):
+    _assert_batches_equal(reference, _global_batches(c, count, 6))
+
+
+def test_mixture_eval_fraction_holds_out_documents_of_every_file(tmp_path):
+  c = _mixture_config(tmp_path, weights=(0.5, 0.5), batch_size=8)
+  c.data.eval_fraction, c.train.eval_batches = 0.2, 4
+  config_lib.validate(c)
+  eval_rows = np.concatenate([_from_b(b) for b in data.make_eval_iterator(c, 0, 1)])
+  assert len(eval_rows) == 32 and abs(eval_rows.mean() - 0.5) <= 1 / 16
+  train_sources = data.make_sources(c)
+  eval_sources = data.make_sources(c, "eval")
+  for (train, _), (held, _) in zip(train_sources, eval_sources):
+    assert train.num_documents + held.num_documents == 200 and 20 < held.num_documents < 60
+
+
+def test_mixture_files_must_share_a_tokenizer(tmp_path):
+  a, b = _mixture_files(tmp_path, vocab_sizes=(data.BYTE_VOCAB_SIZE, 300))
+  c = _config(source="tokens", mixture=f"{a}:1,{b}:1")
+  c.model.seq_len, c.model.vocab_size = 8, 300
+  with pytest.raises(config_lib.ConfigError, match=r"^data\.mixture=.*use different tokenizers; prepare every"):
+    data.make_iterator(c, 0, 1)
+
+
+# Evaluation data.
+
+def _rows(batches):
+  return [tuple(row) for batch in batches for row in batch["inputs"]]
+
+
+def test_eval_fraction_holds_out_documents_that_training_never_reads(tmp_path):
+  rng = np.random.default_rng(1)
+  # Document i's tokens all equal i % 250 (< EOS): a token names its document (up to 250).
+  documents = [np.full(rng.integers(2, 12), i) for i in range(200)]
+  _token_file(tmp_path / "d.bin", documents)
+  c = _document_config(tmp_path / "d.bin", batch_size=8, eval_fraction=0.2)
+  held = data.held_out_documents(200, 0.2)
+  assert 20 < held.sum() < 60
+  train_tokens = {int(t) for b in _take(data.make_iterator(c, 0, 1), 60) for t in b["inputs"].ravel()} - {data.EOS}
+  c.train.eval_batches = 3
+  eval_batches = list(data.make_eval_iterator(c, 0, 1))
+  eval_tokens = {int(t) for b in eval_batches for t in b["inputs"].ravel()} - {data.EOS}
+  assert len(eval_batches) == 3 and set(eval_batches[0]) == set(_take(data.make_iterator(c, 0, 1), 1)[0])
+  kept = set(np.flatnonzero(~held))   # all but the few in the tail after the last whole record
+  assert train_tokens <= kept and len(train_tokens) >= len(kept) - 3 and eval_tokens <= set(np.flatnonzero(held))
+  # Unshuffled, from the start: the held-out documents in file order.
+  expected = np.concatenate([np.append(documents[i], data.EOS) for i in np.flatnonzero(held)])[:25]
+  np.testing.assert_array_equal(np.concatenate([eval_batches[0]["inputs"][:3].ravel(), [eval_batches[0]["targets"][2, -1]]]),
+                                expected)
+
+
+def test_eval_pass_is_deterministic_finite_and_split_like_training(tmp_path):
+  _token_file(tmp_path / "train.bin", [np.arange(20) % 50 for _ in range(30)])
+  eval_stream = _token_file(tmp_path / "eval.bin", [np.arange(n) + 100 for n in (5, 17, 9, 30, 3)])
+  c = _document_config(tmp_path / "train.bin", batch_size=4, eval_path=str(tmp_path / "eval.bin"))
+  c.train.eval_batches = 2
+  first, again = list(data.make_eval_iterator(c, 0, 1)), list(data.make_eval_iterator(c, 0, 1))
+  assert len(first) == 2
+  _assert_batches_equal(first, again)
+  np.testing.assert_array_equal(first[0]["inputs"][0], eval_stream[:8])    # the eval file, in order
+  np.testing.assert_array_equal(first[1]["inputs"][0], eval_stream[32:40])
+  halves = [list(data.make_eval_iterator(c, p, 2)) for p in range(2)]
+  for k in range(2):
+    for key in first[k]:
+      np.testing.assert_array_equal(first[k][key], np.concatenate([halves[0][k][key], halves[1][k][key]]))
+
+
+def test_synthetic_eval_records_are_fresh_records_of_the_same_chain():
+  c = _config()
+  c.train.eval_batches = 2
+  train_rows = set(_rows(_take(data.make_iterator(c, 0, 1), 13)))    # all 100 records, and then some
+  eval_rows = _rows(data.make_eval_iterator(c, 0, 1))
+  assert len(eval_rows) == 16 and not train_rows & set(eval_rows)
+  source = data.make_sources(c, "eval")[0][0]
+  np.testing.assert_array_equal(source[0], data.SyntheticSource(64, 16, 3, 200)[100])
+
+
+def test_token_data_without_eval_data_has_no_eval_iterator(tmp_path):
+  _token_file(tmp_path / "d.bin", [np.arange(40)])
+  with pytest.raises(config_lib.ConfigError, match=r"^data\.eval_path='': .*eval_fraction=0\.01$"):
+    data.make_eval_iterator(_document_config(tmp_path / "d.bin"), 0, 1)
+
+
+def test_describe_data_names_source_tokenizer_vocab_tokens_documents_and_epochs(tmp_path):
+  _token_file(tmp_path / "d.bin", [np.arange(99) % 200 for _ in range(10)])   # 1,000 tokens
+  c = _document_config(tmp_path / "d.bin", batch_size=4)
+  c.train.steps = 50                                                           # 50 * 4 * 8 = 1,600 tokens read
+  line = data.describe_data(c)
+  assert "\n" not in line
+  assert line == (f"data: tokens from {tmp_path / 'd.bin'}; tokenizer bytes, vocab 257; 1,000 training tokens in "
+                  "10 documents; document masking on; 50 steps read 1.6 epochs")
+  synthetic = data.describe_data(_config())
+  assert synthetic.startswith("data: synthetic") and "vocab 64" in synthetic and "epochs" in synthetic
+  c = _mixture_config(tmp_path)
+  assert "a.bin (70%) + " in data.describe_data(c) and "b.bin (30%)" in data.describe_data(c)
+
+
+def test_a_vocab_far_larger_than_the_data_is_one_warning_line(tmp_path, caplog):
+  """model.vocab_size over VOCAB_SLACK times the data's trains rows no id reaches: one warning
+  naming the file and the fix; within it, nothing is said."""
+  path = tmp_path / "d.bin"
+  _token_file(path, [np.arange(40) % 200] * 4)
+  config = _document_config(path)
+  config.model.vocab_size = data.BYTE_VOCAB_SIZE * data.VOCAB_SLACK + 1
+  with caplog.at_level("WARNING"):
+    data.make_sources(config)
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "vocab_size" in r.getMessage()]
+  assert len(warnings) == 1 and str(path) in warnings[0], warnings
+  assert f"set --config.model.vocab_size={data.BYTE_VOCAB_SIZE}" in warnings[0]
+  caplog.clear()
+  config.model.vocab_size = data.BYTE_VOCAB_SIZE * data.VOCAB_SLACK
+  with caplog.at_level("WARNING"):
+    data.make_sources(config)
+  assert not [r for r in caplog.records if "vocab_size" in r.getMessage()]

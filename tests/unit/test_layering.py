@@ -22,7 +22,8 @@ from tests.support import REPO
 LAYERS = (
     ("layers", ("megajax.layers",)),
     ("core", ("megajax.config", "megajax.config_checks", "megajax.model", "megajax.loss", "megajax.optim",
-              "megajax.flops", "megajax.data", "megajax.token_files", "megajax.reference_step")),
+              "megajax.flops", "megajax.data", "megajax.token_files", "megajax.tokenizer", "megajax.text_inputs",
+              "megajax.reference_step")),
     ("parallel", ("megajax.parallel",)),
     ("checkpoint", ("megajax.checkpoint",)),
     ("observe", ("megajax.observe",)),

@@ -145,3 +145,32 @@ def test_cli_names_the_missing_path(tmp_path, capsys, make):
   assert workdir in error and "megajax-train --workdir=" in error
   if make == "empty_dir":
     assert "metrics.jsonl" in error
+
+
+def test_held_out_loss_in_the_metrics_the_progress_line_and_the_report(tmp_path, monkeypatch):
+  """Evaluation records (train.eval_every) are their own lines of metrics.jsonl, the progress
+  line keeps the last eval_loss between them, and the report draws them on the loss plot and
+  names the last in its summary."""
+  workdir = str(tmp_path)
+  writer = MetricsWriter(workdir, total_steps=4, progress=False)
+  for step in range(1, 5):
+    writer.write(step, {"loss": 3.0 - 0.5 * step})
+    if step % 2 == 0:
+      writer.write(step, {"eval_loss": 3.2 - 0.5 * step, "eval_perplexity": 2.718 ** (3.2 - 0.5 * step),
+                          "eval_tokens": 512, "eval_batches": 2})
+    assert ("eval_loss=" in writer.progress_line()) == (step >= 2)
+  assert writer.progress_line() == "loss=1  eval_loss=1.2"
+  writer.close()
+  metrics = read_metrics(os.path.join(workdir, METRICS))
+  assert metrics["eval_loss"] == [(2, pytest.approx(2.2)), (4, pytest.approx(1.2))]
+
+  drawn = {}
+  save = report._save
+  def spy(fig, path):
+    if path.endswith("loss.png"):
+      drawn.update({line.get_label(): list(line.get_xdata()) for line in fig.axes[0].get_lines()})
+    save(fig, path)
+  monkeypatch.setattr(report, "_save", spy)
+  page = open(report.write_report(workdir)).read()
+  assert drawn == {"loss": [1, 2, 3, 4], "held-out loss": [2, 4]}
+  assert "1.2000, perplexity 3.32 (step 4)" in page and "Held-out loss at 2 step(s)" in page

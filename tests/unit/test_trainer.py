@@ -1,17 +1,22 @@
 """The training loop's parts in process: the callback protocol, the non-finite step, the fault
 drills, metrics records across a resume, and a short run through every collaborator."""
 
+import itertools
 import json
+import math
 
 import jax
 import numpy as np
 import pytest
 
 from megajax import data
+from megajax.config import ConfigError, validate
 from megajax.observe import MetricsWriter, read_metrics
 from megajax.observe.records import METRICS, drop_after, read_jsonl
 from megajax.parallel import ParallelStep
 from megajax.trainer import build_parallel_step, callbacks, drills, train
+from megajax.reference_step import make_loss_fn
+from megajax.trainer.evaluation import Evaluation
 from megajax.trainer.loop import _run_loop
 
 
@@ -126,9 +131,10 @@ def test_a_resumed_run_drops_the_records_after_its_checkpoint(tmp_path):
 
 def test_a_short_run_through_every_collaborator(tmp_path, tiny_config, monkeypatch):
   """One process, a workdir: the heartbeat ends done, the metrics log steps 1, log_every and
-  the last, the checkpointer saves on its cadence and commits, activations are captured; a
-  relaunch finds nothing to do."""
+  the last, the checkpointer saves on its cadence and commits, activations are captured, the
+  held-out loss is evaluated on its cadence and at the end; a relaunch finds nothing to do."""
   tiny_config.train.steps, tiny_config.train.log_every, tiny_config.checkpoint.every_steps = 6, 4, 3
+  tiny_config.train.eval_every, tiny_config.train.eval_batches = 4, 2
   tiny_config.observe.capture = "0:residual"
   result = train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
   assert [h["step"] for h in result.history] == [1, 4, 6] and not result.preempted
@@ -137,6 +143,8 @@ def test_a_short_run_through_every_collaborator(tmp_path, tiny_config, monkeypat
   metrics = read_metrics(str(tmp_path / METRICS))
   assert [s for s, _ in metrics["ckpt_blocking_s"]] == [3, 6] and [s for s, _ in metrics["ckpt_total_s"]] == [3, 6]
   assert [s for s, _ in metrics["startup_s"]] == [1]
+  assert [s for s, _ in metrics["eval_loss"]] == [4, 6]
+  assert dict(metrics["eval_tokens"])[6] == 2 * tiny_config.train.batch_size * tiny_config.model.seq_len
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
   assert [r["step"] for r in read_jsonl(str(tmp_path / "activations.jsonl"))] == [1, 2, 3, 4, 5, 6]
   # Again with the same workdir: the checkpoint is at train.steps, nothing to run and nothing
@@ -145,3 +153,55 @@ def test_a_short_run_through_every_collaborator(tmp_path, tiny_config, monkeypat
   again = train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
   assert again.start_step == 6 and again.history == [] and not again.preempted
   assert (tmp_path / "params").is_dir()
+
+
+@pytest.mark.parametrize("steps,evaluated", [(5, [2, 4, 5]), (4, [2, 4])], ids=["and_after_the_last", "once_at_the_end"])
+def test_evaluation_every_eval_every_steps_and_after_the_last(tmp_path, tiny_config, steps, evaluated):
+  """train.eval_every=2: the held-out loss at steps 2, 4, ... and after the last step (once
+  when it falls on the cadence), records of their own in metrics.jsonl: the mean cross-entropy
+  over every held-out token of the same batches each time, and its exp."""
+  tiny_config.train.steps, tiny_config.train.eval_every = steps, 2
+  tiny_config.parallel.dp = 2
+  parallel_step = build_parallel_step(tiny_config, jax.devices()[:2])
+  held_out = list(itertools.islice(data.make_iterator(tiny_config, 0, 1), 2))
+  held_out[1]["loss_mask"][:, ::2] = 0                # fewer tokens in the second batch
+  evaluation = Evaluation(tiny_config, parallel_step, lambda: iter(held_out))
+  evaluation.compile()
+  state = parallel_step.init_state(jax.random.key(0))
+  writer = MetricsWriter(str(tmp_path), steps, progress=False)
+  loop = callbacks.Loop(tiny_config, parallel_step, 0, state, batches=iter(range(100)), writer=writer)
+  _run_loop(loop, lambda state, batch: (state, {}), [evaluation])
+  writer.close()
+  records = [r for r in read_jsonl(str(tmp_path / METRICS)) if "eval_loss" in r]
+  assert [r["step"] for r in records] == evaluated
+  params = parallel_step.model_params(jax.device_get(state.params))
+  sums = [make_loss_fn(parallel_step.model)(params, batch)[1] for batch in held_out]
+  tokens = sum(float(s["tokens"]) for s in sums)
+  loss = sum(float(s["loss"]) * float(s["tokens"]) for s in sums) / tokens
+  for record in records:
+    assert record["eval_tokens"] == tokens == 1.5 * tiny_config.train.batch_size * tiny_config.model.seq_len
+    assert record["eval_batches"] == 2
+    assert record["eval_loss"] == pytest.approx(loss, rel=1e-5)
+    assert record["eval_perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+
+
+def test_no_evaluation_after_a_preemption_or_when_off(tiny_config):
+  """A preempted run stops at once (no final evaluation); train.eval_every=0 builds nothing."""
+  assert Evaluation.from_config(tiny_config, parallel_step=None) is None
+  tiny_config.train.eval_every = 3
+  evaluation = Evaluation(tiny_config, parallel_step=None, batches=lambda: pytest.fail("evaluated"))
+  evaluation.compiled = object()
+
+  class Preempt(callbacks.Callback):
+    def after_step(self, loop):
+      loop.preempted = loop.step == 2
+
+  _run_loop(_loop(tiny_config), lambda state, batch: (state, {}), [Preempt(), evaluation])
+
+
+@pytest.mark.parametrize("field,value,problem", [("eval_every", -1, "must be an integer >= 0"),
+                                                 ("eval_batches", 0, "must be a positive integer")])
+def test_evaluation_fields_are_checked(tiny_config, field, value, problem):
+  tiny_config.train[field] = value
+  with pytest.raises(ConfigError, match=rf"^train\.{field}={value}: {problem}; set --config\.train\.{field} to "):
+    validate(tiny_config)

@@ -1,0 +1,176 @@
+"""megajax/tokenizer.py: the byte tokenizer, a byte-level BPE trained here, a tokenizer.json
+and a sentencepiece model (each made by the test, offline), every bad tokenizer as one line,
+and the tokenizer travelling with the data (sidecar entry, tokenizer_of, copy_tokenizer)."""
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import sentencepiece
+
+from megajax import text_inputs
+from megajax import token_files
+from megajax import tokenizer as tok
+from megajax.config import ConfigError
+from megajax.token_files import PrepareError
+
+WORDS = "the quick brown fox jumps over a lazy dog while data tokens flow through the model".split()
+
+
+def _texts(count=60, seed=0):
+  rng = random.Random(seed)
+  return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) + rng.choice([".", "!", " ünïcödé 世界"])
+          for _ in range(count)]
+
+
+def _write_texts(folder, texts, files=3):
+  folder.mkdir(exist_ok=True)
+  for i in range(files):
+    (folder / f"{i}.txt").write_text("\n\n".join(texts[i::files]), encoding="utf-8")
+  return [str(folder / "*.txt")]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+  return tok.train_bpe(_texts(), vocab_size=320)
+
+
+def test_bytes_round_trip_and_its_sidecar_entry():
+  tokenizer = tok.load_tokenizer("bytes")
+  text = "Grüße, 世界 🙂"
+  ids = tokenizer.encode(text)
+  assert ids.dtype == np.int32 and tokenizer.decode(np.append(ids, tokenizer.eos_id)) == text
+  assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.file) == ("bytes", 257, 256, None)
+  assert tok.sidecar_entry(tokenizer, "d/x.bin") == {"kind": "bytes", "file": None, "eos_id": 256}
+
+
+def test_trained_bpe_round_trips_and_compresses(bpe):
+  assert bpe.kind == "huggingface" and bpe.eos_id == 0 and 257 < bpe.vocab_size <= 320
+  for text in _texts(10, seed=1) + ["unseen wörds: xyz 123 \t\n"]:
+    ids = bpe.encode(text)
+    assert ids.dtype == np.int32 and ids.max() < bpe.vocab_size and tok.BPE_EOS not in bpe.decode(ids)
+    assert bpe.decode(ids) == text
+  sample = " ".join(_texts(5, seed=2))
+  assert len(bpe.encode(sample)) < len(sample.encode("utf-8")) / 2   # merges learned
+  again = tok.train_bpe(_texts(), vocab_size=320)
+  assert again.tokenizer.to_str() == bpe.tokenizer.to_str()   # deterministic
+
+
+def test_tokenizer_json_from_a_file(tmp_path, bpe):
+  path = str(tmp_path / "tokenizer.json")
+  bpe.save(path)
+  loaded = tok.load_tokenizer(path)
+  assert (loaded.kind, loaded.vocab_size, loaded.eos_id, loaded.file) == ("huggingface", bpe.vocab_size, 0, path)
+  text = _texts(1, seed=3)[0]
+  np.testing.assert_array_equal(loaded.encode(text), bpe.encode(text))
+  assert [list(ids) for ids in loaded.encode_batch([text, "b"])] == [list(bpe.encode(text)), list(bpe.encode("b"))]
+
+
+def test_sentencepiece_model_trained_here(tmp_path):
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n".join(_texts(200)), encoding="utf-8")
+  sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "spm"), vocab_size=80,
+                                           model_type="bpe", minloglevel=2)
+  loaded = tok.load_tokenizer(str(tmp_path / "spm.model"))
+  assert (loaded.kind, loaded.vocab_size, loaded.eos_id) == ("sentencepiece", 80, 2)
+  text = "the lazy dog jumps over the quick fox."
+  assert loaded.decode(loaded.encode(text)) == text and len(loaded.encode_batch([text, text])) == 2
+
+
+def _bad_file(tmp_path, name, content):
+  path = tmp_path / name
+  path.write_bytes(content)
+  return str(path)
+
+
+def test_every_bad_tokenizer_is_one_line(tmp_path, bpe):
+  no_eos = json.loads(bpe.tokenizer.to_str())
+  no_eos["added_tokens"] = []
+  del no_eos["model"]["vocab"][tok.BPE_EOS]
+  cases = [
+      ("missing.json", "no tokenizer file .*missing.json"),
+      (_bad_file(tmp_path, "t.json", b'{"version": '), r"t.json is not a Hugging Face tokenizer.json \("),
+      (_bad_file(tmp_path, "u.json", b'{"a": 1}'), r"u.json is not a Hugging Face tokenizer.json \("),
+      (_bad_file(tmp_path, "n.json", json.dumps(no_eos).encode()), "n.json has no end-of-text token"),
+      (_bad_file(tmp_path, "m.model", b"not a protobuf"), r"m.model is not a sentencepiece model \("),
+      ("vocab.txt", "expected 'bytes', a Hugging Face tokenizer.json or a sentencepiece .model"),
+  ]
+  for spec, match in cases:
+    with pytest.raises(tok.TokenizerError, match=match) as error:
+      tok.load_tokenizer(spec if os.path.isabs(spec) or spec == "vocab.txt" else str(tmp_path / spec))
+    assert "\n" not in str(error.value), str(error.value)
+
+
+def _decoded_documents(path, tokenizer):
+  token_file = token_files.TokenFile(path)
+  starts = [*token_file.document_starts, len(token_file.tokens)]
+  documents = []
+  for start, end in zip(starts, starts[1:]):
+    assert token_file.tokens[end - 1] == tokenizer.eos_id
+    documents.append(tokenizer.decode(token_file.tokens[start:end - 1]))
+  return documents
+
+
+def test_trained_bpe_travels_with_the_data(tmp_path):
+  texts = _texts()
+  output = str(tmp_path / "out" / "corpus.bin")
+  meta, _, _ = text_inputs.prepare_text_files(_write_texts(tmp_path / "in", texts), output, train_tokenizer="bpe",
+                                              vocab_size=300, documents="blank_line", workers=1)
+  assert meta["tokenizer"] == {"kind": "huggingface", "file": "corpus.tokenizer.json", "eos_id": 0}
+  assert sorted(os.listdir(tmp_path / "out")) == ["corpus.bin", "corpus.idx", "corpus.json", "corpus.tokenizer.json"]
+  tokenizer = tok.tokenizer_of(output)
+  assert meta["vocab_size"] == tokenizer.vocab_size <= 300 and meta["num_documents"] == len(texts)
+  assert sorted(_decoded_documents(output, tokenizer)) == sorted(texts)
+  copied = tok.copy_tokenizer(output, str(tmp_path / "workdir"))
+  assert copied == str(tmp_path / "workdir" / "corpus.tokenizer.json")
+  assert tok.load_tokenizer(copied).tokenizer.to_str() == tokenizer.tokenizer.to_str()
+  os.remove(str(tmp_path / "out" / "corpus.tokenizer.json"))
+  for function in (tok.tokenizer_of, lambda path: tok.copy_tokenizer(path, str(tmp_path / "w2"))):
+    with pytest.raises(ConfigError, match="names the tokenizer file corpus.tokenizer.json, which is not beside it"):
+      function(output)
+
+
+def test_a_tokenizer_file_is_copied_beside_the_data(tmp_path, bpe):
+  bpe.save(str(tmp_path / "tokenizer.json"))
+  texts = _texts(12)
+  output = str(tmp_path / "d.bin")
+  meta, _, _ = text_inputs.prepare_text_files(_write_texts(tmp_path / "in", texts), output,
+                                              tokenizer=str(tmp_path / "tokenizer.json"), documents="blank_line",
+                                              workers=1)
+  assert meta["tokenizer"]["file"] == "d.tokenizer.json" and (tmp_path / "d.tokenizer.json").is_file()
+  assert sorted(_decoded_documents(output, tok.tokenizer_of(output))) == sorted(texts)
+  # Rerunning with the copy itself as the tokenizer keeps it in place.
+  text_inputs.prepare_text_files([str(tmp_path / "in" / "0.txt")], output,
+                                 tokenizer=str(tmp_path / "d.tokenizer.json"), workers=1)
+  assert tok.tokenizer_of(output).vocab_size == bpe.vocab_size
+
+
+def test_a_sentencepiece_model_travels_with_the_data(tmp_path):
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n".join(_texts(200)), encoding="utf-8")
+  sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "spm"), vocab_size=80,
+                                           model_type="bpe", minloglevel=2)
+  output = str(tmp_path / "sp.bin")
+  meta, _, _ = text_inputs.prepare_text_files([str(corpus)], output, tokenizer=str(tmp_path / "spm.model"),
+                                              workers=1)
+  assert meta["tokenizer"] == {"kind": "sentencepiece", "file": "sp.tokenizer.model", "eos_id": 2}
+  assert meta["vocab_size"] == 80 and meta["num_documents"] == 1
+  assert tok.tokenizer_of(output).kind == "sentencepiece"
+  assert tok.copy_tokenizer(output, str(tmp_path / "w")).endswith("sp.tokenizer.model")
+
+
+def test_bytes_data_has_no_tokenizer_file_to_copy(tmp_path):
+  path = str(tmp_path / "b.bin")
+  token_files.write_token_file(path, np.arange(10), 257)   # no "tokenizer" entry: bytes
+  assert tok.tokenizer_of(path).kind == "bytes" and tok.copy_tokenizer(path, str(tmp_path / "w")) is None
+
+
+def test_not_utf8_text_is_one_line_for_a_real_tokenizer(tmp_path, bpe):
+  bpe.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "x.txt").write_bytes(b"caf\xe9")
+  with pytest.raises(PrepareError, match=r"x.txt is not UTF-8 text \(byte 3: .*\); only --tokenizer=bytes takes any bytes"):
+    text_inputs.prepare_text_files([str(tmp_path / "x.txt")], str(tmp_path / "o.bin"),
+                                   tokenizer=str(tmp_path / "tokenizer.json"), workers=1)
+  assert sorted(os.listdir(tmp_path)) == ["tokenizer.json", "x.txt"]
