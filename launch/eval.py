@@ -112,6 +112,7 @@ def main(argv):
   try:
     validate(config)
     parallel_step = build_parallel_step(config, jax.devices()[:math.prod(mesh_shape(config))])
+    batches = held_out_batches(config, parallel_step)   # a bad data file fails before any restore
     checkpointer = TrainingCheckpointer(checkpoints, config)
     try:
       restored = checkpointer.restore_latest(parallel_step)
@@ -119,8 +120,7 @@ def main(argv):
       checkpointer.close()
     if restored is None:
       fail(PROGRAM, "missing input", f"{checkpoints}: no checkpoint to restore")
-    results = evaluate(parallel_step.eval_step(), restored.state.params, held_out_batches(config, parallel_step)(),
-                       parallel_step.put_batch)
+    results = evaluate(parallel_step.eval_step(), restored.state.params, batches(), parallel_step.put_batch)
   except ConfigError as error:
     fail(PROGRAM, "config error", error)
   except ValueError as error:        # evaluate(): the held-out data gave no batch

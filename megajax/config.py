@@ -180,6 +180,8 @@ TP_OVERLAP_CHOICES = ("none", "collective_matmul", "xla")
 # Pipeline schedules and traversals (megajax.parallel.pipeline.schedule takes its names from here).
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAVERSAL_CHOICES = ("depth_first", "breadth_first")
+# When ZeRO-2 reduce-scatters the gradients over dp (megajax.parallel.step, pipeline.executor).
+GRAD_SYNC_CHOICES = ("step", "microbatch")
 
 
 def _parallel() -> ml_collections.ConfigDict:
@@ -197,6 +199,13 @@ def _parallel() -> ml_collections.ConfigDict:
   p.virtual_stages = 1     # Model chunks per stage (Megatron's interleaving, v).
   p.schedule = "interleaved_1f1b"  # "gpipe", "1f1b" (v=1) or "interleaved_1f1b".
   p.traversal = "depth_first"      # Or "breadth_first": more in flight, fewer switches.
+  # Gradient sync over dp. "step": each device sums its microbatches' gradients locally in
+  # fp32 and reduce-scatters them once per step (one collective per leaf, 1/m of the dp
+  # traffic), holding a full, dp-unsharded fp32 gradient of its tp shard (and pp stage) for
+  # the step: params/(tp*pp) * 4 bytes. "microbatch": every microbatch's gradients are
+  # reduce-scattered as they come, so only the 1/dp shard is carried (the low-memory option,
+  # m times the dp traffic).
+  p.grad_sync = "step"
   return p
 
 
@@ -207,6 +216,7 @@ def _check_parallel(config) -> None:
   check.choice(config, "parallel.tp_overlap", TP_OVERLAP_CHOICES)
   check.choice(config, "parallel.schedule", SCHEDULE_CHOICES)
   check.choice(config, "parallel.traversal", TRAVERSAL_CHOICES)
+  check.choice(config, "parallel.grad_sync", GRAD_SYNC_CHOICES)
 
   # Tensor + sequence parallelism: heads, KV heads, MLP units, vocabulary and sequence split over tp.
   kv_heads = m.num_kv_heads or m.num_heads

@@ -33,7 +33,7 @@ import numpy as np
 from megajax.config import ConfigError, parse_mixture, uses_document_masking
 # Re-exported: what users of the data API (the launcher's tests, notebooks) reach for here.
 from megajax.token_files import (BYTE_VOCAB_SIZE, EOS, TokenFile, TokenFileSource, decode_tokens, encode_text,
-                                 write_token_file)
+                                 starts_after_eos, write_token_file)
 
 __all__ = ["BYTE_VOCAB_SIZE", "EOS", "DevicePrefetcher", "SyntheticSource", "TokenFileSource", "TokenRecords",
            "decode_tokens", "describe_data", "document_starts_of", "encode_text", "held_out_documents",
@@ -111,8 +111,7 @@ def document_starts_of(source) -> np.ndarray:
   if starts is not None:
     return np.asarray(starts, dtype=np.int64)
   token_file = getattr(source, "file", source)
-  after_eos = np.flatnonzero(token_file.tokens == _tokenizer_of(token_file)["eos_id"]) + 1
-  return np.concatenate([[0], after_eos[after_eos < len(token_file.tokens)]]).astype(np.int64)
+  return starts_after_eos(token_file.tokens, _tokenizer_of(token_file)["eos_id"])
 
 
 def held_out_documents(num_documents: int, fraction: float) -> np.ndarray:
@@ -219,9 +218,11 @@ def make_sources(config, split: str = "train") -> list[tuple[object, float]]:
     raise ConfigError("data.source", d.source, "unknown name", "choose one of synthetic, tokens")
   train_files = _training_files(config)
   field, value = ("data.mixture", d.mixture) if d.mixture else ("data.path", d.path)
-  files = [(path, weight, TokenFile(path, d.verify_checksum)) for path, weight in train_files]
+  # With data.eval_path the eval split opens the training files only to check the tokenizers
+  # agree: no checksum (a full read of the training corpus at every evaluation's start).
+  verify_training = d.verify_checksum and not (split == "eval" and d.eval_path)
+  files = [(path, weight, TokenFile(path, verify_training)) for path, weight in train_files]
   if split == "eval" and d.eval_path:
-    # The training files are opened (no checksum: cheap) only to check the tokenizers agree.
     eval_file = TokenFile(d.eval_path, d.verify_checksum)
     _check_same_tokenizer([f for _, _, f in files] + [eval_file], "data.eval_path", d.eval_path)
     files, field, value = [(d.eval_path, 1.0, eval_file)], "data.eval_path", d.eval_path

@@ -59,19 +59,26 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int,
-                         reduce_grads: Callable | None = None, zero_grads=None, probes=None):
+                         reduce_grads: Callable | None = None, zero_grads=None, probes=None,
+                         reduce_sum: Callable | None = None):
   """Summed gradients and stats over microbatches; one microbatch's activations live at a time.
 
-  `reduce_grads` maps each microbatch's gradients to what is summed (ZeRO-2: their dp
-  reduce-scatter, so only this device's shard is carried); `zero_grads` is then the zero
-  of that shape (default: zeros like `params`). `probes` (megajax.observe.Probes) when the
-  stats carry captured activation statistics: their zeros and how microbatches combine.
+  `reduce_grads` maps each microbatch's gradients to what is summed (ZeRO-2 per microbatch:
+  their dp reduce-scatter, so only this device's shard is carried); `zero_grads` is then the
+  zero of that shape (default: zeros like `params`). `reduce_sum` maps the sum over every
+  microbatch once (the 3D step's grad_sync="step": one dp reduce-scatter per leaf); the last
+  microbatch then runs after the scan, not in it, so that each leaf's reduction, in the same
+  computation as that backward and depending only on its own leaf, can be scheduled while
+  the rest of the backward runs (MegaScale's DP overlap). `probes` (megajax.observe.Probes)
+  when the stats carry captured activation statistics: their zeros and how microbatches combine.
   """
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
-  reduce_grads = reduce_grads or (lambda grads: grads)
+  identity = lambda grads: grads
+  last_after_scan = reduce_sum is not None
+  reduce_grads, reduce_sum = reduce_grads or identity, reduce_sum or identity
   if microbatches == 1:
     (_, stats), grads = grad_fn(params, batch)
-    return reduce_grads(grads), stats
+    return reduce_sum(reduce_grads(grads)), stats
 
   add_stats = probes.combine if probes is not None else lambda a, b: jax.tree.map(jnp.add, a, b)
 
@@ -88,8 +95,11 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
   zero_stats = {"nll_sum": zero, "z_sum": zero, "tokens": zero}
   if probes is not None and probes.capturing:
     zero_stats["capture"] = probes.zeros()
-  (grads, stats), _ = jax.lax.scan(one_microbatch, (zero_grads, zero_stats), microbatches)
-  return grads, stats
+  in_scan = jax.tree.map(lambda x: x[:-1], microbatches) if last_after_scan else microbatches
+  (grads, stats), _ = jax.lax.scan(one_microbatch, (zero_grads, zero_stats), in_scan)
+  if last_after_scan:   # the last microbatch, summed in the same order as in the scan
+    (grads, stats), _ = one_microbatch((grads, stats), jax.tree.map(lambda x: x[-1], microbatches))
+  return reduce_sum(grads), stats
 
 
 def make_reference_step(model: GPT, optimizer: optax.GradientTransformation,

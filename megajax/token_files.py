@@ -24,7 +24,7 @@ a microsecond for 2049 tokens). Every bad file is one line, a ConfigError on dat
 names the file and what is wrong, never a traceback or silent garbage. Older files still load
 with a warning: without a checksum their bytes go unchecked (size, dtype and every id still
 are); without an index the document starts are derived from the EOS ids of their tokenizer
-(bytes: 256), once, when asked for. Text becomes token files in megajax/text_inputs.py
+(bytes: 256), once, when asked for (a .npy of ids past 256 names no EOS: one document). Text becomes token files in megajax/text_inputs.py
 (megajax-prepare-data).
 """
 from __future__ import annotations
@@ -207,11 +207,17 @@ class TokenFile:
     files, a .npy) the token after every EOS of the data's tokenizer, derived once."""
     if self._index is not None:
       return self._index
+    if not self.meta and self.vocab_size > BYTE_VOCAB_SIZE:
+      # A .npy names no tokenizer; ids past the byte vocabulary say it is not bytes, so 256 is
+      # an ordinary token there, not an EOS: cutting at it would mask attention at random.
+      logging.warning("%s is a .npy of ids up to %d: not byte tokens, and it names no tokenizer, so no EOS id marks "
+                      "its documents: read as one document (no document masking); make it with "
+                      "megajax-prepare-data for a document index", self.path, self.vocab_size - 1)
+      return np.zeros(1, np.int64)
     eos = self.tokenizer["eos_id"]
     logging.warning("%s has no document index (an older megajax-prepare-data, or a .npy, wrote it): its documents "
                     "are taken to end at each EOS id %d; %s", self.path, eos, REWRITE)
-    ends = np.flatnonzero(self.tokens == eos) + 1
-    return np.concatenate([[0], ends[ends < len(self.tokens)]]).astype(np.int64)
+    return starts_after_eos(self.tokens, eos)
 
   def check_ids(self, window: np.ndarray, start: int, what: str) -> None:
     """`window` (the tokens from `start`, named `what` in the error) holds no id >= vocab_size.
@@ -315,6 +321,12 @@ class TokenFile:
       raise _bad_file(self.path, f"holds the negative id {low} (token {int(np.argmin(tokens))})",
                       "token ids are in [0, vocab_size): fix the array")
     return tokens.view(np.ndarray)
+
+
+def starts_after_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+  """The document starts (int64, first 0) of a stream without an index: the token after each EOS."""
+  ends = np.flatnonzero(tokens == eos_id) + 1
+  return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
 
 
 def _is_checksum(value) -> bool:

@@ -66,7 +66,9 @@ class HuggingFaceTokenizer:
 
   def __init__(self, tokenizer, file: str | None, eos_id: int | None = None):
     self.tokenizer, self.file = tokenizer, file
-    self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    # One past the largest id, not the count of tokens: a tokenizer.json's ids may have holes
+    # (an added token numbered past the vocabulary), and every id must be below vocab_size.
+    self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     if eos_id is None:
       eos_id = next((tokenizer.token_to_id(t) for t in EOS_TOKENS if tokenizer.token_to_id(t) is not None), None)
     if eos_id is None:

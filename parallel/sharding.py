@@ -117,6 +117,13 @@ def _forward_order(name: str):
   return (0 if name == "embedding" else 2 if name == "final_norm" else 3, 0)
 
 
+def gradient_accumulators(like):
+  """fp32 zeros shaped like `like` (and, inside the shard_map, varying over the same mesh
+  axes): the local sum of a step's microbatch gradients under parallel.grad_sync="step",
+  fp32 whatever the parameter dtype so that summing m microbatches loses no bits."""
+  return jax.tree.map(lambda x: jnp.zeros_like(x, jnp.float32), like)
+
+
 @jax.named_scope("dp reduce-scatter")
 def reduce_scatter_grads(grads, layouts, bucketed: bool | None = None):
   """Per-device gradients -> their dp sum, each dp rank keeping its shard (no all-reduce).

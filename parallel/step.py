@@ -9,9 +9,12 @@ Per device, one step is:
   2. Forward/backward per microbatch: with pp = 1 a lax.scan over microbatches of the
                    tensor + sequence parallel model (megajax.parallel.tensor_parallel); with
                    pp > 1 the pipeline schedule's ticks (megajax.parallel.pipeline).
-  3. ZeRO scatter: each microbatch's gradients --reduce-scatter(dp)--> this rank's 1/dp
-                   shard, summed over microbatches (never an all-reduce, except for a leaf
-                   with no dimension divisible by dp), divided by the global token count.
+  3. ZeRO scatter: gradients --reduce-scatter(dp)--> this rank's 1/dp shard (never an
+                   all-reduce, except for a leaf with no dimension divisible by dp), divided
+                   by the global token count. parallel.grad_sync="step": the microbatches'
+                   gradients summed locally in fp32, one reduce-scatter per leaf per step,
+                   traced with the last microbatch's backward; "microbatch": each
+                   microbatch's, summed into the shard.
   4. LAMB on the shards, with whole-tensor norms (psum of squared norms over the axes a
      leaf is split on), so the update equals the single-device optax one.
 
@@ -179,17 +182,26 @@ class ParallelStep:
       batch = {**batch, "rows": probes.rows(batch)}
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
-                                         self.overlap, c.train.z_loss, probes)
+                                         self.overlap, c.train.z_loss, probes, c.parallel.grad_sync)
     full_params = sharding.gather_params(params, self.layouts)
     # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
     loss = jax.named_scope("forward")(
         functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
-    # Each microbatch's gradients are reduce-scattered as they come (ZeRO-2): the scan carries
-    # only this device's 1/dp shard, shaped like the master shard.
-    grads, stats = accumulate_gradients(
-        loss, full_params, batch, c.train.microbatches,
-        reduce_grads=functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts),
-        zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes)
+    reduce_scatter = functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts)
+    if c.parallel.grad_sync == "microbatch":
+      # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
+      # only this device's 1/dp shard, shaped like the master shard (m collectives per leaf).
+      grads, stats = accumulate_gradients(loss, full_params, batch, c.train.microbatches,
+                                          reduce_grads=reduce_scatter, zero_grads=jax.tree.map(jnp.zeros_like, params),
+                                          probes=probes)
+    else:
+      # grad_sync="step": the scan sums full local gradients (fp32, shaped like the gathered
+      # parameters) over the first m - 1 microbatches; the last one's backward runs after it,
+      # and with it one reduce-scatter per leaf over dp for the whole step, each depending only
+      # on its own leaf's sum: XLA may start the head's while the first layers' backward runs.
+      grads, stats = accumulate_gradients(
+          loss, full_params, batch, c.train.microbatches, zero_grads=sharding.gradient_accumulators(full_params),
+          probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)))
     # Captured statistics are global already (reduced over dp and tp where they were taken).
     return grads, {k: v if k == "capture" else lax.psum(v, DP) for k, v in stats.items()}
 

@@ -5,7 +5,7 @@ of held-out batches, in the loop (train.eval_every, train.eval_batches) and for 
 The held-out loss is the mean over every held-out token: the batches' summed cross-entropy
 over their summed token count (not a mean of per-batch means, which would weigh a batch with
 few unmasked tokens like a full one); the perplexity is its exp. Every evaluation reads the
-same batches from the start (a fresh pass of data.make_eval_iterator), so the points of a run
+same batches from the start (a fresh iterator over data.make_eval_dataset, made once), so the points of a run
 compare with each other.
 """
 
@@ -30,7 +30,7 @@ def evaluate(eval_fn, params, local_batches: Iterable[dict], put_batch: Callable
   the batches are all dispatched before the first result is read."""
   sums = [eval_fn(params, put_batch(batch)) for batch in local_batches]
   if not sums:
-    raise ValueError("no held-out batches to evaluate: data.make_eval_iterator yielded none "
+    raise ValueError("no held-out batches to evaluate: the eval pass (data.make_eval_dataset) yielded none "
                      "(check data.eval_path / data.eval_fraction and train.eval_batches)")
   sums = jax.device_get(sums)
   nll = float(np.sum([s["eval_loss_sum"] for s in sums], dtype=np.float64))
@@ -41,9 +41,11 @@ def evaluate(eval_fn, params, local_batches: Iterable[dict], put_batch: Callable
 
 
 def held_out_batches(config: ml_collections.ConfigDict, parallel_step: ParallelStep) -> Callable:
-  """() -> a fresh pass over this process's rows of the train.eval_batches held-out batches."""
-  rows = local_batch_slice(parallel_step.mesh, config.train.batch_size)
-  return lambda: data.make_eval_iterator(config, *rows)
+  """() -> a fresh pass over this process's rows of the train.eval_batches held-out batches.
+  The dataset is made here, once: a bad eval file fails now, before the step compiles (not
+  at the first evaluation, hours in), and no pass opens and checksums the files again."""
+  dataset = data.make_eval_dataset(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
+  return lambda: iter(dataset)
 
 
 class Evaluation(Callback):

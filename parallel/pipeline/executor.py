@@ -24,9 +24,12 @@ loss and counts the statistics.
              arrival to its backward; slots are assigned in Python, the extra one is a trash
              slot for ticks with nothing to keep. Same for received cotangents. Arrivals
              are written at the end of the tick, after all of its reads.
-  grads    = each backward's gradients are reduce-scattered over dp right away (ZeRO-2) and
-             added to this stage's shard at the chunk's rows; embedding / head gradients
-             are summed over pp at the end (only their stages have any).
+  grads    = grad_sync="step" (the default): each backward's gradients are added in fp32 to
+             this stage's full local gradients (shaped like the gathered stage parameters)
+             at the chunk's rows, and reduce-scattered over dp once, after the last tick.
+             grad_sync="microbatch": reduce-scattered over dp right away (ZeRO-2) and added
+             to this stage's shard. Either way embedding / head gradients are summed over pp
+             at the end (only their stages have any).
 
 Lockstep SPMD compromises (docs/parallelism.md has the measured costs): the backward recomputes
 the forward; every stage walks the same ticks; inside a branch, collective matmul runs as
@@ -83,10 +86,12 @@ def sum_over_stages(grads: dict, stats: dict):
 
 
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
-                       z_loss: float, probes=None):
+                       z_loss: float, probes=None, grad_sync: str = "step"):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
-  whole batch (summed over dp and pp). `probes` (megajax.observe.probes, bound to the step; the
-  batch then has "rows"): perturb_at="stage:<s>" perturbs what stage s sends on."""
+  whole batch (summed over dp and pp). `grad_sync` (megajax.config.GRAD_SYNC_CHOICES): the dp
+  reduce-scatter once per step after the tick scan, or after each backward. `probes`
+  (megajax.observe.probes, bound to the step; the batch then has "rows"): perturb_at="stage:<s>"
+  perturbs what stage s sends on."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
   full = stage_params(params, layouts)
@@ -102,7 +107,10 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   carry = dict(
       stash=activation_buffer(tables.stash_slots + 1),
       cotangents=activation_buffer(tables.cotangent_slots + 1),
-      grads=jax.tree.map(lambda x: to_varying(jnp.zeros_like(x), (PP,)), params),
+      # "step": full local fp32 sums, typed like the gathered stage parameters; "microbatch":
+      # the 1/dp shards, typed like the master shards (varying over pp as a stage computes).
+      grads=(sharding.gradient_accumulators(full) if grad_sync == "step"
+             else jax.tree.map(lambda x: to_varying(jnp.zeros_like(x), (PP,)), params)),
       stats={name: zero_stat for name in STAT_NAMES})
   empty_message = activation_buffer(1)[0]
 
@@ -125,10 +133,14 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     return run
 
   def add_chunk_grads(grads, chunk_grads, shared_grads, chunk):
-    """ZeRO-2: reduce-scatter over dp now (one call: the chunk's and the shared leaves' in one
-    set, which CPU jobs across processes pack and order), add into the shard at the chunk's rows."""
+    """Add one backward's gradients at the chunk's rows: as they are ("step": the dp
+    reduce-scatter waits for the step's end), or ("microbatch") reduce-scattered over dp now
+    (one call: the chunk's and the shared leaves' in one set, which CPU jobs across processes
+    pack and order) into the shard."""
     names = [LAYERS, *shared_grads]
-    reduced = sharding.reduce_scatter_grads({LAYERS: chunk_grads, **shared_grads}, {n: layouts[n] for n in names})
+    reduced = {LAYERS: chunk_grads, **shared_grads}
+    if grad_sync == "microbatch":
+      reduced = sharding.reduce_scatter_grads(reduced, {n: layouts[n] for n in names})
     def add_rows(buffer, g):
       rows = lax.dynamic_slice_in_dim(buffer, chunk * k, k) + g
       return lax.dynamic_update_slice_in_dim(buffer, rows, chunk * k, axis=0)
@@ -195,5 +207,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
                 grads=grads, stats=stats), None
 
   carry, _ = lax.scan(tick, carry, {name: jnp.asarray(table) for name, table in tables.per_stage.items()})
-
-  return sum_over_stages(carry["grads"], carry["stats"])
+  grads = carry["grads"]
+  if grad_sync == "step":   # one dp reduce-scatter per leaf for the step (before the pp sum: on shards)
+    grads = sharding.reduce_scatter_grads(grads, layouts)
+  return sum_over_stages(grads, carry["stats"])

@@ -14,7 +14,8 @@ and a device (HARDWARE), it predicts:
 
 Two runtimes (`Plan.executor`):
   "megajax"  this repository's step (parallel/step.py): fp32 parameters all-gathered over
-             dp, every microbatch's gradients reduce-scattered over dp as they come, and
+             dp, gradients reduce-scattered over dp in fp32 once per step (`Plan.grad_sync`
+             "step", the default; "microbatch": every microbatch's as they come), and
              with pp > 1 the lockstep executor that stashes only each microbatch-chunk's
              input and recomputes the chunk's forward in its backward. Its memory model is
              checked against XLA's buffer assignment (calibration.memory_check).
@@ -117,6 +118,11 @@ XLA_PIPELINE = dict(params=2.2,  # param-sized temporaries per stage param (bran
                     scores=2.4,  # of its attention scores (the backward holds more of them)
                     logits=1.64,  # of the logits
                     message=3.9)  # buffers per stash / cotangent slot [b, s / tp, h]
+# ... and of parallel.grad_sync="step" (m > 1), in fp32 gradients of the device's parameters
+# (its tp shard, its stage), in place of the 1/dp accumulator of "microbatch". Measured, not
+# fitted over many configs: XLA's bytes of the memory check's two dp cases in both modes
+# (pp = 1: the scan's sum and the last microbatch's gradients, run after the scan, live side by side).
+XLA_STEP_SUM = dict(scan=2.1, pipeline=0.9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +152,7 @@ class Plan:
   batch: int                # global batch, sequences
   opts: Optimizations = MEGASCALE
   executor: str = "megajax"  # "megajax" (this repository) or "paper" (Megatron-LM / MegaScale)
+  grad_sync: str = "step"    # megajax's parallel.grad_sync: "step" or "microbatch"
 
   @property
   def gpus(self) -> int:
@@ -297,7 +304,9 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
 
   moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
   state = counts.shard * pb * (1 + moments)
-  accumulator = counts.shard * pb if plan.microbatches > 1 else 0.0
+  step_sync = plan.grad_sync == "step" and plan.microbatches > 1
+  accumulator = (counts.stage * 4 * XLA_STEP_SUM["scan"] if step_sync
+                 else counts.shard * pb if plan.microbatches > 1 else 0.0)
   per_layer, _ = _layer_kept(c, plan, remat, fused_attention)
   transient = _layer_kept(c, plan, "none", fused_attention)[0] if remat != "none" else 0.0
   if plan.pp == 1:
@@ -311,6 +320,7 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   message = tokens * c.hidden_dim / plan.tp * _bytes(c.compute_dtype)
   stash = XLA_PIPELINE["message"] * (stash_slots(plan) + 3) * message   # stash + trash, cotangents + trash
   params_temp = counts.stage * pb * (XLA_PIPELINE["params"] + (XLA_PIPELINE["gather"] if plan.dp > 1 else 0.0))
+  params_temp += counts.stage * 4 * XLA_STEP_SUM["pipeline"] if step_sync else 0.0
   return Memory(state, params_temp, per_layer * chunk_layers + transient, XLA_PIPELINE["logits"] * logits, stash)
 
 
@@ -427,12 +437,16 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
 
   # Data parallelism (ZeRO-2): reduce-scatter of the gradients and all-gather of the
   # parameters, over the NICs unless the whole dp group sits in one node. megajax
-  # reduce-scatters every microbatch's gradients in fp32 and gathers fp32 parameters;
-  # Megatron reduces fp32 gradients once per step and gathers bf16 weights.
+  # reduce-scatters fp32 gradients once per step (grad_sync="step") or every microbatch's
+  # ("microbatch") and gathers fp32 parameters; Megatron reduces fp32 gradients once per
+  # step and gathers bf16 weights.
   counts = param_counts(c, plan)
   link = hw.nvlink_gbps * k.nvlink_efficiency if plan.dp * n <= hw.gpus_per_node else hw.nic_gbps * NET_EFFICIENCY
   pb = _bytes(c.param_dtype)
-  scatter_bytes = counts.stage * pb * (m if megajax else 1)
+  if megajax:   # "step" scatters the fp32 sums whatever the parameter dtype
+    scatter_bytes = counts.stage * (pb * m if plan.grad_sync == "microbatch" else 4)
+  else:
+    scatter_bytes = counts.stage * pb
   gather_bytes = counts.stage * (pb if megajax else cb)
   t_dp = _ring_seconds(scatter_bytes + gather_bytes, plan.dp, link)
   compute = m * (t_gemm + t_attention + t_memory)

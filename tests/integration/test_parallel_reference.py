@@ -2,12 +2,13 @@
 
 Every (mesh, block, tp_overlap, accumulation) the step claims: the loss and every gradient
 within 1e-5 relative of megajax.reference_step's single-device step, and the params after 3
-LAMB steps within 1e-5; then the model variants (recomputation, tied head, bf16).
+LAMB steps within 1e-5 (with the default parallel.grad_sync="step"); both gradient syncs
+over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16).
 """
 
 import pytest
 
-from megajax.config import TP_OVERLAP_CHOICES
+from megajax.config import GRAD_SYNC_CHOICES, TP_OVERLAP_CHOICES
 from tests.support.reference import assert_matches_reference, parallel_config
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
@@ -21,6 +22,20 @@ MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
 def test_matches_the_single_device_reference(mesh, block, mode, microbatches):
   dp, _, tp = mesh
   assert_matches_reference(parallel_config(dp, tp, block, mode, microbatches))
+
+
+GRAD_SYNC_MESHES = [(2, 1, 2), (4, 1, 2)]
+
+
+@pytest.mark.parametrize("grad_sync", GRAD_SYNC_CHOICES)
+@pytest.mark.parametrize("mesh", GRAD_SYNC_MESHES, ids=["x".join(map(str, m)) for m in GRAD_SYNC_MESHES])
+def test_both_gradient_syncs_match_the_reference(mesh, grad_sync):
+  """Once per step (the local fp32 sum of 4 microbatches, then the dp reduce-scatter) and per
+  microbatch (4 reduce-scatters summed into the shard): the same gradients and steps."""
+  dp, _, tp = mesh
+  config = parallel_config(dp, tp, "serial", "collective_matmul", microbatches=4)
+  config.parallel.grad_sync = grad_sync
+  assert_matches_reference(config)
 
 
 @pytest.mark.parametrize("overrides,rtol", [

@@ -2,13 +2,15 @@
 
 Every (dp, pp, tp) mesh the issue names, v in {1, 2}, m in {p, 2p, 4p}, every schedule:
 loss, all gradients and the params after 3 LAMB steps within 1e-5 of megajax.reference_step;
-the breadth-first traversal; the serial block with recomputation and a tied embedding. Then
+the breadth-first traversal; both gradient syncs over dp (once per step, the default, and per
+microbatch); the serial block with recomputation and a tied embedding. Then
 memory: bounded in m, unlike GPipe by autodiff, whose gradients are the executor's.
 """
 
 import jax
 import pytest
 
+from megajax.config import GRAD_SYNC_CHOICES
 from tests.support.reference import (assert_matches_reference, compiled_gradients, fixed_batch, pipeline_config,
                                      relative_error)
 
@@ -28,6 +30,16 @@ def test_pipeline_matches_the_single_device_reference(mesh, schedule, virtual_st
 
 def test_breadth_first_traversal_matches_the_reference():
   config = pipeline_config((1, 2, 1), "interleaved_1f1b", 2, microbatches=4, traversal="breadth_first")
+  assert_matches_reference(config, (("num_layers", 4),), reference_microbatches=1, param_leaf_rtol=3e-5)
+
+
+@pytest.mark.parametrize("grad_sync", GRAD_SYNC_CHOICES)
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 2, 1)], ids=["2x2x2", "4x2x1"])
+def test_both_gradient_syncs_through_the_pipeline(mesh, grad_sync):
+  """The dp reduce-scatter after the tick scan (full local fp32 sums per stage) or after each
+  backward (into the shard): the same gradients and steps, embedding and head included."""
+  config = pipeline_config(mesh, "interleaved_1f1b", 2, microbatches=4)
+  config.parallel.grad_sync = grad_sync
   assert_matches_reference(config, (("num_layers", 4),), reference_microbatches=1, param_leaf_rtol=3e-5)
 
 

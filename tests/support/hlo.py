@@ -43,19 +43,80 @@ def mesh_groups(mesh, axis):
   return {frozenset(row) for row in moved.reshape(-1, moved.shape[-1]).tolist()}
 
 
-def collective_counts(text: str, mesh) -> collections.Counter:
-  """(op, axis, phase) -> count; phase is forward / backward from the ops' jvp metadata."""
+COLLECTIVE = re.compile(r"= ([^=]*?) (all-gather|reduce-scatter|all-reduce|collective-permute)(?:-start)?\(")
+
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "u8": 1, "pred": 1}
+
+
+def result_bytes(result_type: str) -> int:
+  """Bytes of an instruction's result type, e.g. "f32[2,8,32]{2,0,1}" or a tuple of them."""
+  return sum(DTYPE_BYTES.get(dtype, 0) * int(np.prod([int(d) for d in dims.split(",") if d]))
+             for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([\d,]*)\]", result_type))
+
+
+def collective_counts(text: str, mesh, executed: bool = False, by_dtype: bool = False,
+                      nbytes: bool = False) -> collections.Counter:
+  """(op, axis, phase) -> count; phase is forward / backward from the ops' jvp metadata.
+
+  executed=False counts the collectives written in the program (a loop body's once);
+  executed=True those one run of it executes: each weighted by how often its computation
+  runs (a while body: its known trip count, e.g. the microbatch scan's m). by_dtype=True adds
+  the result's element type to the key: (op, axis, phase, dtype). nbytes=True sums the
+  results' bytes per device instead of counting."""
   axes = {frozenset(map(frozenset, mesh_groups(mesh, a))): a for a in mesh.axis_names if mesh.shape[a] > 1}
+  runs = computation_runs(text) if executed else {}
   counts = collections.Counter()
-  for line in text.splitlines():
-    op = re.search(r"= [^=]*? (all-gather|reduce-scatter|all-reduce|collective-permute)(?:-start)?\(", line)
-    if not op:
-      continue
-    phase = "backward" if "transpose(" in line else "forward" if "jvp(" in line else "other"
-    groups = replica_groups(line) or permute_groups(line, mesh)
-    axis = axes.get(frozenset(groups), "other") if groups else "other"
-    counts[op.group(1), axis, phase] += 1
+  for name, body in computations(text).items():
+    for line in body.splitlines():
+      op = COLLECTIVE.search(line)
+      if not op:
+        continue
+      phase = "backward" if "transpose(" in line else "forward" if "jvp(" in line else "other"
+      groups = replica_groups(line) or permute_groups(line, mesh)
+      axis = axes.get(frozenset(groups), "other") if groups else "other"
+      key = (op.group(2), axis, phase) + ((re.match(r"\(?([a-z]+[0-9]*)", op.group(1)).group(1),) if by_dtype else ())
+      counts[key] += (runs.get(name, 1) if executed else 1) * (result_bytes(op.group(1)) if nbytes else 1)
   return counts
+
+
+def computations(text: str) -> dict:
+  """name -> body text of each computation of an HLO module ("ENTRY" for the entry one)."""
+  found, name, lines = {}, None, []
+  for line in text.splitlines():
+    header = re.match(r"(ENTRY )?%?([\w.-]+) .*\{$", line)
+    if header and not line.startswith(" "):
+      name, lines = ("ENTRY" if header.group(1) else header.group(2)), []
+    elif line == "}" and name is not None:
+      found[name], name = "\n".join(lines), None
+    elif name is not None:
+      lines.append(line)
+  return found
+
+
+def computation_runs(text: str) -> dict:
+  """name -> how many times one run of the module runs each computation reachable from the
+  entry: a while body its caller's count times the loop's known trip count; a called,
+  conditional-branch or applied computation its caller's count (a branch: at most)."""
+  bodies = computations(text)
+  calls = {name: [] for name in bodies}
+  for name, body in bodies.items():
+    for line in body.splitlines():
+      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+      for kind, callee in re.findall(r"(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.-]+)",
+                                     line):
+        calls[name].append((callee, int(trips.group(1)) if kind == "body" and trips else 1))
+      branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+      for callee in re.findall(r"%([\w.-]+)", branches.group(1)) if branches else ():
+        calls[name].append((callee, 1))
+  runs = collections.Counter()
+
+  def visit(name, count):
+    runs[name] += count
+    for callee, times in calls.get(name, ()):
+      visit(callee, count * times)
+  visit("ENTRY", 1)
+  return runs
 
 
 @functools.cache

@@ -193,3 +193,19 @@ def test_only_a_refused_write_is_final_and_only_damage_is_moved_aside():
   assert _damaged(ValueError("DATA_LOSS: Error reading"))
   assert not _damaged(OSError(errno.EIO, "Input/output error"))
   assert not _damaged(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB"))
+
+
+def test_checksums_compiled_ahead_are_the_ones_a_restore_checks(tmp_path, tiny_config):
+  """compile_checksums (the trainer calls it with the step's compile) gives a save the very
+  checksums the restore recomputes, and the save then compiles nothing."""
+  parallel_step = parallel_step_for(tiny_config)
+  state = parallel_step.init_state(jax.random.key(0))
+  checkpointer = TrainingCheckpointer(str(tmp_path), tiny_config)
+  checkpointer.compile_checksums(parallel_step.abstract_inputs()[0])
+  misses_before = fingerprints._cache_size()
+  checkpointer.save(1, state, {"next_index": 1})
+  checkpointer.wait()
+  assert fingerprints._cache_size() == misses_before       # the jitted path was not traced again
+  restored = checkpointer.restore(1, parallel_step.abstract_inputs()[0])   # checks the checksums
+  assert restored.meta["checksums"] == checksums(fingerprints(state))
+  checkpointer.close()

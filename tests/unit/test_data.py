@@ -497,6 +497,37 @@ def test_eval_pass_is_deterministic_finite_and_split_like_training(tmp_path):
       np.testing.assert_array_equal(first[k][key], np.concatenate([halves[0][k][key], halves[1][k][key]]))
 
 
+def test_eval_from_eval_path_reads_no_training_byte(tmp_path):
+  """With data.eval_path the training files are opened only for their tokenizers: a corrupt
+  training file (same size, other bytes) is training's error, and no eval pass reads all of it."""
+  stream = _token_file(tmp_path / "train.bin", [np.arange(20) % 50 for _ in range(30)])
+  _token_file(tmp_path / "eval.bin", [np.arange(40) + 100])
+  c = _document_config(tmp_path / "train.bin", eval_path=str(tmp_path / "eval.bin"))
+  c.train.eval_batches = 1
+  with open(tmp_path / "train.bin", "r+b") as f:
+    f.write(np.asarray(stream[:4] + 1, np.uint16).tobytes())
+  assert len(list(data.make_eval_iterator(c, 0, 1))) == 1
+  with pytest.raises(config_lib.ConfigError, match="checksum"):
+    data.make_iterator(c, 0, 1)
+
+
+def test_a_npy_of_other_than_byte_tokens_is_one_document(tmp_path):
+  """A .npy names no tokenizer: with ids past the byte vocabulary, 256 is a token like any
+  other, not an EOS, and no document boundary is made up at it."""
+  path = str(tmp_path / "gpt2.npy")
+  np.save(path, np.tile(np.array([256, 5000, 17, 256, 300], np.int32), 20))
+  c = _config(source="tokens", path=path, shuffle=False)
+  c.model.seq_len, c.model.vocab_size, c.train.batch_size = 8, 5001, 4
+  config_lib.validate(c)
+  batch = next(data.make_iterator(c, 0, 1))
+  assert np.all(batch["segment_ids"] == 1) and np.all(batch["loss_mask"] == 1)
+  np.testing.assert_array_equal(batch["positions"], np.broadcast_to(np.arange(8), (4, 8)))
+  # A .npy of byte tokens still splits at EOS = 256.
+  np.save(path, np.tile(np.array([1, 2, data.EOS, 3], np.int32), 20))
+  c.model.vocab_size = data.BYTE_VOCAB_SIZE
+  assert data.make_iterator(c, 0, 1).__next__()["segment_ids"][0].max() > 1
+
+
 def test_synthetic_eval_records_are_fresh_records_of_the_same_chain():
   c = _config()
   c.train.eval_batches = 2

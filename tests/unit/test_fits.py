@@ -76,3 +76,15 @@ def test_above_the_device_but_within_the_margin_is_a_warning():
   refuse_or_warn(needed, needed.total / (MEMORY_MARGIN - 0.1), "test")      # warns, does not raise
   with pytest.raises(ConfigError, match=r"^memory per device='.* GB estimated, .* of it .*': more than 1.5 x"):
     refuse_or_warn(needed, needed.total / (MEMORY_MARGIN + 0.1), "test")
+
+
+def test_the_estimate_follows_the_grad_sync_the_config_trains_with():
+  """parallel.grad_sync="step" holds full fp32 gradient sums per device, "microbatch" does not:
+  the memory check estimates the mode the config asks for."""
+  config = default_config()
+  config.parallel.dp, config.train.microbatches = 2, 4
+  by_mode = {}
+  for mode in ("step", "microbatch"):
+    config.parallel.grad_sync = mode
+    by_mode[mode] = estimate(config, "gpu").total
+  assert by_mode["step"] > by_mode["microbatch"]

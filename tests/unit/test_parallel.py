@@ -1,16 +1,17 @@
 """The 3D-parallel step's structure (pp = 1): its compile options, the collectives in its
-compiled HLO (tp per layer, collective matmul's rings, ZeRO's reduce-scatter) and the
-optimizer state's bytes per device. Its values against the reference: tests/integration.
+compiled HLO (tp per layer, collective matmul's rings, ZeRO's reduce-scatter, how often the
+gradient sync over dp runs per step) and the optimizer state's bytes per device. Its values against the reference: tests/integration.
 """
 
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from megajax.config import TP_OVERLAP_CHOICES
 from tests.support.hlo import collective_counts, compiled_step_text, mesh_groups, replica_groups
-from tests.support.reference import parallel_step_for, parallel_config
+from tests.support.reference import parallel_step_for, parallel_config, pipeline_config
 
 MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
 
@@ -93,3 +94,38 @@ def test_optimizer_state_is_split_over_dp(mesh):
   if tp == 1:
     assert per_device * dp == sum(leaf.nbytes for leaf in moments)  # exactly total / dp
   assert all(layout.dp_dim is not None for layout in jax.tree.leaves(parallel_step.layouts))
+
+
+# --- Gradient sync over dp (parallel.grad_sync), counted as the compiled step executes it.
+
+def _executed_dp_collectives(config):
+  parallel_step = parallel_step_for(config)
+  text = parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile().as_text()
+  executed = {measure: collective_counts(text, parallel_step.mesh, executed=True, by_dtype=True, nbytes=measure)
+              for measure in (False, True)}
+  dp = {measure: {k: v for k, v in counts.items() if k[0] == "reduce-scatter" and k[1] == "dp"}
+        for measure, counts in executed.items()}
+  return parallel_step, dp[False], dp[True]
+
+
+@pytest.mark.parametrize("grad_sync,per_step", [("step", 1), ("microbatch", 4)])
+def test_dp_reduce_scatters_once_per_step_or_per_microbatch(grad_sync, per_step):
+  """m = 4 microbatches: "step" runs one fp32 reduce-scatter per gradient leaf after the scan,
+  "microbatch" one per leaf inside it, 4 times over (and 4 times the bytes)."""
+  config = parallel_config(2, 2, "serial", "none", microbatches=4)
+  config.parallel.grad_sync = grad_sync
+  parallel_step, counts, nbytes = _executed_dp_collectives(config)
+  leaves = jax.tree.leaves(parallel_step.layouts)
+  assert counts == {("reduce-scatter", "dp", "other", "f32"): per_step * len(leaves)}
+  # Each device keeps the 1/dp shard of its tp shard of every leaf, in fp32.
+  state, _ = parallel_step.abstract_inputs()
+  shard_bytes = sum(4 * int(np.prod(leaf.sharding.shard_shape(leaf.shape))) for leaf in jax.tree.leaves(state.params))
+  assert nbytes == {("reduce-scatter", "dp", "other", "f32"): per_step * shard_bytes}
+
+
+def test_pipeline_reduce_scatters_once_per_step_after_the_tick_scan():
+  """dp2-pp2-tp2, 4 microbatches, grad_sync="step": one dp reduce-scatter per leaf of the
+  pipeline layout in the whole step, none inside the ticks."""
+  config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
+  parallel_step, counts, _ = _executed_dp_collectives(config)
+  assert counts == {("reduce-scatter", "dp", "other", "f32"): len(jax.tree.leaves(parallel_step.layouts))}

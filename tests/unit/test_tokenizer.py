@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import sentencepiece
+import tokenizers
 
 from megajax import text_inputs
 from megajax import token_files
@@ -145,6 +146,20 @@ def test_a_tokenizer_file_is_copied_beside_the_data(tmp_path, bpe):
   text_inputs.prepare_text_files([str(tmp_path / "in" / "0.txt")], output,
                                  tokenizer=str(tmp_path / "d.tokenizer.json"), workers=1)
   assert tok.tokenizer_of(output).vocab_size == bpe.vocab_size
+
+
+def test_a_tokenizer_json_whose_ids_have_holes_covers_its_largest_id(tmp_path):
+  """vocab_size is one past the largest id, not the number of tokens: an end-of-text token
+  numbered past the vocabulary (ids 0, 1 and 7) once made the writer's range check a traceback."""
+  holes = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, tok.BPE_EOS: 7}, unk_token="a"))
+  holes.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  holes.save(str(tmp_path / "holes.json"))
+  loaded = tok.load_tokenizer(str(tmp_path / "holes.json"))
+  assert (loaded.vocab_size, loaded.eos_id) == (8, 7)
+  (tmp_path / "in.txt").write_text("a b a", encoding="utf-8")
+  meta, _, _ = text_inputs.prepare_text_files([str(tmp_path / "in.txt")], str(tmp_path / "d.bin"),
+                                              tokenizer=str(tmp_path / "holes.json"), workers=1)
+  assert meta["vocab_size"] == 8 and token_files.verify_token_file(str(tmp_path / "d.bin"))["num_tokens"] == 4
 
 
 def test_a_sentencepiece_model_travels_with_the_data(tmp_path):

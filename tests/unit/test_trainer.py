@@ -16,7 +16,7 @@ from megajax.observe.records import METRICS, drop_after, read_jsonl
 from megajax.parallel import ParallelStep
 from megajax.trainer import build_parallel_step, callbacks, drills, train
 from megajax.reference_step import make_loss_fn
-from megajax.trainer.evaluation import Evaluation
+from megajax.trainer.evaluation import Evaluation, held_out_batches
 from megajax.trainer.loop import _run_loop
 
 
@@ -183,6 +183,22 @@ def test_evaluation_every_eval_every_steps_and_after_the_last(tmp_path, tiny_con
     assert record["eval_batches"] == 2
     assert record["eval_loss"] == pytest.approx(loss, rel=1e-5)
     assert record["eval_perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+
+
+def test_held_out_batches_open_the_eval_data_once(tmp_path, tiny_config, monkeypatch):
+  """The eval dataset is made when the evaluation is built (a bad eval file fails before the
+  step compiles), and each pass iterates it again, the same batches, without reopening a file."""
+  tiny_config.train.eval_batches = 2
+  parallel_step = build_parallel_step(tiny_config, jax.devices()[:1])
+  made = []
+  make_sources = data.make_sources
+  monkeypatch.setattr(data, "make_sources", lambda *args: made.append(args) or make_sources(*args))
+  batches = held_out_batches(tiny_config, parallel_step)
+  assert len(made) == 1
+  first, again = list(batches()), list(batches())
+  assert len(made) == 1 and len(first) == 2
+  for x, y in zip(first, again):
+    np.testing.assert_array_equal(x["inputs"], y["inputs"])
 
 
 def test_no_evaluation_after_a_preemption_or_when_off(tiny_config):
