@@ -85,6 +85,24 @@ def sum_over_stages(grads: dict, stats: dict):
   return grads, {name: lax.psum(value, (DP, PP)) for name, value in stats.items()}
 
 
+def chunk_forward(program: Program, c: ModelConfig, overlap: Overlap, z_loss: float):
+  """One chunk's forward: (chunk params [k, ...], shared params, input activation, microbatch)
+  -> (output activation, None), or on the last chunk the head's (loss sum, stats). Shared by
+  the executor (whose vjp of it is the backward) and the forward-only pipeline (forward.py)."""
+  @jax.named_scope("forward")    # its vjp's ops: transpose(jvp(forward)), the backward
+  def run(layers, shared, x, mb):
+    positions = positions_of(mb)             # a microbatch carries the batch's keys, packed ones too
+    if program.first:
+      x = vocab_parallel_embed(shared["embedding"], mb["inputs"], c)
+    for j, window in enumerate(program.windows):
+      x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, window, c, overlap,
+                      mb.get("segment_ids"))
+    if program.last:
+      return head_loss_sums(shared, x, mb, c, overlap, z_loss)
+    return x, None
+  return run
+
+
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
                        z_loss: float, probes=None, grad_sync: str = "step"):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
@@ -117,21 +135,6 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   def chunk_params(chunk):
     return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, chunk * k, k), full[LAYERS])
 
-  def chunk_function(program: Program):
-    """(chunk params [k, ...], shared params, input activation, microbatch) -> (output, stats)."""
-    @jax.named_scope("forward")    # its vjp's ops: transpose(jvp(forward)), the backward
-    def run(layers, shared, x, mb):
-      positions = positions_of(mb)             # a microbatch carries the batch's keys, packed ones too
-      if program.first:
-        x = vocab_parallel_embed(shared["embedding"], mb["inputs"], c)
-      for j, window in enumerate(program.windows):
-        x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, window, c, overlap,
-                        mb.get("segment_ids"))
-      if program.last:
-        return head_loss_sums(shared, x, mb, c, overlap, z_loss)
-      return x, None
-    return run
-
   def add_chunk_grads(grads, chunk_grads, shared_grads, chunk):
     """Add one backward's gradients at the chunk's rows: as they are ("step": the dp
     reduce-scatter waits for the step's end), or ("microbatch") reduce-scattered over dp now
@@ -151,7 +154,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     return grads
 
   def forward(program: Program):
-    run = chunk_function(program)
+    run = chunk_forward(program, c, overlap, z_loss)
     def branch(stash, op, mb):
       shared = {name: full[name] for name in _shared_names(program, c)}
       out, _ = run(chunk_params(op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
@@ -159,7 +162,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     return branch
 
   def backward(program: Program):
-    run = chunk_function(program)
+    run = chunk_forward(program, c, overlap, z_loss)
     def branch(stash, cotangents, grads, stats, op, mb):
       shared = {name: full[name] for name in _shared_names(program, c)}
       loss_fn = lambda layers, shared, x: run(layers, shared, x, mb)

@@ -26,11 +26,10 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
-from megajax.parallel.pipeline.executor import STAT_NAMES, stage_params
+from megajax.parallel.pipeline.executor import STAT_NAMES, chunk_forward, stage_params
 from megajax.parallel.pipeline.stacking import LAYERS, stacked_layer_order
 from megajax.parallel.pipeline.tables import Program
-from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
-                                              vocab_parallel_embed)
+from megajax.parallel.tensor_parallel import Overlap
 from megajax.reference_step import split_microbatches
 
 
@@ -69,19 +68,13 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
   def branch(program: Program):
     shared_names = (("embedding",) if program.first else ()) + (
         ("final_norm", "embedding" if c.tie_embeddings else "head") if program.last else ())
-    @jax.named_scope("forward")
+    forward = chunk_forward(program, c, overlap, z_loss)
+
     def run(layers, x, mb):
-      shared = {name: full[name] for name in shared_names}
-      positions = positions_of(mb)             # a microbatch carries the batch's keys, packed ones too
-      if program.first:
-        x = vocab_parallel_embed(shared["embedding"], mb["inputs"], c)
-      for j, window in enumerate(program.windows):
-        x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, window, c, overlap,
-                        mb.get("segment_ids"))
+      out, stats = forward(layers, {name: full[name] for name in shared_names}, x, mb)
       if program.last:
-        _, stats = head_loss_sums(shared, x, mb, c, overlap, z_loss)
         return message, _matching({name: stats[name] for name in STAT_NAMES}, zero_stats)
-      return _matching(x, message), zero_stats
+      return _matching(out, message), zero_stats
     return run
 
   branches = [lambda layers, x, mb: (message, zero_stats)] + [branch(program) for program in distinct]
