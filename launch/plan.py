@@ -10,8 +10,9 @@ and when that is compute, the largest loss beside it).
 
   --megatron     all MegaScale switches off (serial block, full attention, AdamW, no
                  overlaps, unfused operators): the paper's Megatron-LM rows.
-  --runtime      megajax (this repository's step: fp32 ZeRO gathers, one fp32 reduce-scatter
-                 per step (parallel.grad_sync=step), the pipeline backward recomputes its chunk) or paper
+  --runtime      megajax (this repository's step: ZeRO gathers in bf16 but for the embedding and
+                 LayerNorms, one fp32 reduce-scatter per step (parallel.grad_sync=step), the
+                 pipeline backward recomputes its chunk) or paper
                  (Megatron-LM / MegaScale's runtime, the one the paper measured).
 The model is megajax.parallel.planner.cost_model (its calibration: `python -m megajax.launch.bench
 planner`). Mistakes in flags or config are one line on stderr and exit code 2.

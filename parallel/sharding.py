@@ -4,7 +4,8 @@ Tensor parallelism splits the dimension named heads / kv_heads / mlp / vocab ove
 (the logical axes the model declares). ZeRO then splits the fp32 master copy, its
 gradient and its optimizer state 1/dp over `dp` along the largest dimension that divides
 (if that is the tp dimension too, it is split (tp, dp): each tp shard cut in dp pieces).
-A leaf with no dimension divisible by dp stays whole on every dp rank.
+A leaf with no dimension divisible by dp stays whole on every dp rank. The linears' leaves
+are gathered in the compute dtype, cast on the shard (gathers_in_compute_dtype: the rule).
 
 With pipeline parallelism the blocks' parameters are stacked (megajax.parallel.pipeline):
 one leaf per parameter with a leading layer axis split over `pp`; LAMB still takes one
@@ -92,20 +93,57 @@ def named(mesh, specs):
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+# Which leaves ZeRO gathers in the compute dtype: the rule, in one place.
+#
+# The sharded forward (megajax.parallel.tensor_parallel, like the Flax Dense layers of the
+# reference) casts every kernel and bias of the attention and MLP linears, and the untied
+# head, to model.compute_dtype before any other op on it, once per use. For these leaves the
+# cast moves before the dp all-gather: the gathered bf16 weight equals the cast of the full
+# fp32 master, at half the gather's bytes. Their gradients are the cotangents of that cast,
+# converted back to the master dtype (to_master_dtype) before they are summed or reduced:
+# what the cast's own transpose did, so the maths is bit-for-bit the same (up to where XLA
+# skips a bf16 rounding before a conversion to fp32: docs/parallelism.md).
+# Gathered in the master dtype:
+#   LayerNorm scales and biases   Flax's LayerNorm applies them in fp32 (the statistics' dtype);
+#   the embedding                 looked up first, cast after: its gradient is a scatter-add
+#                                 over the tokens, summed in fp32 (with tied embeddings the
+#                                 head's transposed use casts, the lookup still does not).
+COMPUTE_DTYPE_MODULES = ("attention", "mlp")     # a block's modules made of linears only
+
+
+def gathers_in_compute_dtype(path: tuple[str, ...]) -> bool:
+  """Whether the leaf at `path` (its keys in the params: ("layer_3", "mlp", "wi", "kernel"),
+  stacked ("layers", "attention", "out", "bias"), ("head",)) is cast to the compute dtype on
+  its master shard, before ZeRO's all-gather; every use of it in the forward is such a cast."""
+  return path == ("head",) or (len(path) > 2 and path[1] in COMPUTE_DTYPE_MODULES)
+
+
+def to_master_dtype(grads, params_like):
+  """Gradients w.r.t. the gathered parameters -> the dtype of their master shards (fp32): the
+  conversion the cast's transpose makes when the cast follows the gather. Before any sum."""
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params_like)
+
+
 # Inside the shard_map: ZeRO's gather of the parameters and scatter of the gradients.
 
-def gather_params(params, layouts):
+def gather_params(params, layouts, compute_dtype=None):
   """dp shards -> this tp rank's full parameters, one all-gather over dp per leaf.
 
+  With a `compute_dtype` the leaves of gathers_in_compute_dtype are cast to it on the shard
+  and gathered in it (None: every leaf in its master dtype, e.g. where a gathered leaf's
+  cotangent would be summed before its conversion: the GPipe baseline's tick scan).
   Leaves ZeRO could not split are marked per-device on dp, like the gathered ones: every
   gradient then comes back per device and reduce_scatter_grads does the one dp reduction.
   """
   @jax.named_scope("dp all-gather")    # trace scopes name each collective kind (megajax.observe.traces)
-  def gather(p, layout):
+  def gather(path, p, layout):
+    if compute_dtype is not None and gathers_in_compute_dtype(tuple(k.key for k in path)):
+      p = p.astype(compute_dtype)
     return to_varying(p, (DP,)) if layout.dp_dim is None else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True)
   # Traced in the order the forward pass needs them (a dict would be walked alphabetically).
   ordered = sorted(params, key=_forward_order)
-  return {name: jax.tree.map(gather, params[name], layouts[name]) for name in ordered}
+  return {name: jax.tree_util.tree_map_with_path(gather, {name: params[name]}, {name: layouts[name]})[name]
+          for name in ordered}
 
 
 def _forward_order(name: str):

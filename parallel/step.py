@@ -2,7 +2,8 @@
 
 Per device, one step is:
 
-  1. ZeRO gather:  fp32 master shards --all-gather(dp)--> this tp rank's parameters,
+  1. ZeRO gather:  fp32 master shards --all-gather(dp)--> this tp rank's parameters, the
+                   linears' cast to the compute dtype first (sharding.gathers_in_compute_dtype),
                    traced at the top of the step in layer order (embedding, layer 0, ...,
                    head); XLA's scheduler places them, free to overlap later layers' gathers
                    with the first layers' compute.
@@ -183,7 +184,7 @@ class ParallelStep:
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
                                          self.overlap, c.train.z_loss, probes, c.parallel.grad_sync)
-    full_params = sharding.gather_params(params, self.layouts)
+    full_params = sharding.gather_params(params, self.layouts, self.model.config.compute_dtype)
     # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
     loss = jax.named_scope("forward")(
         functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
@@ -191,9 +192,11 @@ class ParallelStep:
     if c.parallel.grad_sync == "microbatch":
       # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
       # only this device's 1/dp shard, shaped like the master shard (m collectives per leaf).
+      # Gradients w.r.t. leaves gathered in the compute dtype come back in it: in the master
+      # dtype again before the reduction (the conversion the cast's transpose made before).
       grads, stats = accumulate_gradients(loss, full_params, batch, c.train.microbatches,
-                                          reduce_grads=reduce_scatter, zero_grads=jax.tree.map(jnp.zeros_like, params),
-                                          probes=probes)
+                                          reduce_grads=lambda g: reduce_scatter(sharding.to_master_dtype(g, params)),
+                                          zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes)
     else:
       # grad_sync="step": the scan sums full local gradients (fp32, shaped like the gathered
       # parameters) over the first m - 1 microbatches; the last one's backward runs after it,
@@ -266,7 +269,7 @@ class ParallelStep:
       stats = pipeline_loss_sums(params, batch, self.layouts, c.parallel.pp, c.parallel.virtual_stages,
                                  c.train.microbatches, self.model.config, self.overlap)
     else:
-      full_params = sharding.gather_params(params, self.layouts)
+      full_params = sharding.gather_params(params, self.layouts, self.model.config.compute_dtype)
       microbatches = split_microbatches(batch, c.train.microbatches)
       # One microbatch's activations at a time, as in training; the zeros are typed like the
       # batch (inside the shard_map the sums vary over dp as it does).

@@ -60,5 +60,7 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
     (_, stats), _ = lax.scan(tick, (received, {k: zero for k in STAT_NAMES}), jnp.arange(m + p - 1))
     return stats["nll_sum"] + z_loss * stats["z_sum"], stats
 
+  # Gathered in fp32: the tick scan sums each layer's cotangents over the ticks, which a leaf
+  # gathered in the compute dtype would sum in it (the executor sums per backward, in fp32).
   grads, stats = jax.grad(objective, has_aux=True)(stage_params(params, layouts))
   return sum_over_stages(sharding.reduce_scatter_grads(grads, layouts), stats)

@@ -24,7 +24,9 @@ loss and counts the statistics.
              arrival to its backward; slots are assigned in Python, the extra one is a trash
              slot for ticks with nothing to keep. Same for received cotangents. Arrivals
              are written at the end of the tick, after all of its reads.
-  grads    = grad_sync="step" (the default): each backward's gradients are added in fp32 to
+  grads    = w.r.t. the gathered leaves, some in the compute dtype (sharding.gathers_in_compute_dtype),
+             always summed in fp32:
+             grad_sync="step" (the default): each backward's gradients are added in fp32 to
              this stage's full local gradients (shaped like the gathered stage parameters)
              at the chunk's rows, and reduce-scattered over dp once, after the last tick.
              grad_sync="microbatch": reduce-scattered over dp right away (ZeRO-2) and added
@@ -71,11 +73,12 @@ def _shared_names(program: Program, c: ModelConfig) -> tuple:
   return tuple(dict.fromkeys(names))
 
 
-def stage_params(params, layouts):
+def stage_params(params, layouts, compute_dtype=None):
   """ZeRO gather -> this stage's rows and this tp rank's shards, marked per device on pp like
   everything a stage computes: a pp-invariant input's gradient would otherwise be summed
-  over pp inside the backward, a collective only its stage runs."""
-  return jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts))
+  over pp inside the backward, a collective only its stage runs. `compute_dtype`: the
+  linears' leaves gathered in it (megajax.parallel.sharding.gather_params)."""
+  return jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts, compute_dtype))
 
 
 def sum_over_stages(grads: dict, stats: dict):
@@ -112,7 +115,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   perturbs what stage s sends on."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
-  full = stage_params(params, layouts)
+  full = stage_params(params, layouts, c.compute_dtype)
   stage = lax.axis_index(PP)
   microbatches = split_microbatches(batch, tables.schedule.microbatches)   # [m, b, S]
   b, seq = microbatches["inputs"].shape[1:]
@@ -139,9 +142,10 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     """Add one backward's gradients at the chunk's rows: as they are ("step": the dp
     reduce-scatter waits for the step's end), or ("microbatch") reduce-scattered over dp now
     (one call: the chunk's and the shared leaves' in one set, which CPU jobs across processes
-    pack and order) into the shard."""
+    pack and order) into the shard. In the master dtype first, as they come from the vjp (a
+    leaf gathered in the compute dtype: the conversion its cast's transpose made before)."""
     names = [LAYERS, *shared_grads]
-    reduced = {LAYERS: chunk_grads, **shared_grads}
+    reduced = sharding.to_master_dtype({LAYERS: chunk_grads, **shared_grads}, {n: params[n] for n in names})
     if grad_sync == "microbatch":
       reduced = sharding.reduce_scatter_grads(reduced, {n: layouts[n] for n in names})
     def add_rows(buffer, g):

@@ -58,7 +58,7 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
   branch_of = jnp.asarray([[1 + distinct.index(programs[r * p + s]) for s in range(p)] for r in range(v)],
                           jnp.int32)
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
-  full = stage_params(params, layouts)
+  full = stage_params(params, layouts, c.compute_dtype)
   stage = lax.axis_index(PP)
   split = split_microbatches(batch, m)                  # [m, b, S]
   b, seq = split["inputs"].shape[1:]

@@ -13,9 +13,11 @@ and a device (HARDWARE), it predicts:
              overheads (`step_time`), and MFU from megajax.flops (as the trainer counts it).
 
 Two runtimes (`Plan.executor`):
-  "megajax"  this repository's step (parallel/step.py): fp32 parameters all-gathered over
-             dp, gradients reduce-scattered over dp in fp32 once per step (`Plan.grad_sync`
-             "step", the default; "microbatch": every microbatch's as they come), and
+  "megajax"  this repository's step (parallel/step.py): parameters all-gathered over dp,
+             the linears' and head's in the compute dtype (bf16), the embedding and the
+             LayerNorms' in fp32 (sharding.gathers_in_compute_dtype), gradients
+             reduce-scattered over dp in fp32 once per step (`Plan.grad_sync` "step", the
+             default; "microbatch": every microbatch's as they come), and
              with pp > 1 the lockstep executor that stashes only each microbatch-chunk's
              input and recomputes the chunk's forward in its backward. Its memory model is
              checked against XLA's buffer assignment (calibration.memory_check).
@@ -204,16 +206,23 @@ def _zero_shard(shape, dp):
   return size // dp if dp > 1 and any(n % dp == 0 for n in shape) else size
 
 
+def gathers_in_compute_dtype(name: str, in_block: bool) -> bool:
+  """megajax.parallel.sharding.gathers_in_compute_dtype on param_leaves' names: the block's
+  linears (kernels and biases) and the untied head; not the LayerNorms or the embedding."""
+  return name == "head" or (in_block and not name.split(".")[0].endswith("norm"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
   stage: int         # parameters this device computes with (its tp shard of its stage)
   shard: int         # of those, the ZeRO shard it owns (master, gradient, moments)
   model: int         # the whole model
+  compute_gathered: int = 0   # of `stage`, those megajax gathers in the compute dtype
 
 
 def param_counts(c: ModelConfig, plan: Plan) -> ParamCounts:
   layers = c.num_layers // plan.pp
-  stage = shard = model = 0
+  stage = shard = model = compute_gathered = 0
   for name, shape, tp_dim, in_block in param_leaves(c):
     local = _local(shape, tp_dim, plan.tp)
     # megajax keeps the embedding and head on every stage; Megatron on the first / last one
@@ -221,9 +230,10 @@ def param_counts(c: ModelConfig, plan: Plan) -> ParamCounts:
     copies = layers if in_block else (1 if plan.executor == "megajax" or name != "head" or plan.pp == 1
                                       or c.tie_embeddings else 0)
     stage += copies * math.prod(local)
+    compute_gathered += copies * math.prod(local) if gathers_in_compute_dtype(name, in_block) else 0
     shard += copies * _zero_shard(local, plan.dp)
     model += (c.num_layers if in_block else 1) * math.prod(shape)
-  return ParamCounts(stage, shard, model)
+  return ParamCounts(stage, shard, model, compute_gathered)
 
 
 # --- Memory ------------------------------------------------------------------------------
@@ -438,8 +448,9 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   # Data parallelism (ZeRO-2): reduce-scatter of the gradients and all-gather of the
   # parameters, over the NICs unless the whole dp group sits in one node. megajax
   # reduce-scatters fp32 gradients once per step (grad_sync="step") or every microbatch's
-  # ("microbatch") and gathers fp32 parameters; Megatron reduces fp32 gradients once per
-  # step and gathers bf16 weights.
+  # ("microbatch") and gathers the linears and head in the compute dtype, the embedding and
+  # LayerNorms in the parameter dtype; Megatron reduces fp32 gradients once per step and
+  # gathers bf16 weights.
   counts = param_counts(c, plan)
   link = hw.nvlink_gbps * k.nvlink_efficiency if plan.dp * n <= hw.gpus_per_node else hw.nic_gbps * NET_EFFICIENCY
   pb = _bytes(c.param_dtype)
@@ -447,7 +458,10 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
     scatter_bytes = counts.stage * (pb * m if plan.grad_sync == "microbatch" else 4)
   else:
     scatter_bytes = counts.stage * pb
-  gather_bytes = counts.stage * (pb if megajax else cb)
+  if megajax:
+    gather_bytes = counts.compute_gathered * cb + (counts.stage - counts.compute_gathered) * pb
+  else:
+    gather_bytes = counts.stage * cb
   t_dp = _ring_seconds(scatter_bytes + gather_bytes, plan.dp, link)
   compute = m * (t_gemm + t_attention + t_memory)
   if o.dp_overlap:   # per chunk, prefetched: the first gather and last scatter stay exposed

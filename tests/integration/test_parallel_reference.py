@@ -3,13 +3,18 @@
 Every (mesh, block, tp_overlap, accumulation) the step claims: the loss and every gradient
 within 1e-5 relative of megajax.reference_step's single-device step, and the params after 3
 LAMB steps within 1e-5 (with the default parallel.grad_sync="step"); both gradient syncs
-over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16).
+over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16); then
+the linears gathered in bf16 against fp32 gathers, bit for bit.
 """
 
+import jax
+import numpy as np
 import pytest
 
 from megajax.config import GRAD_SYNC_CHOICES, TP_OVERLAP_CHOICES
-from tests.support.reference import assert_matches_reference, parallel_config
+from megajax.parallel import sharding
+from tests.support.reference import (assert_matches_reference, fixed_batch, parallel_config, parallel_step_for,
+                                     pipeline_config, relative_error)
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
 MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
@@ -58,3 +63,56 @@ def test_packed_documents_match_the_reference(mesh, block):
   full sequence's segment ids on every tp rank; equal to the reference on the same rows."""
   dp, _, tp = mesh
   assert_matches_reference(parallel_config(dp, tp, block, "collective_matmul", 2), packed=True)
+
+
+def _two_bf16_steps(config, fp32_gathers: bool, monkeypatch):
+  """Two steps of `config` (bf16 compute): (losses, first gradients, final params) on the
+  host; fp32_gathers=True: every leaf gathered in fp32, as before compute-dtype gathers."""
+  with monkeypatch.context() as patch:
+    if fp32_gathers:
+      patch.setattr(sharding, "gathers_in_compute_dtype", lambda path: False)
+    parallel_step = parallel_step_for(config)
+    state = parallel_step.init_state(jax.random.key(0))
+    step = parallel_step.train_step(with_gradients=True)
+    losses, first_grads = [], None
+    for _ in range(2):
+      state, metrics, grads = step(state, parallel_step.put_batch(fixed_batch(config.train.batch_size)))
+      losses.append(np.asarray(metrics["loss"]))
+      first_grads = first_grads if first_grads is not None else jax.device_get(grads)
+    return losses, first_grads, jax.device_get(state.params)
+
+
+@pytest.mark.parametrize("grad_sync", GRAD_SYNC_CHOICES)
+def test_compute_dtype_gathers_are_bit_identical_to_fp32_gathers(grad_sync, monkeypatch):
+  """The linears gathered in bf16 (cast on the shard) against every leaf gathered in fp32 and
+  cast where it is used: the same bits in the losses, the gradients (fp32 either way) and the
+  params after 2 steps of 2 microbatches."""
+  config = parallel_config(2, 2, "serial", "collective_matmul", microbatches=2)
+  config.model.compute_dtype = "bfloat16"
+  config.parallel.grad_sync = grad_sync
+  bf16, fp32 = _two_bf16_steps(config, False, monkeypatch), _two_bf16_steps(config, True, monkeypatch)
+  for got, want in zip(jax.tree.leaves(bf16), jax.tree.leaves(fp32)):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pipeline_compute_dtype_gathers_match_fp32_gathers(monkeypatch):
+  """The same on a 1F1B pipeline (dp2 pp2 tp2), bit for bit up to XLA's excess precision:
+  inside a stage, collective matmul runs chunk by chunk, so a kernel's cotangent is a bf16
+  sum over the chunks; with the fp32 gather its conversion to fp32 follows that sum at once
+  and XLA (xla_allow_excess_precision, on by default) skips the bf16 rounding of the sum,
+  which a slice before the conversion keeps with the bf16 gather. The same bits with
+  XLA_FLAGS=--xla_allow_excess_precision=false; here the first loss is bit-identical and the
+  rest within bf16's rounding."""
+  config = pipeline_config((2, 2, 2), "1f1b", microbatches=2, rows=4)
+  config.model.compute_dtype = "bfloat16"
+  (losses, grads, params), (fp32_losses, fp32_grads, fp32_params) = (
+      _two_bf16_steps(config, False, monkeypatch), _two_bf16_steps(config, True, monkeypatch))
+  np.testing.assert_array_equal(losses[0], fp32_losses[0])
+  np.testing.assert_allclose(losses[1], fp32_losses[1], rtol=1e-4)
+  # Every leaf: gradients within bf16's unit roundoff (2^-8; measured 1.8e-3), the params after
+  # 2 LAMB steps within 1e-2 (6.6e-3: Adam's normalised steps amplify a small component's rounding).
+  for tree, fp32_tree, rtol in ((grads, fp32_grads, 4e-3), (params, fp32_params, 1e-2)):
+    for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(fp32_tree)):
+      assert got.dtype == want.dtype == np.float32
+      assert relative_error(got, want) < rtol
