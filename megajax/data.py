@@ -33,10 +33,10 @@ import numpy as np
 from megajax.config import ConfigError, parse_mixture, uses_document_masking
 # Re-exported: what users of the data API (the launcher's tests, notebooks) reach for here.
 from megajax.token_files import (BYTE_VOCAB_SIZE, EOS, TokenFile, TokenFileSource, decode_tokens, encode_text,
-                                 starts_after_eos, write_token_file)
+                                 write_token_file)
 
 __all__ = ["BYTE_VOCAB_SIZE", "EOS", "DevicePrefetcher", "SyntheticSource", "TokenFileSource", "TokenRecords",
-           "decode_tokens", "describe_data", "document_starts_of", "encode_text", "held_out_documents",
+           "decode_tokens", "describe_data", "encode_text", "held_out_documents",
            "make_dataset", "make_eval_dataset", "make_eval_iterator", "make_iterator", "make_source", "make_sources",
            "token_file_paths", "write_token_file"]
 
@@ -98,22 +98,6 @@ class SyntheticSource:
     return record
 
 
-def _tokenizer_of(token_file) -> dict:
-  """The sidecar's tokenizer entry ({"kind", "eos_id", ...}); none means the byte tokenizer."""
-  return getattr(token_file, "tokenizer", None) or token_file.meta.get("tokenizer") or {"kind": "bytes", "eos_id": EOS}
-
-
-def document_starts_of(source) -> np.ndarray:
-  """Where each document starts in the token stream (int64, first 0), of a TokenFile or
-  TokenFileSource: their document index (`document_starts`) when they have one, else the token
-  after every EOS of the file's tokenizer (each document is its tokens then EOS)."""
-  starts = getattr(source, "document_starts", None)
-  if starts is not None:
-    return np.asarray(starts, dtype=np.int64)
-  token_file = getattr(source, "file", source)
-  return starts_after_eos(token_file.tokens, _tokenizer_of(token_file)["eos_id"])
-
-
 def held_out_documents(num_documents: int, fraction: float) -> np.ndarray:
   """Which documents (bool per document number) evaluation holds out: those whose hash
   (splitmix64 of the number) falls under `fraction`. It depends on nothing but the number, so
@@ -137,7 +121,7 @@ class TokenRecords:
                segments: bool = True, starts: np.ndarray | None = None):
     self.file, self.path, self.seq_len, self.segments = token_file, token_file.path, seq_len, segments
     self.tokens, self.vocab_size = token_file.tokens, token_file.vocab_size
-    starts = document_starts_of(token_file) if starts is None else starts
+    starts = token_file.document_starts if starts is None else starts
     ends = np.append(starts[1:], len(self.tokens))
     chosen = np.ones(len(starts), bool) if keep is None else np.asarray(keep, bool)
     documents = np.flatnonzero(chosen & (ends > starts))   # An empty document is no boundary.
@@ -179,7 +163,7 @@ class TokenRecords:
 def _check_same_tokenizer(files: list, field: str, value: str) -> None:
   """Files read together must share a tokenizer: ids mean the same tokens in each."""
   def identity(token_file):
-    tokenizer = _tokenizer_of(token_file)
+    tokenizer = token_file.tokenizer
     return token_file.vocab_size, tokenizer.get("kind"), tokenizer.get("eos_id")
 
   with_sidecars = [f for f in files if f.meta]   # a .npy has no sidecar: its vocab is its largest id + 1
@@ -240,7 +224,7 @@ def make_sources(config, split: str = "train") -> list[tuple[object, float]]:
       logging.warning("model.vocab_size=%d is over %dx the vocab_size %d of %s: the unused rows of the embedding "
                       "and the head cost memory and FLOPs for nothing; set --config.model.vocab_size=%d",
                       m.vocab_size, VOCAB_SLACK, token_file.vocab_size, path, token_file.vocab_size)
-    starts, keep = document_starts_of(token_file), None
+    starts, keep = token_file.document_starts, None
     if d.eval_fraction and not d.eval_path:
       held_out = held_out_documents(len(starts), d.eval_fraction)
       keep = held_out if split == "eval" else ~held_out
@@ -390,7 +374,7 @@ def describe_data(config) -> str:
   total = sum(weight for _, weight in sources)
   names = " + ".join(f"{source.path} ({weight / total:.0%})" for source, weight in sources) if len(sources) > 1 \
       else sources[0][0].path
-  tokenizer = _tokenizer_of(sources[0][0].file)["kind"]
+  tokenizer = sources[0][0].file.tokenizer["kind"]
   held_out = f" (data.eval_fraction={d.eval_fraction} held out)" if d.eval_fraction else ""
   masking = "document masking on" if uses_document_masking(config) else "document masking off"
   return (f"data: tokens from {names}; tokenizer {tokenizer}, vocab {sources[0][0].vocab_size}; {tokens:,} training "

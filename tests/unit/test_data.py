@@ -360,16 +360,14 @@ def test_without_document_masking_rows_are_the_plain_windows(tmp_path):
   np.testing.assert_array_equal(batch["inputs"][1], stream[8:16])
 
 
-def test_document_starts_of_prefers_the_index_else_splits_after_eos(tmp_path):
+def test_document_starts_come_from_the_index_else_split_after_eos(tmp_path):
   _token_file(tmp_path / "d.bin", [[1, 2], [3], [4, 5, 6]])
   token_file = token_files.TokenFile(str(tmp_path / "d.bin"))
-  np.testing.assert_array_equal(data.document_starts_of(token_file), [0, 3, 5])
+  np.testing.assert_array_equal(token_file.document_starts, [0, 3, 5])
 
-  class NoIndex:   # a source without a document index: a .npy, or an older file
-    tokens, meta, vocab_size = np.array([1, 2, data.EOS, 3, data.EOS, 4, 5, 6, data.EOS]), {}, data.BYTE_VOCAB_SIZE
-    tokenizer = None
-
-  np.testing.assert_array_equal(data.document_starts_of(NoIndex()), [0, 3, 5])
+  # A file without a document index (a .npy, or an older file): its byte tokenizer's EOS ends each document.
+  np.save(tmp_path / "n.npy", np.array([1, 2, data.EOS, 3, data.EOS, 4, 5, 6, data.EOS]))
+  np.testing.assert_array_equal(token_files.TokenFile(str(tmp_path / "n.npy")).document_starts, [0, 3, 5])
 
 
 def test_packed_rows_resume_exactly(tmp_path):
