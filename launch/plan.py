@@ -12,8 +12,12 @@ and when that is compute, the largest loss beside it).
                  overlaps, unfused operators): the paper's Megatron-LM rows.
   --runtime      megajax (this repository's step: ZeRO gathers in bf16 but for the embedding and
                  LayerNorms, one fp32 reduce-scatter per step (parallel.grad_sync=step), the
-                 pipeline backward recomputes its chunk) or paper
-                 (Megatron-LM / MegaScale's runtime, the one the paper measured).
+                 pipeline backward reads the residuals each chunk's forward kept; a plan whose
+                 residuals do not fit but whose rerun does is shown with "; pipeline_recompute":
+                 each backward reruns its chunk's forward, parallel.pipeline_recompute=True) or
+                 paper (Megatron-LM / MegaScale's runtime, the one the paper measured).
+The best plan's config overrides (megajax-train --config.<field>=...) are printed before its
+step-time breakdown.
 The model is megajax.parallel.planner.cost_model (its calibration: `python -m megajax.launch.bench
 planner`). Mistakes in flags or config are one line on stderr and exit code 2.
 """
@@ -68,7 +72,7 @@ def main(argv):
                 f"(dp must divide the batch; tp <= {hw.gpus_per_node}, pp * v divides {c.num_layers} layers)",
                 "use a batch with more factors of 2, e.g. a multiple of --gpus / 64")
   if not best:
-    smallest = min(plans.evaluate(c, p, hw, remat).memory.total
+    smallest = min(plans.evaluate_fitting(c, p, hw, remat).memory.total
                    for p in plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value))
     _flag_error("gpus", gpus, f"none of the {even} even plans fits in {hw.memory_gb:g} GB per device "
                 f"(the smallest needs {smallest / cost_model.GB:.1f} GB)",
@@ -86,6 +90,8 @@ def main(argv):
   print(plans.PLAN_HEADER)
   for i, candidate in enumerate(best[:top], 1):
     print(plans.plan_line(i, candidate))
+  remat_flag = f" --config.model.remat={remat}" if remat != c.remat else ""
+  print(f"overrides: {plans.config_overrides(best[0].plan)}{remat_flag}")
   print(f"best: {plans.describe(best[0].plan)}: {plans.breakdown(best[0].time)}")
 
 

@@ -199,6 +199,11 @@ def _parallel() -> ml_collections.ConfigDict:
   p.virtual_stages = 1     # Model chunks per stage (Megatron's interleaving, v).
   p.schedule = "interleaved_1f1b"  # "gpipe", "1f1b" (v=1) or "interleaved_1f1b".
   p.traversal = "depth_first"      # Or "breadth_first": more in flight, fewer switches.
+  # A chunk's backward: False (the default) reads the residuals its forward kept (what
+  # model.remat saves), held from forward to backward in up to the schedule's in-flight count
+  # of slots; True reruns the chunk's forward from its stashed input, keeping only that
+  # input (a whole forward more per step: the low-memory option).
+  p.pipeline_recompute = False
   # Gradient sync over dp. "step": each device sums its microbatches' gradients locally in
   # fp32 and reduce-scatters them once per step (one collective per leaf, 1/m of the dp
   # traffic), holding a full, dp-unsharded fp32 gradient of its tp shard (and pp stage) for
@@ -217,6 +222,7 @@ def _check_parallel(config) -> None:
   check.choice(config, "parallel.schedule", SCHEDULE_CHOICES)
   check.choice(config, "parallel.traversal", TRAVERSAL_CHOICES)
   check.choice(config, "parallel.grad_sync", GRAD_SYNC_CHOICES)
+  check.boolean(config, "parallel.pipeline_recompute")
 
   # Tensor + sequence parallelism: heads, KV heads, MLP units, vocabulary and sequence split over tp.
   kv_heads = m.num_kv_heads or m.num_heads
@@ -399,8 +405,7 @@ def _check_checkpoint(config) -> None:
     check.non_negative_int(config, field)
   check.positive_int(config, "checkpoint.keep")
   for field in ("checkpoint.async_save", "checkpoint.checksums", "checkpoint.save_params"):
-    check.require(isinstance(config.checkpoint[field.split(".")[1]], bool), field,
-                  config.checkpoint[field.split(".")[1]], "must be True or False", f"set --config.{field}=true or false")
+    check.boolean(config, field)
   check.positive_int(config, "checkpoint.broadcast_memory_limit_mib")
   check.choice(config, "checkpoint.restore_mode", RESTORE_MODE_CHOICES)
 

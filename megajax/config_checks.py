@@ -57,6 +57,11 @@ def non_negative_number(config, field: str, fix: str) -> None:
   require(finite(value) and value >= 0, field, value, "must be a finite number >= 0", fix)
 
 
+def boolean(config, field: str) -> None:
+  value = _value(config, field)
+  require(isinstance(value, bool), field, value, "must be True or False", f"set --config.{field}=true or false")
+
+
 def choice(config, field: str, choices) -> None:
   value = _value(config, field)
   require(value in choices, field, value, "unknown name", f"choose one of {', '.join(choices)}")

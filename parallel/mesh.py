@@ -31,7 +31,11 @@ AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
 
 def varying_axes(x) -> frozenset:
   """The mesh axes a value inside shard_map varies over (its type's manual-axis info)."""
-  aval = jax.typeof(x)
+  return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval) -> frozenset:
+  """varying_axes of an abstract value (a traced program's variable)."""
   manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; older/newer lines keep `vma`
   return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
 

@@ -105,7 +105,7 @@ class ParallelStep:
     if mesh.shape[PP] > 1:
       p = config.parallel
       schedule = simulate(p.schedule, p.pp, p.virtual_stages, config.train.microbatches, p.traversal)
-      tables = pipeline.Tables.build(schedule, model.config)
+      tables = pipeline.Tables.build(schedule, model.config, p.pipeline_recompute)
       params_like = jax.eval_shape(functools.partial(pipeline.to_pipeline_params, stages=p.pp,
                                                      virtual_stages=p.virtual_stages), params_like)
       layouts = pipeline.pipeline_layouts(layouts)

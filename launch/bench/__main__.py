@@ -8,6 +8,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench planner
   python -m megajax.launch.bench data [--data_batches=50] [--data_steps=20]
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
+  python -m megajax.launch.bench runtime [--repeats=20] [--quick]
 """
 
 import importlib
@@ -16,6 +17,9 @@ import sys
 from absl import app
 from absl import flags
 
+import os
+
+from megajax.launch import runtime
 from megajax.launch.cluster import request_host_devices
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
@@ -30,6 +34,8 @@ _DATA_STEPS = flags.DEFINE_integer("data_steps", 20, "Steps of the default job t
 _SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the train (MFU) benchmark.")
 _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
 _WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
+_QUICK = flags.DEFINE_boolean("quick", False,
+                              "runtime benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
 
 # name (its module, megajax.launch.bench.<name>, imported only when run) -> what runs it, with
 # the flags it reads.
@@ -44,6 +50,7 @@ BENCHMARKS = {
     "planner": lambda bench: bench.planner(),
     "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value),
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
+    "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
 }
 
 
@@ -52,6 +59,8 @@ def main(argv):
     print(f"usage: python -m megajax.launch.bench {{{'|'.join(BENCHMARKS)}}}", file=sys.stderr)
     sys.exit(2)
   request_host_devices(8)   # CPU: enough devices for every mesh of the benchmarks (ignored on GPU)
+  if not runtime.gpu_available():   # what megajax-train runs with (launch/runtime.py's CPU_PRESET)
+    os.environ["XLA_FLAGS"] = runtime.merge_xla_flags(os.environ.get("XLA_FLAGS", ""), runtime.cpu_preset(), [])
   BENCHMARKS[argv[1]](importlib.import_module(f"megajax.launch.bench.{argv[1]}"))
 
 

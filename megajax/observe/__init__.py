@@ -9,6 +9,9 @@
   probes.py          activation capture and perturbation inside the step (Probes, handed to
                      megajax.parallel.ParallelStep), and activations.jsonl (ActivationLog)
   report.py          the run's HTML page from all of the above
+  hlo.py             the compiled step's HLO text read: its collectives (axis, phase, dtype,
+                     bytes) and the matmul FLOPs one run executes (loops times their trips,
+                     the pipeline's slots weighed by its tables), which cost_analysis misses
 
 The named scopes the traces classify by ("forward", "dp reduce-scatter", ...) are written
 where the step's code runs (megajax.parallel); the commands are megajax-trace and

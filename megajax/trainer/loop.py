@@ -205,11 +205,14 @@ def _describe(config, parallel_step: ParallelStep, state) -> None:
                config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
                *parallel_step.mesh.devices.shape, config.parallel.tp_overlap)
   if parallel_step.pipeline is not None:
-    schedule = parallel_step.pipeline.schedule
+    tables = parallel_step.pipeline
+    schedule = tables.schedule
+    backward = ("each chunk's forward rerun in its backward (parallel.pipeline_recompute)" if tables.recompute else
+                f"backwards from kept residuals, up to {tables.residual_slots} microbatch-chunks' per stage")
     logging.info("pipeline: %s, %d virtual stages, %s, %d microbatches: bubble %.3f of ideal (one op per "
-                 "tick), stash of up to %d activations per stage\n%s\n%s", schedule.name, schedule.virtual_stages,
-                 config.parallel.traversal, schedule.microbatches, schedule.bubble_fraction,
-                 parallel_step.pipeline.stash_slots, ascii_timeline(schedule), ascii_paired_timeline(schedule))
+                 "tick), stash of up to %d activations per stage, %s\n%s\n%s", schedule.name,
+                 schedule.virtual_stages, config.parallel.traversal, schedule.microbatches, schedule.bubble_fraction,
+                 tables.stash_slots, backward, ascii_timeline(schedule), ascii_paired_timeline(schedule))
 
 
 _BARRIERS = itertools.count()

@@ -5,6 +5,8 @@
   stacking.py  the parameter layout: the blocks stacked into one `layers` tree split over pp
   tables.py    a schedule compiled into the int32 tables the executor reads each tick
   executor.py  the tick scan: forward and backward slots, decoupled send / recv rings
+  residuals.py a chunk's forward split at its vjp residuals: kept ones packed for the
+               backward slot, weight-only ones rebuilt there (no forward runs twice)
   baseline.py  GPipe by autodiff, the baseline the executor is measured against
   forward.py   the forward alone (the eval step): loss sums through the stages, no backward
 """

@@ -15,15 +15,23 @@ activation to stage s+1, issued before the backward slot and depending on the fo
 alone, with nothing in the backward slot depending on it (MegaScale's decoupled
 send/recv: the scheduler may run it during the backward), and the backward slot's input
 cotangent to stage s-1. The rings run every tick (a collective cannot sit in a branch);
-idle slots send zeros. The last chunk's forward slot idles: its backward recomputes the
-loss and counts the statistics.
+idle slots send zeros. The last chunk's forward slot idles: its backward slot runs the loss's
+forward and backward together and counts the statistics.
 
-  backward = jax.vjp of the chunk program on its stashed input (the forward is recomputed:
-             the stash holds one activation per microbatch-chunk in flight, not residuals).
+  backward = parallel.pipeline_recompute=False (the default): the pullback of the chunk's
+             forward rebuilt from the residuals its forward slot kept (residuals.py: what
+             model.remat saves, as without a pipeline; weight casts and position tables are
+             rebuilt, not kept per microbatch). No forward runs twice.
+             parallel.pipeline_recompute=True: jax.vjp of the chunk program on its stashed
+             input, the forward rerun (the low-memory option: one input kept per microbatch-chunk).
   stash    = [slots + 1, b, s/tp, hidden]: a received activation waits in its slot from
-             arrival to its backward; slots are assigned in Python, the extra one is a trash
-             slot for ticks with nothing to keep. Same for received cotangents. Arrivals
-             are written at the end of the tick, after all of its reads.
+             arrival to its forward (to its backward when rerun, and for the last chunk);
+             slots are assigned in Python, the extra one is a trash slot for ticks with
+             nothing to keep. Same for received cotangents. Arrivals are written at the end
+             of the tick, after all of its reads.
+  residuals = per group of mesh axes the values vary over, [slots + 1, words] uint16: a
+             forward's residuals, packed, from its tick's end to its backward (the schedule's
+             in-flight microbatch-chunks: Tables.residual_slots).
   grads    = w.r.t. the gathered leaves, some in the compute dtype (sharding.gathers_in_compute_dtype),
              always summed in fp32:
              grad_sync="step" (the default): each backward's gradients are added in fp32 to
@@ -33,10 +41,10 @@ loss and counts the statistics.
              to this stage's shard. Either way embedding / head gradients are summed over pp
              at the end (only their stages have any).
 
-Lockstep SPMD compromises (docs/parallelism.md has the measured costs): the backward recomputes
-the forward; every stage walks the same ticks; inside a branch, collective matmul runs as
-chunked collectives instead of ppermute rings (a collective-permute spans every device of
-the program, a branch only one stage's).
+Lockstep SPMD compromises (docs/parallelism.md has the measured costs): every stage walks the
+same ticks; inside a branch, collective matmul runs as chunked collectives instead of ppermute
+rings (a collective-permute spans every device of the program, a branch only one stage's);
+a forward slot's residuals are copied into their slot (the switch returns them).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import jax.numpy as jnp
 from megajax.model import ModelConfig
 from megajax.parallel import sharding
 from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
+from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
 from megajax.parallel.pipeline.stacking import LAYERS
 from megajax.parallel.pipeline.tables import Program, Tables
 from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
@@ -57,6 +66,9 @@ from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_su
 from megajax.reference_step import split_microbatches
 
 STAT_NAMES = ("nll_sum", "z_sum", "tokens")
+# The tick's two switches, by name in the compiled program's metadata (op_name): what reads
+# the HLO (megajax.observe.hlo) weighs each branch by how often the tables select it.
+FORWARD_SLOT, BACKWARD_SLOT = "pp forward slot", "pp backward slot"
 
 
 def _matching(tree, like):
@@ -71,6 +83,12 @@ def _shared_names(program: Program, c: ModelConfig) -> tuple:
   if program.last:
     names += ("final_norm", "embedding" if c.tie_embeddings else "head")
   return tuple(dict.fromkeys(names))
+
+
+def _group_key(group: tuple) -> str:
+  """A residual buffer's name in the carry: the mesh axes its values vary over, their width."""
+  axes, width = group
+  return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
 
 
 def stage_params(params, layouts, compute_dtype=None):
@@ -135,6 +153,9 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       stats={name: zero_stat for name in STAT_NAMES})
   empty_message = activation_buffer(1)[0]
 
+  def microbatch(index):
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), microbatches)
+
   def chunk_params(chunk):
     return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, chunk * k, k), full[LAYERS])
 
@@ -157,22 +178,53 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       grads[name] = jax.tree.map(jnp.add, grads[name], reduced[name])
     return grads
 
+  # parallel.pipeline_recompute=False: each non-last program's forward traced once with its
+  # residuals split out (residuals.py); one residual buffer per group of mesh axes, as wide
+  # as the widest program's stash.
+  splits, residual_words = {}, {}
+  if not tables.recompute:
+    # Example arguments typed as a tick's (indices read from the stage's table row vary over pp).
+    index = jnp.asarray(tables.per_stage["f_chunk"])[0][stage]
+    example = (chunk_params(index), None, empty_message, microbatch(index))
+    for program in tables.programs:
+      if not program.last:
+        shared = {name: full[name] for name in _shared_names(program, c)}
+        splits[program] = SplitChunk.trace(chunk_forward(program, c, overlap, z_loss), example[0], shared,
+                                           *example[2:])
+        for group, words in splits[program].words.items():
+          residual_words[group] = max(residual_words.get(group, 0), words)
+    carry["residuals"] = {
+        _group_key(group): to_varying(jnp.zeros((tables.residual_slots + 1, words), group_dtype(group)), group[0])
+        for group, words in residual_words.items()}
+  empty_residuals = {_group_key(group): to_varying(jnp.zeros((words,), group_dtype(group)), group[0])
+                     for group, words in residual_words.items()}
+
   def forward(program: Program):
     run = chunk_forward(program, c, overlap, z_loss)
     def branch(stash, op, mb):
       shared = {name: full[name] for name in _shared_names(program, c)}
-      out, _ = run(chunk_params(op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
-      return _matching(out, empty_message)
+      args = (chunk_params(op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
+      if program in splits:    # the forward, keeping what its backward reads
+        (out, _), packed = splits[program].forward(*args, words=residual_words)
+        residuals = {_group_key(group): vector for group, vector in packed.items()}
+      else:
+        out, _ = run(*args)
+        residuals = empty_residuals
+      return _matching(out, empty_message), _matching(residuals, empty_residuals)
     return branch
 
   def backward(program: Program):
     run = chunk_forward(program, c, overlap, z_loss)
-    def branch(stash, cotangents, grads, stats, op, mb):
+    def branch(stash, cotangents, residuals, grads, stats, op, mb):
+      layers = chunk_params(op["b_chunk"])
       shared = {name: full[name] for name in _shared_names(program, c)}
-      loss_fn = lambda layers, shared, x: run(layers, shared, x, mb)
-      # Recompute the chunk's forward from its stashed input, then its backward.
-      out, vjp_fn, new_stats = jax.vjp(loss_fn, chunk_params(op["b_chunk"]), shared, stash[op["b_in_slot"]],
-                                       has_aux=True)
+      if program in splits:    # the pullback from the forward's residuals: no forward rerun
+        stashed = {group: residuals[_group_key(group)] for group in residual_words}
+        vjp_fn = splits[program].pullback_from(layers, shared, empty_message, mb, stashed)
+      else:
+        # The forward from the stashed input (rerun, or the last chunk's first run), then its backward.
+        loss_fn = lambda layers, shared, x: run(layers, shared, x, mb)
+        out, vjp_fn, new_stats = jax.vjp(loss_fn, layers, shared, stash[op["b_in_slot"]], has_aux=True)
       if program.last:     # the loss: seed its backward with 1, count its statistics
         cotangent = to_varying(jnp.ones((), out.dtype), tuple(varying_axes(out)))
         stats = _matching(jax.tree.map(jnp.add, stats, new_stats), stats)
@@ -184,14 +236,11 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     return branch
 
   # Branch 0 idles; a last program's forward branch is never selected (see Tables.build).
-  forwards = [lambda stash, op, mb: empty_message]
-  backwards = [lambda stash, cotangents, grads, stats, op, mb: (grads, stats, empty_message)]
+  forwards = [lambda stash, op, mb: (empty_message, empty_residuals)]
+  backwards = [lambda stash, cotangents, residuals, grads, stats, op, mb: (grads, stats, empty_message)]
   for program in tables.programs:
     forwards.append(forward(program) if not program.last else forwards[0])
     backwards.append(backward(program))
-
-  def microbatch(index):
-    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), microbatches)
 
   def tick(carry, rows):
     op = {name: table[stage] for name, table in rows.items()}
@@ -199,19 +248,28 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     # Forward slot, then its send. Nothing the backward slot reads depends on the send (the
     # arrival is written at the tick's end), so the collective can run during the backward:
     # decoupled send/recv. Unconditional, so it stays outside any branch (idle ticks send zeros).
-    activation = lax.switch(op["f_branch"], forwards, stash, op, microbatch(op["f_microbatch"]))
+    with jax.named_scope(FORWARD_SLOT):
+      activation, residuals = lax.switch(op["f_branch"], forwards, stash, op, microbatch(op["f_microbatch"]))
     if probes is not None and probes.perturb_site == "stage":
       activation = probes.perturb_sent(activation, stage, op["f_chunk"], microbatch(op["f_microbatch"])["rows"], p, k)
     with jax.named_scope("pp send-recv"):
       activation = lax.ppermute(activation, PP, [(i, (i + 1) % p) for i in range(p)])
-    grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents, carry["grads"],
-                                         carry["stats"], op, microbatch(op["b_microbatch"]))
+    with jax.named_scope(BACKWARD_SLOT):
+      # The backward's residuals read before the switch: a branch given the whole buffer
+      # makes XLA copy it.
+      kept = {key: buffer[op["b_res_slot"]] for key, buffer in carry.get("residuals", {}).items()}
+      grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents, kept,
+                                           carry["grads"], carry["stats"], op, microbatch(op["b_microbatch"]))
     with jax.named_scope("pp send-recv"):
       cotangent = lax.ppermute(cotangent, PP, [(i, (i - 1) % p) for i in range(p)])
     # Arrivals are written at the tick's end, after every read of the tick.
-    return dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),
-                cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),
-                grads=grads, stats=stats), None
+    new = dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),
+               cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),
+               grads=grads, stats=stats)
+    if "residuals" in carry:
+      new["residuals"] = {key: lax.dynamic_update_index_in_dim(buffer, residuals[key], op["f_res_slot"], 0)
+                          for key, buffer in carry["residuals"].items()}
+    return new, None
 
   carry, _ = lax.scan(tick, carry, {name: jnp.asarray(table) for name, table in tables.per_stage.items()})
   grads = carry["grads"]

@@ -6,6 +6,15 @@ the stash / cotangent buffer slots it reads; and where the tick's arrivals are w
 chunk program is (embeds?, ends in the loss?, the windows of its k layers): one compiled
 body per distinct program, so every window stays static (the Pallas kernels need that).
 Slots are assigned in Python, greedily, so the buffers are as small as the schedule allows.
+
+Two ways to run a backward (parallel.pipeline_recompute):
+  False (the default)  the forward slot keeps the chunk's residuals (residuals.py) in a
+                       residual slot until its backward: an input waits in its stash slot from
+                       arrival to its forward only.
+  True                 the backward reruns the forward from the stashed input, which waits
+                       from arrival to the backward; no residual slots.
+The last chunk's forward slot idles either way: its backward runs the loss's forward and
+backward together, and counts the statistics there.
 """
 
 from __future__ import annotations
@@ -36,14 +45,17 @@ class Tables:
   programs: tuple                  # branch i + 1 of either slot runs program i
   stash_slots: int                 # activation slots (plus one trash slot)
   cotangent_slots: int             # cotangent slots (plus one trash slot)
-  per_stage: dict                  # f_/b_ branch, microbatch, chunk, in_slot; b_ct_slot; recv_fwd, recv_bwd
+  residual_slots: int              # residual slots (plus one trash slot); 0 when recomputing
+  recompute: bool                  # parallel.pipeline_recompute
+  per_stage: dict                  # f_/b_ branch, microbatch, chunk, in_slot; b_ct_slot; recv_fwd, recv_bwd;
+                                   # f_res_slot, b_res_slot
 
   @property
   def ticks(self) -> int:
     return self.per_stage["f_branch"].shape[0]
 
   @classmethod
-  def build(cls, schedule: Schedule, c: ModelConfig) -> "Tables":
+  def build(cls, schedule: Schedule, c: ModelConfig, recompute: bool = False) -> "Tables":
     p, v = schedule.stages, schedule.virtual_stages
     chunks = p * v
     k = len(stacked_layer_order(c.num_layers, p, v)) // chunks   # (checks the cut)
@@ -55,12 +67,13 @@ class Tables:
     when = {(s, op): t for s in range(p) for t in range(ticks) for op in pairs[s, t] if op is not None}
 
     names = ("f_branch", "f_microbatch", "f_chunk", "f_in_slot", "b_branch", "b_microbatch", "b_chunk",
-             "b_in_slot", "b_ct_slot", "recv_fwd", "recv_bwd")
+             "b_in_slot", "b_ct_slot", "recv_fwd", "recv_bwd", "f_res_slot", "b_res_slot")
     tables = {name: np.zeros((ticks, p), np.int32) for name in names}
     stash_slots = cotangent_slots = 1
+    residual_slots = 0
     for s in range(p):
       # Per tick: the slots its ops read, the slots freed after them, the arrival at its end.
-      stash, cotangents = _SlotEvents(ticks), _SlotEvents(ticks)
+      stash, cotangents, residuals = _SlotEvents(ticks), _SlotEvents(ticks), _SlotEvents(ticks)
       for t in range(ticks):
         forward, backward = pairs[s, t]
         for prefix, op in (("f_", forward), ("b_", backward)):
@@ -68,27 +81,37 @@ class Tables:
             continue
           g = op.chunk * p + s
           key = (op.microbatch, op.chunk)
-          # The last chunk's forward slot idles: its backward recomputes the loss anyway and
-          # counts the statistics there.
+          # The last chunk's forward slot idles: its backward runs the loss's forward anyway
+          # and counts the statistics there.
           if not (op.kind == FORWARD and g == chunks - 1):
             tables[prefix + "branch"][t, s] = 1 + programs.index(program_of[g])
           tables[prefix + "microbatch"][t, s], tables[prefix + "chunk"][t, s] = key
-          if g > 0:                                          # reads its stashed input
+          # The input is last read by the forward, unless the backward reruns it (or runs
+          # the last chunk's forward).
+          keeps_input = recompute or g == chunks - 1
+          if g > 0 and (op.kind == FORWARD or keeps_input):  # reads its stashed input
             stash.reads[t].append((prefix + "in_slot", key))
           if op.kind == FORWARD and g > 0:                   # the input arrives from stage s-1
             stash.arrivals[when[(s - 1) % p, dataclasses.replace(op, chunk=(g - 1) // p)]] = key
-          if op.kind == BACKWARD and g > 0:
+          if g > 0 and (op.kind == BACKWARD) == keeps_input:
             stash.frees[t].append(key)
+          if not keeps_input:                                # the residuals: forward -> backward
+            if op.kind == FORWARD:
+              residuals.arrivals[t] = key
+            else:
+              residuals.reads[t].append(("b_res_slot", key))
+              residuals.frees[t].append(key)
           if op.kind == BACKWARD and g < chunks - 1:         # its cotangent arrives from stage s+1
             cotangents.reads[t].append(("b_ct_slot", key))
             cotangents.frees[t].append(key)
             cotangents.arrivals[when[(s + 1) % p, dataclasses.replace(op, chunk=(g + 1) // p)]] = key
       stash_slots = max(stash_slots, stash.assign(s, tables, "recv_fwd"))
       cotangent_slots = max(cotangent_slots, cotangents.assign(s, tables, "recv_bwd"))
+      residual_slots = max(residual_slots, residuals.assign(s, tables, "f_res_slot"))
     # Ticks with no arrival write to the trash slot, one past the last real one.
-    for name, trash in (("recv_fwd", stash_slots), ("recv_bwd", cotangent_slots)):
+    for name, trash in (("recv_fwd", stash_slots), ("recv_bwd", cotangent_slots), ("f_res_slot", residual_slots)):
       tables[name][tables[name] < 0] = trash
-    return cls(schedule, k, programs, stash_slots, cotangent_slots, tables)
+    return cls(schedule, k, programs, stash_slots, cotangent_slots, residual_slots, recompute, tables)
 
 
 class _SlotEvents:

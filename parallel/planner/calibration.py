@@ -65,7 +65,9 @@ class MemoryCase:
   overrides: dict       # config fields (dotted) over the base below
 
 
-# Held out: none of these shapes was among the configs XLA_KEPT and the param temps were fitted on.
+# Held out: none of these shapes was among the configs XLA_KEPT, XLA_PIPELINE and the param temps
+# were fitted on. The pipeline config twice: its default executor (residual slots) and
+# parallel.pipeline_recompute (the chunk's forward rerun from its stashed input).
 MEMORY_CASES = (
     MemoryCase("1 device, 3 layers, h=96", {"model.num_layers": 3, "model.hidden_dim": 96, "model.num_heads": 6,
                                             "model.seq_len": 96, "model.vocab_size": 384, "train.batch_size": 4}),
@@ -77,6 +79,12 @@ MEMORY_CASES = (
                                                        "model.hidden_dim": 128, "model.num_heads": 8,
                                                        "model.vocab_size": 512, "train.batch_size": 16,
                                                        "train.microbatches": 8}),
+    MemoryCase("the same, parallel.pipeline_recompute", {"parallel.dp": 2, "parallel.pp": 2, "parallel.tp": 2,
+                                                        "parallel.virtual_stages": 2, "model.num_layers": 4,
+                                                        "model.hidden_dim": 128, "model.num_heads": 8,
+                                                        "model.vocab_size": 512, "train.batch_size": 16,
+                                                        "train.microbatches": 8,
+                                                        "parallel.pipeline_recompute": True}),
 )
 
 

@@ -18,9 +18,14 @@ Two runtimes (`Plan.executor`):
              LayerNorms' in fp32 (sharding.gathers_in_compute_dtype), gradients
              reduce-scattered over dp in fp32 once per step (`Plan.grad_sync` "step", the
              default; "microbatch": every microbatch's as they come), and
-             with pp > 1 the lockstep executor that stashes only each microbatch-chunk's
-             input and recomputes the chunk's forward in its backward. Its memory model is
-             checked against XLA's buffer assignment (calibration.memory_check).
+             with pp > 1 the lockstep executor: by default each non-last microbatch-chunk's
+             forward keeps its vjp residuals (what model.remat saves) in one of
+             `residual_slots` slots until its backward, which reads them (no forward rerun;
+             the last chunk runs forward and backward together); with
+             `Plan.pipeline_recompute` (parallel.pipeline_recompute=True) it stashes only
+             each microbatch-chunk's input and recomputes the chunk's forward in its
+             backward (a forward more per step, less memory). Its memory model is checked
+             against XLA's buffer assignment (calibration.memory_check), both executors.
   "paper"    Megatron-LM, which MegaScale builds on (the paper's Tables 2 and 3): bf16
              weights, fp32 gradients reduced once per step, the distributed optimizer,
              activations of the in-flight microbatches kept per Korthikanti et al. (2022).
@@ -113,13 +118,23 @@ XLA_KEPT = dict(hidden=1.5,      # x [s, h] (LayerNorm input / gathered output),
                 logits=2.1)      # fp32 logits and their softmax [s, vocab / tp]
 XLA_PARAM_TEMPS = 1.1            # param-sized temporaries (gradients, optimizer) per tp-shard param
 XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps the gradients)
-# ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash buffers):
-XLA_PIPELINE = dict(params=2.2,  # param-sized temporaries per stage param (branch gradient buffers)
-                    gather=0.23,  # extra when dp > 1
-                    layer=0.28,  # of a layer's non-score activations above (XLA fuses the recompute)
-                    scores=2.4,  # of its attention scores (the backward holds more of them)
-                    logits=1.64,  # of the logits
-                    message=3.9)  # buffers per stash / cotangent slot [b, s / tp, h]
+# ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash buffers),
+# refitted when the executor gained its residual slots (parallel.pipeline_recompute=False):
+# least squares on XLA's bytes of 9 pipeline configs (pp 2-4, dp 1-2, tp 1-2, v 1-3, 1-3 layers
+# per chunk, seq 64-128, b 1-2, m 4-8, both traversals and grad_syncs), each compiled with
+# both executors (18 numbers, 7 constants); calibration.MEMORY_CASES' pipeline config, held out,
+# is within 2% either way, the 18 within 6%:
+XLA_PIPELINE = dict(params=0.85,  # param-sized temporaries per stage param (branch gradient buffers)
+                    gather=1.4,  # extra when dp > 1
+                    layer=0.74,  # of a layer's non-score activations above (XLA fuses the recompute)
+                    scores=2.03,  # of its attention scores (the backward holds more of them)
+                    logits=0.58,  # of the logits
+                    message=3.21,  # buffers per stash / cotangent slot [b, s / tp, h]
+                    residual=2.21)  # buffers per residual slot: the scan's carry, the switch's operand
+# ... and of its residual slots: a chunk's vjp residuals under remat none are
+# XLA_RESIDUALS_NONE x the XLA_KEPT bytes of its layers, measured (the residual buffer's words
+# in the lowered step) on the same 9 configs: 1.38-1.44.
+XLA_RESIDUALS_NONE = 1.41
 # ... and of parallel.grad_sync="step" (m > 1), in fp32 gradients of the device's parameters
 # (its tp shard, its stage), in place of the 1/dp accumulator of "microbatch". Measured, not
 # fitted over many configs: XLA's bytes of the memory check's two dp cases in both modes
@@ -155,6 +170,12 @@ class Plan:
   opts: Optimizations = MEGASCALE
   executor: str = "megajax"  # "megajax" (this repository) or "paper" (Megatron-LM / MegaScale)
   grad_sync: str = "step"    # megajax's parallel.grad_sync: "step" or "microbatch"
+  # megajax's pipeline (pp > 1) only: parallel.pipeline_recompute (False: a chunk's backward
+  # reads the residuals its forward kept; True: it reruns the forward from the stashed input),
+  # parallel.schedule and parallel.traversal (they size the executor's buffers).
+  pipeline_recompute: bool = False
+  schedule: str = "interleaved_1f1b"
+  traversal: str = "depth_first"
 
   @property
   def gpus(self) -> int:
@@ -256,10 +277,46 @@ def _bytes(dtype) -> int:
   return dtype.itemsize
 
 
-def stash_slots(plan: Plan) -> int:
-  """Activation slots of megajax's pipeline executor (pipeline.Tables.stash_slots)."""
+def _warmup_group(plan: Plan) -> tuple[int, int]:
+  """(W, group): stage 0's warm-up forwards before the slots cap them, 2(p-1) + (v-1) * group
+  (pipeline/schedule.py), and the microbatches a traversal walks through a chunk at a time
+  (depth-first p, breadth-first and GPipe m). GPipe runs every forward first: W = m v."""
   p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
-  return min(2 * (p - 1) + (v - 1) * p - 1, m * v) if p > 1 else 0
+  group = p if plan.traversal == "depth_first" and plan.schedule != "gpipe" else m
+  return (m * v if plan.schedule == "gpipe" else 2 * (p - 1) + (v - 1) * group), group
+
+
+def cotangent_slots(plan: Plan) -> int:
+  """Cotangent slots of megajax's pipeline executor (pipeline.Tables.cotangent_slots, exactly):
+  one, unless v > 1 walks more than p microbatches through a chunk at a time."""
+  if plan.pp == 1:
+    return 0
+  group = _warmup_group(plan)[1]
+  return max(1, group - (plan.pp - 1)) if plan.virtual_stages > 1 else 1
+
+
+def stash_slots(plan: Plan) -> int:
+  """Activation slots of megajax's pipeline executor (pipeline.Tables.stash_slots, exactly).
+  pipeline_recompute: an input waits from arrival to its backward, W - 1 of them at once
+  (capped at the m v microbatch-chunks); otherwise only until its forward (as many as the
+  cotangents), but for the last chunk's, which waits until its backward (GPipe: all m)."""
+  p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
+  if p == 1:
+    return 0
+  if plan.pipeline_recompute:
+    warmup = _warmup_group(plan)[0]
+    return m * v if plan.schedule == "gpipe" else min(warmup - 1, m * v)
+  return m if plan.schedule == "gpipe" else cotangent_slots(plan)
+
+
+def residual_slots(plan: Plan) -> int:
+  """Residual slots of megajax's pipeline executor (pipeline.Tables.residual_slots, exactly):
+  a non-last chunk's residuals wait from its forward to its backward, at most stage 0's
+  warm-up forwards W at once, capped at the m v microbatch-chunks (1F1B p = 4: 6; interleaved
+  v = 2: 10; independent of m beyond that). None with pipeline_recompute."""
+  if plan.pp == 1 or plan.pipeline_recompute:
+    return 0
+  return min(_warmup_group(plan)[0], plan.microbatches * plan.virtual_stages)
 
 
 def _layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> tuple[float, float]:
@@ -322,16 +379,35 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   if plan.pp == 1:
     params_temp = counts.stage * pb * (XLA_PARAM_TEMPS + (XLA_GATHER_TEMPS if plan.dp > 1 else 0.0)) + accumulator
     return Memory(state, params_temp, per_layer * layers + transient, XLA_KEPT["logits"] * logits, 0.0)
-  # Pipeline: one chunk's activations at a time (its backward recomputes it from the stash).
+  # Pipeline. Working set: one chunk's forward + backward at a time (the last chunk's, whose
+  # backward runs its forward too; with pipeline_recompute every chunk's).
   chunk_layers = layers // plan.virtual_stages
+  kept_layer = per_layer
   if remat == "none":
     per_layer, scores = _layer_kept(c, plan, "none", fused_attention)
     per_layer = XLA_PIPELINE["layer"] * (per_layer - scores) + XLA_PIPELINE["scores"] * scores
+  activations = per_layer * chunk_layers + transient
+  if not plan.pipeline_recompute:
+    # ... and the non-last chunks' residuals, from each forward to its backward.
+    activations += XLA_PIPELINE["residual"] * (residual_slots(plan) + 1) * chunk_residuals(c, plan, remat,
+                                                                                         fused_attention, kept_layer)
   message = tokens * c.hidden_dim / plan.tp * _bytes(c.compute_dtype)
-  stash = XLA_PIPELINE["message"] * (stash_slots(plan) + 3) * message   # stash + trash, cotangents + trash
+  # stash + trash, cotangents + trash
+  stash = XLA_PIPELINE["message"] * (stash_slots(plan) + cotangent_slots(plan) + 2) * message
   params_temp = counts.stage * pb * (XLA_PIPELINE["params"] + (XLA_PIPELINE["gather"] if plan.dp > 1 else 0.0))
   params_temp += counts.stage * 4 * XLA_STEP_SUM["pipeline"] if step_sync else 0.0
-  return Memory(state, params_temp, per_layer * chunk_layers + transient, XLA_PIPELINE["logits"] * logits, stash)
+  return Memory(state, params_temp, activations, XLA_PIPELINE["logits"] * logits, stash)
+
+
+def chunk_residuals(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
+                    per_layer: float | None = None) -> float:
+  """megajax's pipeline: bytes of one microbatch-chunk's residuals (its vjp's, what the remat
+  policy saves), one residual slot's worth. `c` with the plan's switches applied."""
+  if per_layer is None:
+    per_layer = _layer_kept(c, plan, remat, fused_attention)[0]
+  if remat == "none":     # XLA_KEPT counts what XLA's buffers hold; the vjp keeps more, unfused
+    per_layer *= XLA_RESIDUALS_NONE
+  return per_layer * (c.num_layers // (plan.pp * plan.virtual_stages))
 
 
 def usable_bytes(hw: Hardware) -> float:
@@ -409,9 +485,10 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   gemm_fwd = 2 * tokens * (layers * flops.projection_macs_per_token(c) + h * c.vocab_size) / n
   keys = sum(flops.attention_keys_per_query(c.seq_len, c.layer_window(i)) for i in range(c.num_layers)) / c.num_layers
   attention_fwd = 2 * tokens * layers * 2 * keys * q / n
-  # Forwards run again: megajax's pipeline backward recomputes its chunk; remat per policy
+  # Forwards run again: megajax's pipeline backward with pipeline_recompute reruns its chunk
+  # (by default it reads the residuals its forward kept); remat per policy
   # (full: everything; dots, like Megatron's selective recompute, and fused attention: attention).
-  again = (1 if megajax and p > 1 else 0) + (1 if remat == "full" else 0)
+  again = (1 if megajax and p > 1 and plan.pipeline_recompute else 0) + (1 if remat == "full" else 0)
   attention_again = again + (1 if remat == "dots" or o.fused_ops and again == 0 else 0)
   attention_efficiency = k.flash_attention_efficiency if o.fused_ops else k.attention_efficiency
   t_gemm = gemm_fwd * (3 + again) / (peak * k.gemm_efficiency)

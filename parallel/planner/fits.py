@@ -41,7 +41,7 @@ def plan_of(config: ml_collections.ConfigDict) -> Plan:
   opts = cost_model.Optimizations(ptb=c.block == "parallel", swa=True, fused_ops=c.attention_impl != "xla",
                                   lamb=config.optimizer.name == "lamb")
   return Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches), t.batch_size, opts,
-              "megajax", p.grad_sync)
+              "megajax", p.grad_sync, p.pipeline_recompute, p.schedule, p.traversal)
 
 
 def estimate(config: ml_collections.ConfigDict, platform: str) -> Memory:

@@ -58,11 +58,25 @@ def enumerate_plans(c: ModelConfig, gpus: int, batch: int, hw: Hardware, opts: O
           yield Plan(dp, pp, tp, v, b, batch, opts, executor)
 
 
+def evaluate_fitting(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
+                     calibration: Calibration = CALIBRATION) -> Candidate:
+  """`evaluate`, and for a megajax pipeline whose residuals do not fit, the same plan with
+  parallel.pipeline_recompute (the chunk's forward rerun in its backward: less memory, a
+  forward more per step) when that fits. The plan as given otherwise."""
+  candidate = evaluate(c, plan, hw, remat, calibration)
+  if candidate.fits or plan.executor != "megajax" or plan.pp == 1 or plan.pipeline_recompute:
+    return candidate
+  rerun = evaluate(c, dataclasses.replace(plan, pipeline_recompute=True), hw, remat, calibration)
+  return rerun if rerun.fits else candidate
+
+
 def search(c: ModelConfig, gpus: int, batch: int, hw: Hardware, opts: Optimizations = MEGASCALE,
            executor: str = "megajax", remat: str | None = None,
            calibration: Calibration = CALIBRATION) -> tuple[list[Candidate], int]:
-  """(the plans that fit, best predicted MFU first; how many divided evenly)."""
-  candidates = [evaluate(c, plan, hw, remat, calibration)
+  """(the plans that fit, best predicted MFU first; how many divided evenly). megajax's
+  pipelines keep their residuals (the default executor) where they fit and rerun each
+  chunk's forward (pipeline_recompute) where only that fits (`evaluate_fitting`)."""
+  candidates = [evaluate_fitting(c, plan, hw, remat, calibration)
                 for plan in enumerate_plans(c, gpus, batch, hw, opts, executor)]
   fitting = [x for x in candidates if x.fits]
   return sorted(fitting, key=lambda x: -x.time.mfu), len(candidates)
@@ -72,7 +86,17 @@ def search(c: ModelConfig, gpus: int, batch: int, hw: Hardware, opts: Optimizati
 
 def describe(plan: Plan) -> str:
   return (f"dp={plan.dp} pp={plan.pp} tp={plan.tp} v={plan.virtual_stages} b={plan.micro_batch} "
-          f"m={plan.microbatches}")
+          f"m={plan.microbatches}" + (" pipeline_recompute" if plan.pipeline_recompute else ""))
+
+
+def config_overrides(plan: Plan) -> str:
+  """The plan as megajax-train flags (the global batch and microbatches from it)."""
+  flags = [f"--config.parallel.dp={plan.dp}", f"--config.parallel.pp={plan.pp}", f"--config.parallel.tp={plan.tp}",
+           f"--config.parallel.virtual_stages={plan.virtual_stages}", f"--config.train.batch_size={plan.batch}",
+           f"--config.train.microbatches={plan.microbatches}"]
+  if plan.pipeline_recompute:
+    flags.append("--config.parallel.pipeline_recompute=True")
+  return " ".join(flags)
 
 
 PLAN_HEADER = (f"{'#':>2} {'dp':>5} {'pp':>3} {'tp':>3} {'v':>3} {'b':>3} {'m':>5} {'memory GB':>10} "
@@ -83,7 +107,7 @@ def plan_line(i: int, x: Candidate) -> str:
   p, t = x.plan, x.time
   return (f"{i:>2} {p.dp:>5} {p.pp:>3} {p.tp:>3} {p.virtual_stages:>3} {p.micro_batch:>3} {p.microbatches:>5} "
           f"{x.memory.total / cost_model.GB:>10.1f} {t.total:>8.2f} {100 * t.mfu:>5.1f}% "
-          f"{p.bubble_fraction:>7.3f}  {t.bottleneck}")
+          f"{p.bubble_fraction:>7.3f}  {t.bottleneck}" + ("; pipeline_recompute" if p.pipeline_recompute else ""))
 
 
 def breakdown(t: cost_model.StepTime) -> str:

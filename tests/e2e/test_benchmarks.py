@@ -53,3 +53,17 @@ def test_data_benchmark_prints_the_input_side_against_the_step():
   assert 3e5 < need < 1e6    # the issue's estimate: about 0.6M tokens/s
   share = float(re.search(r"waits [\d.]+ ms for its batch = ([\d.]+)% of the step", out).group(1))
   assert 0 <= share < 100
+
+
+def test_runtime_benchmark_counts_the_pipelines_flops_and_the_dp_sync():
+  """`python -m megajax.launch.bench runtime --quick`: the pipeline's executed matmul FLOPs
+  (read from the compiled HLO) within 2% of one device's when the backward reads the forward's
+  residuals, more when it reruns the forward; one dp reduce-scatter per gradient bucket per step."""
+  result = run_module(["-m", "megajax.launch.bench", "runtime", "--quick"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  residuals, recompute = map(float, re.search(r"^none .* ([\d.]+)x +([\d.]+)x ", out, re.M).groups())
+  assert residuals <= 1.02 < recompute
+  count, buckets = re.search(r"^step +reduce-scatter +f32 +([\d.]+) +[\d.]+ +(\d+)$", out, re.M).groups()
+  assert float(count) == int(buckets) > 0
+  assert re.search(r"^residuals +[\d.]+ MiB", out, re.M) and re.search(r"^recompute +[\d.]+ MiB", out, re.M)

@@ -3,8 +3,10 @@
 Every (dp, pp, tp) mesh the issue names, v in {1, 2}, m in {p, 2p, 4p}, every schedule:
 loss, all gradients and the params after 3 LAMB steps within 1e-5 of megajax.reference_step;
 the breadth-first traversal; both gradient syncs over dp (once per step, the default, and per
-microbatch); the serial block with recomputation and a tied embedding. Then
-memory: bounded in m, unlike GPipe by autodiff, whose gradients are the executor's.
+microbatch); every remat policy inside the pipeline's backward from kept residuals; the serial
+block with recomputation and a tied embedding, from residuals and with the chunk's forward
+rerun (parallel.pipeline_recompute). Then memory: bounded in m for both backwards, unlike GPipe
+by autodiff, whose gradients are the executor's.
 """
 
 import jax
@@ -43,12 +45,26 @@ def test_both_gradient_syncs_through_the_pipeline(mesh, grad_sync):
   assert_matches_reference(config, (("num_layers", 4),), reference_microbatches=1, param_leaf_rtol=3e-5)
 
 
-def test_serial_block_remat_and_tied_embeddings_through_the_pipeline():
-  """The serial block, recomputation inside the recomputing backward, and a tied embedding
-  whose gradient comes from the first stage (lookup) and the last (head)."""
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_every_remat_policy_inside_the_pipeline(remat):
+  """A chunk's backward from the residuals its forward kept: what model.remat saves (none:
+  every activation; dots: the projections' outputs; full: the blocks' inputs, each block rerun
+  in its backward exactly as without a pipeline)."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
-  overrides = (("num_layers", 4), ("block", "serial"), ("remat", "full"), ("tie_embeddings", True))
-  config.model.block, config.model.remat, config.model.tie_embeddings = "serial", "full", True
+  config.model.remat = remat
+  assert_matches_reference(config, (("num_layers", 4), ("remat", remat)), reference_microbatches=1,
+                           param_leaf_rtol=3e-5)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["residuals", "recompute"])
+def test_serial_block_remat_and_tied_embeddings_through_the_pipeline(recompute):
+  """The serial block, recomputation inside the pipeline's backward (from the kept residuals,
+  or with parallel.pipeline_recompute the whole chunk rerun), and a tied embedding whose
+  gradient comes from the first stage (lookup) and the last (head)."""
+  config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
+  overrides = (("num_layers", 4), ("block", "serial"), ("remat", "dots"), ("tie_embeddings", True))
+  config.model.block, config.model.remat, config.model.tie_embeddings = "serial", "dots", True
+  config.parallel.pipeline_recompute = recompute
   assert_matches_reference(config, overrides, reference_microbatches=1, param_leaf_rtol=3e-5)
 
 

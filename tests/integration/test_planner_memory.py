@@ -12,3 +12,10 @@ def test_memory_matches_xla_memory_analysis(case):
   predicted, measured = calibration.predicted_bytes(config), calibration.measured_bytes(config)
   print(f"{case.name}: predicted {predicted / 1e6:.2f} MB, XLA {measured / 1e6:.2f} MB")
   assert abs(predicted / measured - 1) <= calibration.MEMORY_TOLERANCE, (predicted, measured)
+
+
+def test_memory_cases_cover_both_pipeline_executors():
+  """A pipeline case with the default executor (residual slots) and one with pipeline_recompute."""
+  executors = {calibration.memory_case_config(case).parallel.pipeline_recompute
+               for case in calibration.MEMORY_CASES if calibration.memory_case_config(case).parallel.pp > 1}
+  assert executors == {False, True}

@@ -6,12 +6,14 @@ Its values against the reference: tests/integration/test_pipeline_reference.py.
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from megajax.config import SCHEDULE_CHOICES, TRAVERSAL_CHOICES, ConfigError, default_config, validate
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel.pipeline import LAYERS, Tables, stacked_layer_order, to_model_params, to_pipeline_params
+from megajax.parallel.pipeline import residuals
 from megajax.parallel.pipeline import schedule as schedules
 from tests.support.hlo import instructions
 from tests.support.reference import compiled_gradients, pipeline_config
@@ -19,30 +21,41 @@ from tests.support.reference import compiled_gradients, pipeline_config
 
 # --- Tables.
 
-def tables_for(name, p, v, m, traversal="depth_first", layers=None):
+def tables_for(name, p, v, m, traversal="depth_first", layers=None, recompute=False):
   config = pipeline_config((1, p, 1), name, v, m, layers=layers)
-  return Tables.build(schedules.simulate(name, p, v, m, traversal), ModelConfig.from_config(config.model))
+  return Tables.build(schedules.simulate(name, p, v, m, traversal), ModelConfig.from_config(config.model), recompute)
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_1f1b_stash_is_bounded_independently_of_microbatches(name, v):
   p = 4
-  small, large = tables_for(name, p, v, 4 * p), tables_for(name, p, v, 16 * p)
-  # At most the microbatch-chunks in flight, plus an arrival waiting for its forward.
+  small, large = tables_for(name, p, v, 4 * p, recompute=True), tables_for(name, p, v, 16 * p, recompute=True)
+  # Rerunning forwards: at most the microbatch-chunks in flight, plus an arrival waiting for its forward.
   assert small.stash_slots == large.stash_slots <= max(schedules.in_flight(small.schedule)) + 1
   assert small.cotangent_slots == large.cotangent_slots
-  gpipe = [tables_for("gpipe", p, v, m).stash_slots for m in (4 * p, 16 * p)]
+  assert small.residual_slots == large.residual_slots == 0
+  gpipe = [tables_for("gpipe", p, v, m, recompute=True).stash_slots for m in (4 * p, 16 * p)]
   assert gpipe == [4 * p * v, 16 * p * v]  # every microbatch-chunk held until the backwards start
+  # Keeping residuals: an input waits only for its forward; the residuals of every
+  # microbatch-chunk in flight (but the last chunk's, run forward and backward at once).
+  small, large = tables_for(name, p, v, 4 * p), tables_for(name, p, v, 16 * p)
+  assert small.stash_slots == large.stash_slots == 1
+  assert small.residual_slots == large.residual_slots <= max(schedules.in_flight(small.schedule))
+  assert small.cotangent_slots == large.cotangent_slots
+  gpipe = [tables_for("gpipe", p, v, m).residual_slots for m in (4 * p, 16 * p)]
+  assert gpipe == [4 * p * v, 16 * p * v]
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["residuals", "recompute"])
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 2)])
-def test_tables_route_every_message(name, v):
-  """Replays the tables: each op reads the slot its input (or cotangent) was received into,
-  and no slot is overwritten while its message is still needed."""
+def test_tables_route_every_message(name, v, recompute):
+  """Replays the tables: each op reads the slot its input (or cotangent, or residuals) was
+  received into, and no slot is overwritten while its message is still needed."""
   p = 4
-  t = tables_for(name, p, v, 8)
+  t = tables_for(name, p, v, 8, recompute=recompute)
   pairs, last = schedules.paired_timeline(t.schedule), p * v - 1
   received_at = {}   # (stage, kind, slot) -> (microbatch, chunk) held there
+  reads_input = lambda op, g: g > 0 and (op.kind == schedules.FORWARD or recompute or g == last)
   for tick in range(t.ticks):
     for stage in range(p):
       for prefix, op in zip(("f_", "b_"), pairs[stage, tick]):
@@ -51,16 +64,20 @@ def test_tables_route_every_message(name, v):
           continue
         g, key = op.chunk * p + stage, (op.microbatch, op.chunk)
         assert (t.per_stage[prefix + "microbatch"][tick, stage], t.per_stage[prefix + "chunk"][tick, stage]) == key
-        if g > 0:
+        if reads_input(op, g):
           assert received_at[stage, "F", t.per_stage[prefix + "in_slot"][tick, stage]] == key
         if op.kind == schedules.BACKWARD and g < last:
           assert received_at[stage, "B", t.per_stage["b_ct_slot"][tick, stage]] == key
+          if not recompute:
+            assert received_at[stage, "R", t.per_stage["b_res_slot"][tick, stage]] == key
     for stage in range(p):   # the tick's arrivals, written after every read
       sender, slot = pairs[(stage - 1) % p, tick, 0], t.per_stage["recv_fwd"][tick, stage]
       if sender is not None and sender.chunk * p + (stage - 1) % p < last:
         g = sender.chunk * p + (stage - 1) % p + 1
         held = received_at.get((stage, "F", slot))
-        assert held is None or _done(pairs, stage, held, tick), (tick, stage, slot)
+        last_use = schedules.BACKWARD if held is None or reads_input(schedules.Op("B", *held), held[1] * p + stage) \
+            else schedules.FORWARD
+        assert held is None or _done(pairs, stage, held, tick, last_use), (tick, stage, slot)
         received_at[stage, "F", slot] = (sender.microbatch, g // p)
       else:
         assert slot == t.stash_slots            # nothing arrives: the trash slot
@@ -72,12 +89,21 @@ def test_tables_route_every_message(name, v):
         received_at[stage, "B", slot] = (sender.microbatch, g // p)
       else:
         assert slot == t.cotangent_slots
+      # This stage's forward keeps its residuals (not the last chunk's, nor when recomputing).
+      own, slot = pairs[stage, tick, 0], t.per_stage["f_res_slot"][tick, stage]
+      if own is not None and own.chunk * p + stage < last and not recompute:
+        held = received_at.get((stage, "R", slot))
+        assert held is None or _done(pairs, stage, held, tick), (tick, stage, slot)
+        received_at[stage, "R", slot] = (own.microbatch, own.chunk)
+      else:
+        assert slot == t.residual_slots
 
 
-def _done(pairs, stage, key, tick):
-  """Whether `stage` ran the backward of (microbatch, chunk) `key` by `tick` (its last use)."""
-  return any(op is not None and op.kind == schedules.BACKWARD and (op.microbatch, op.chunk) == key
-             for op in pairs[stage, :tick + 1, 1])
+def _done(pairs, stage, key, tick, kind=schedules.BACKWARD):
+  """Whether `stage` ran the `kind` op of (microbatch, chunk) `key` by `tick` (its last use)."""
+  column = 0 if kind == schedules.FORWARD else 1
+  return any(op is not None and op.kind == kind and (op.microbatch, op.chunk) == key
+             for op in pairs[stage, :tick + 1, column])
 
 
 # --- The compiled tick.
@@ -110,6 +136,54 @@ def test_decoupled_send_rings_over_pp():
   assert len(conditionals) >= 2                                   # the forward and backward slots
   assert not downstream & set(conditionals), downstream & set(conditionals)
   assert all(op != "conditional" for op, _ in (found[n] for n in downstream))
+
+
+# --- The residuals a forward keeps for its backward (residuals.py).
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "int8", "uint8", "bool"])
+def test_residuals_pack_into_words_bit_exactly(dtype):
+  rng = np.random.default_rng(0)
+  values = rng.normal(size=(3, 5)) * 100
+  x = jnp.asarray(values > 0 if dtype == "bool" else values.astype(dtype))
+  if dtype == "float32":   # a NaN payload and a negative zero survive
+    x = x.at[0, 0].set(-0.0).at[0, 1].set(jax.lax.bitcast_convert_type(np.uint32(0x7FC00ABC), jnp.float32))
+  words = residuals._to_words(x)
+  assert words.shape == (x.size,) and words.dtype.itemsize == x.dtype.itemsize and words.dtype.kind == "u"
+  leaf = residuals._Leaf(0, x.shape, np.dtype(x.dtype), residuals._group_of(jax.typeof(x)))
+  back = residuals._from_words(words, leaf)
+  assert back.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint8), np.asarray(x).view(np.uint8))
+
+
+def test_a_split_chunk_stashes_activations_recomputes_weights_and_keeps_the_gradients():
+  """The forward's own work (what depends on the activation or the tokens) is stashed; the
+  weights' casts and slices and what depends only on positions are rebuilt in the backward,
+  without reading the activation; the rebuilt pullback gives jax.vjp's gradients."""
+  def run(layers, shared, x, mb):
+    w = layers["w"][0].astype(jnp.bfloat16)                     # a slice and a cast of a weight
+    rotary = jnp.sin(mb["positions"].astype(jnp.float32))[..., None]   # metadata only
+    h = jnp.tanh((x * rotary).astype(jnp.bfloat16) @ w).astype(jnp.float32)
+    h = h + shared["embedding"][mb["inputs"]]                   # the tokens: stashed work
+    return (h * shared["scale"]).sum(), {"tokens": mb["loss_mask"].sum()}
+
+  rng = np.random.default_rng(0)
+  layers = {"w": jnp.asarray(rng.normal(size=(2, 8, 8)), jnp.float32)}
+  shared = {"embedding": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32), "scale": jnp.float32(0.5)}
+  x = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+  mb = {"inputs": jnp.arange(4) % 16, "positions": jnp.arange(4), "loss_mask": jnp.ones(4)}
+  split = residuals.SplitChunk.trace(run, layers, shared, x, mb)
+  stashed_shapes = sorted(leaf.shape for leaf in split.stashed)
+  assert (2, 8, 8) not in stashed_shapes and (8, 8) not in stashed_shapes     # no weight per microbatch
+  avals = [v.aval for v in split.forward_jaxpr.jaxpr.outvars[split.outputs.num_leaves:]]
+  assert any(avals[i].shape == (8, 8) and avals[i].dtype == jnp.bfloat16 for i in split.recomputed)
+
+  (out, aux), packed = split.forward(layers, shared, x, mb, words=split.words)
+  want_out, pullback, want_aux = jax.vjp(lambda l, s, x: run(l, s, x, mb), layers, shared, x, has_aux=True)
+  assert out == want_out and aux == want_aux
+  # The backward never reads the activation: a NaN one changes nothing.
+  rebuilt = split.pullback_from(layers, shared, jnp.full_like(x, jnp.nan), mb, packed)
+  for got, want in zip(jax.tree.leaves(rebuilt(jnp.float32(1))), jax.tree.leaves(pullback(jnp.float32(1)))):
+    np.testing.assert_array_equal(got, want)
 
 
 # --- The stacked layout and the config.

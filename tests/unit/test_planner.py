@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import pytest
 
+from megajax.config import SCHEDULE_CHOICES, TRAVERSAL_CHOICES
+
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.parallel.pipeline import Tables, simulate
 from megajax.parallel.planner import calibration, cost_model, paper, plans
@@ -47,6 +49,45 @@ def test_stash_slots_and_bubble_match_the_schedule(tiny_config):
     plan = Plan(1, p, 1, v, 1, m)
     assert cost_model.stash_slots(plan) == tables.stash_slots
     assert plan.bubble_fraction == pytest.approx(schedule.bubble_fraction)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_CHOICES)
+@pytest.mark.parametrize("traversal", TRAVERSAL_CHOICES)
+def test_slot_formulas_equal_the_executor_tables(tiny_config, schedule, traversal):
+  """stash_slots, cotangent_slots and residual_slots equal what Tables.build assigns, both
+  executors, over a grid of (p, v, m): e.g. 1F1B p = 4 keeps 6 residual slots, interleaved v = 2
+  10, whatever m beyond that; GPipe m v."""
+  for p in (2, 3, 4, 8):
+    for v in (1, 2, 3) if schedule != "1f1b" else (1,):
+      for m in (1, 2, 3, 4, 6, 8, 12, 16):
+        if schedule == "interleaved_1f1b" and v > 1 and m % p:
+          continue
+        tiny_config.model.num_layers = p * v
+        timeline = simulate(schedule, p, v, m, traversal)
+        for recompute in (False, True):
+          tables = Tables.build(timeline, ModelConfig.from_config(tiny_config.model), recompute)
+          plan = Plan(1, p, 1, v, 1, m, pipeline_recompute=recompute, schedule=schedule, traversal=traversal)
+          got = (cost_model.stash_slots(plan), cost_model.cotangent_slots(plan), cost_model.residual_slots(plan))
+          assert got == (tables.stash_slots, tables.cotangent_slots, tables.residual_slots), (p, v, m, recompute)
+  assert cost_model.residual_slots(Plan(1, 4, 1, 1, 1, 64)) == 6
+  assert cost_model.residual_slots(Plan(1, 4, 1, 2, 1, 64)) == 10
+
+
+def test_pipeline_recompute_costs_a_forward_and_saves_memory(paper_setting):
+  """megajax's pipeline: the default executor keeps residuals (no rerun, more memory); with
+  pipeline_recompute it reruns each chunk's forward (a whole forward more per step) and keeps
+  only the inputs. The remat policy's own recompute is there either way."""
+  c, hw = paper_setting
+  plan = Plan(64, 8, 8, 6, 1, 768)
+  default, rerun = plan, dataclasses.replace(plan, pipeline_recompute=True)
+  for remat in ("dots", "full"):
+    kept, again = cost_model.step_time(c, default, hw, remat), cost_model.step_time(c, rerun, hw, remat)
+    assert kept.recompute < again.recompute and kept.mfu > again.mfu
+    assert kept.recompute > 0                    # the policy's own
+    assert cost_model.memory(c, default, remat).total > cost_model.memory(c, rerun, remat).total
+  # remat none: the rerun's matmuls are all the pipeline's (fused attention's backward recomputes its scores anyway)
+  kept, again = cost_model.step_time(c, default, hw, "none"), cost_model.step_time(c, rerun, hw, "none")
+  assert again.gemm == pytest.approx(kept.gemm * 4 / 3)
 
 
 def test_table3_rows_increase_with_the_papers_increments(paper_setting):
@@ -93,3 +134,17 @@ def test_search_returns_even_plans_that_fit(paper_setting):
           f"bottleneck {best[0].time.bottleneck}")
   # Too little memory: 175B on 8 GPUs fits nowhere.
   assert not plans.search(c, 8, 64, hw, MEGATRON, "paper", "dots")[0]
+
+
+def test_megajax_plans_rerun_the_chunk_only_where_residuals_do_not_fit(paper_setting):
+  """Remat none on 256 GPUs: no pipeline's residuals fit, their reruns do; such a plan is
+  chosen explicitly (pipeline_recompute), shown in its row and in its config overrides."""
+  c, hw = paper_setting
+  best, _ = plans.search(c, 256, 768, hw, MEGASCALE, "megajax", "none")
+  plan = best[0].plan
+  assert plan.pipeline_recompute and not plans.evaluate(c, dataclasses.replace(plan, pipeline_recompute=False),
+                                                        hw, "none").fits
+  assert plans.plan_line(1, best[0]).endswith("; pipeline_recompute")
+  assert "--config.parallel.pipeline_recompute=True" in plans.config_overrides(plan)
+  dots, _ = plans.search(c, 256, 768, hw, MEGASCALE, "megajax", "dots")
+  assert not dots[0].plan.pipeline_recompute       # where residuals fit, no forward is rerun
