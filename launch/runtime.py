@@ -5,7 +5,7 @@ once, when the first client starts):
 
 - GPU (a CUDA PJRT plugin installed and an NVIDIA device node or nvidia-smi present, and
   JAX_PLATFORMS not excluding cuda), `runtime.xla_preset="auto"`: the `GPU_PRESET` flags below
-  join XLA_FLAGS (without a GPU: the `CPU_PRESET` ones). Precedence: `runtime.xla_flags` > flags already in XLA_FLAGS > the preset;
+  join XLA_FLAGS. Precedence: `runtime.xla_flags` > flags already in XLA_FLAGS > the preset;
   one entry per flag name. NCCL variables in `NCCL_PRESET` are set unless already set.
 - Every platform: `runtime.xla_flags` joins XLA_FLAGS; the persistent compilation cache is
   `runtime.compilation_cache_dir` ("" -> $JAX_COMPILATION_CACHE_DIR if set, else
@@ -72,17 +72,6 @@ GPU_PRESET = (
             "step sets this per program with tp_overlap='xla'"),
     XlaFlag("xla_gpu_multi_streamed_windowed_einsum", "true", "0.4.29", None,
             "run the windowed einsum's partial matmuls on several streams"),
-    XlaFlag("xla_gpu_copy_insertion_use_region_analysis", "true", "0.4.20", None,
-            "the pipeline tick reads one residual slot and writes another of the same buffer: without "
-            "region analysis copy insertion copies the whole buffer twice per tick (seen on CPU; the GPU "
-            "compile not yet inspected)"),
-)
-# The same on CPU (runs without a GPU: laptops, CI, the CPU benchmarks): measured on the
-# runtime benchmark's pipeline (dp1-pp2-tp1 v=2, remat none), 319 -> 158 ms per step and 89 ->
-# 62 MiB of temporaries; no change without a pipeline.
-CPU_PRESET = (
-    XlaFlag("xla_cpu_copy_insertion_use_region_analysis", "true", "0.4.20", None,
-            "no whole-buffer copies of the pipeline's residual buffer per tick"),
 )
 # Collective combine thresholds are left to XLA: since 2025 it sizes combined collectives itself
 # when they are unset (xla_gpu_experimental_enable_heuristic_collective_combining); a fixed
@@ -179,13 +168,6 @@ def xla_flags_for(platform_is_gpu: bool, jax_version: str, extra: str = "") -> t
   return kept, dropped
 
 
-def cpu_preset(version: str | None = None) -> list[str]:
-  """The CPU_PRESET flags this XLA defines."""
-  version = version or jaxlib_version()
-  return [f"--{entry.name}={entry.value}" for entry in CPU_PRESET
-          if entry.valid_in(version) and known_xla_flag(entry.name, version)]
-
-
 def merge_xla_flags(existing: str, preset: list[str], extra: list[str]) -> str:
   """XLA_FLAGS with one entry per name: `extra` wins over `existing`, which wins over `preset`."""
   def by_name(flags):
@@ -249,8 +231,6 @@ def configure_runtime(config, workdir: str, environ=None) -> dict:
   runtime, version = config.runtime, jaxlib_version()
   gpu = gpu_available(environ)
   preset, dropped_preset = xla_flags_for(gpu and runtime.xla_preset == "auto", version)
-  if not gpu and runtime.xla_preset == "auto":
-    preset += cpu_preset(version)
   extra, dropped_extra = xla_flags_for(False, version, runtime.xla_flags)
   before = environ.get("XLA_FLAGS", "")
   merged = merge_xla_flags(before, preset, extra)

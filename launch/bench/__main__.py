@@ -17,9 +17,6 @@ import sys
 from absl import app
 from absl import flags
 
-import os
-
-from megajax.launch import runtime
 from megajax.launch.cluster import request_host_devices
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
@@ -59,8 +56,6 @@ def main(argv):
     print(f"usage: python -m megajax.launch.bench {{{'|'.join(BENCHMARKS)}}}", file=sys.stderr)
     sys.exit(2)
   request_host_devices(8)   # CPU: enough devices for every mesh of the benchmarks (ignored on GPU)
-  if not runtime.gpu_available():   # what megajax-train runs with (launch/runtime.py's CPU_PRESET)
-    os.environ["XLA_FLAGS"] = runtime.merge_xla_flags(os.environ.get("XLA_FLAGS", ""), runtime.cpu_preset(), [])
   BENCHMARKS[argv[1]](importlib.import_module(f"megajax.launch.bench.{argv[1]}"))
 
 

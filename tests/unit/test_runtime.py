@@ -90,15 +90,12 @@ def test_preset_none_adds_nothing_on_a_gpu(monkeypatch, jax_options, tmp_path):
   assert "XLA_FLAGS" not in environ and not any(k.startswith("NCCL_") for k in environ)
 
 
-def test_cpu_gets_the_cpu_preset_no_gpu_flags_and_no_nccl(jax_options, tmp_path):
+def test_cpu_gets_no_gpu_flags_and_no_nccl(jax_options, tmp_path):
   environ = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   assert not runtime.gpu_available(environ)
   applied = runtime.configure_runtime(_config(xla_flags="--xla_dump_to=/tmp/d"), str(tmp_path), environ=environ)
-  cpu = "--xla_cpu_copy_insertion_use_region_analysis=true"
-  assert applied["preset"] == [cpu]     # defined by this jaxlib (known_xla_flag read it)
-  assert environ["XLA_FLAGS"] == f"{cpu} --xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"
-  assert not applied["gpu"] and applied["nccl"] == {}
-  assert not any(flag_name.startswith("xla_gpu") for flag_name in map(runtime.flag_name, applied["preset"]))
+  assert environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"
+  assert not applied["gpu"] and applied["preset"] == [] and applied["nccl"] == {}
   assert not any(k.startswith("NCCL_") for k in environ)
 
 
