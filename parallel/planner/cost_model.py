@@ -130,7 +130,10 @@ XLA_PIPELINE = dict(params=0.85,  # param-sized temporaries per stage param (bra
                     scores=2.03,  # of its attention scores (the backward holds more of them)
                     logits=0.58,  # of the logits
                     message=3.21,  # buffers per stash / cotangent slot [b, s / tp, h]
-                    residual=2.21)  # buffers per residual slot: the scan's carry, the switch's operand
+                    residual=1.8)  # buffers per residual slot: the scan's carry and XLA:CPU's per-tick
+                                   # copies. Fitted at 2.21 on the 9 configs while the backward's
+                                   # switch took the whole buffer as operand; since it takes only its
+                                   # slot, set from the one pipeline MEMORY_CASE (12.90 MB): refit pending
 # ... and of its residual slots: a chunk's vjp residuals under remat none are
 # XLA_RESIDUALS_NONE x the XLA_KEPT bytes of its layers, measured (the residual buffer's words
 # in the lowered step) on the same 9 configs: 1.38-1.44.
