@@ -29,11 +29,11 @@ import collections
 import re
 
 import jax
-import numpy as np
 
 from megajax.config import default_config, validate
 from megajax.flops import training_flops_per_token
 from megajax.launch.bench.timing import median_seconds
+from megajax.launch.bench.train import CompiledStep
 from megajax.model import ModelConfig
 from megajax.observe.hlo import collective_counts, executed_dot_flops, pipeline_branch_weights
 from megajax.parallel.planner import fits
@@ -140,27 +140,13 @@ def dp_sync(grad_syncs: tuple) -> None:
           f"all_gathers as lowered: {', '.join(f'{n} {t}' for t, n in sorted(asked.items()))}")
 
 
-def _batch(config) -> dict:
-  rng = np.random.default_rng(0)
-  shape = (config.train.batch_size, config.model.seq_len)
-  tokens = lambda: rng.integers(0, config.model.vocab_size, shape).astype(np.int32)
-  return {"inputs": tokens(), "targets": tokens(), "loss_mask": np.ones(shape, np.float32)}
-
-
 def step_time(repeats: int) -> None:
   print(f"\n== step time: the compiled train step, median of {repeats} on {jax.devices()[0].platform} "
         "(dp1-pp2-tp1 v=2 m=4, remat none, fp32)")
   seconds = {}
   for recompute, way in WAYS.items():
-    config = _config(pp=2, recompute=recompute)
-    parallel_step = build_parallel_step(config, jax.devices()[:2])
-    step, batch = parallel_step.train_step(), parallel_step.put_batch(_batch(config))
-    state = [parallel_step.init_state(jax.random.key(0))]
-
-    def run(batch, step=step, state=state):    # the state is donated: carry it from step to step
-      state[0], metrics = step(state[0], batch)
-      return metrics
-    seconds[way] = median_seconds(run, batch, repeats=repeats)
+    step = CompiledStep(_config(pp=2, recompute=recompute), jax.devices()[:2])
+    seconds[way] = median_seconds(step.run, repeats=repeats)
     print(f"{way:10} {seconds[way] * 1e3:>9.2f} ms")
   print(f"recompute / residuals: {seconds['recompute'] / seconds['residuals']:.3f}x")
 

@@ -86,7 +86,10 @@ def _shared_names(program: Program, c: ModelConfig) -> tuple:
 
 
 def _group_key(group: tuple) -> str:
-  """A residual buffer's name in the carry: the mesh axes its values vary over, their width."""
+  """A residual buffer's name in the carry: the mesh axes its values vary over, their width.
+  (Strings, not the group tuples: the carry's order is the compiled tick's, and on XLA:CPU a
+  reordered carry once let devices start the tick's independent collectives in different
+  orders, a rendezvous that timed out under load; see docs/seams.md.)"""
   axes, width = group
   return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
 
@@ -185,12 +188,11 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   if not tables.recompute:
     # Example arguments typed as a tick's (indices read from the stage's table row vary over pp).
     index = jnp.asarray(tables.per_stage["f_chunk"])[0][stage]
-    example = (chunk_params(index), None, empty_message, microbatch(index))
     for program in tables.programs:
       if not program.last:
         shared = {name: full[name] for name in _shared_names(program, c)}
-        splits[program] = SplitChunk.trace(chunk_forward(program, c, overlap, z_loss), example[0], shared,
-                                           *example[2:])
+        splits[program] = SplitChunk.trace(chunk_forward(program, c, overlap, z_loss), chunk_params(index), shared,
+                                           empty_message, microbatch(index))
         for group, words in splits[program].words.items():
           residual_words[group] = max(residual_words.get(group, 0), words)
     carry["residuals"] = {

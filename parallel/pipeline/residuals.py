@@ -44,7 +44,10 @@ class _Leaf:
   dtype: np.dtype
   group: tuple               # (mesh axes it varies over (sorted), bytes per element): its buffer
   offset: int = 0            # in words, inside its group's packed vector
-  words: int = 0
+
+  @property
+  def words(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
 
 
 def group_dtype(group: tuple):
@@ -123,14 +126,15 @@ class SplitChunk:
       out, pullback, aux = jax.vjp(lambda l, s, x: run(l, s, x, mb), layers, shared, x, has_aux=True)
       leaves, boxes["pullback"] = jax.tree.flatten(pullback)
       outputs, boxes["outputs"] = jax.tree.flatten((out, aux))
-      boxes["n_outputs"] = len(outputs)
       return (*outputs, *leaves)
 
-    args = (layers, shared, x, mb)
-    closed = jax.make_jaxpr(with_residuals)(*args)
-    sources = [leaf_is_source for part, is_source in ((layers, False), (shared, False), (x, True), (mb, None))
-               for leaf_is_source in _source_flags(part, is_source)]
-    n_out = boxes["n_outputs"]
+    closed = jax.make_jaxpr(with_residuals)(layers, shared, x, mb)
+    # The sources of the forward's own work: the activation and the microbatch's tokens (not
+    # its metadata: positions, segment ids, targets, mask), leaf by leaf in argument order.
+    marks = lambda tree, value: jax.tree.map(lambda _: value, tree)
+    sources = jax.tree.leaves((marks(layers, False), marks(shared, False), marks(x, True),
+                               {key: marks(value, key in ACTIVATION_KEYS) for key, value in mb.items()}))
+    n_out = boxes["outputs"].num_leaves
     depends = _depends(closed.jaxpr, sources)[n_out:]
     avals = [v.aval for v in closed.jaxpr.outvars[n_out:]]
     stashed, recomputed, words = [], [], {}
@@ -138,10 +142,10 @@ class SplitChunk:
       if not dep:
         recomputed.append(i)
         continue
-      group = _group_of(aval)
-      size = int(np.prod(aval.shape, dtype=np.int64))
-      stashed.append(_Leaf(i, tuple(aval.shape), np.dtype(aval.dtype), group, words.get(group, 0), size))
-      words[group] = words.get(group, 0) + size
+      leaf = _Leaf(i, tuple(aval.shape), np.dtype(aval.dtype), _group_of(aval))
+      leaf = dataclasses.replace(leaf, offset=words.get(leaf.group, 0))
+      stashed.append(leaf)
+      words[leaf.group] = leaf.offset + leaf.words
     recompute = _prune(closed, [n_out + i for i in recomputed])
     return cls(closed, recompute, boxes["pullback"], boxes["outputs"], tuple(stashed), tuple(recomputed), words)
 
@@ -170,10 +174,3 @@ class SplitChunk:
       residuals[leaf.index] = _from_words(packed[leaf.group][leaf.offset:leaf.offset + leaf.words], leaf)
     return jax.tree.unflatten(self.pullback, residuals)
 
-
-def _source_flags(part, is_source):
-  """Per leaf of an argument: is it a source of stashed work? The microbatch (is_source None):
-  its tokens are (ACTIVATION_KEYS), its metadata (positions, segment ids, targets, mask) not."""
-  if is_source is not None:
-    return [is_source] * len(jax.tree.leaves(part))
-  return [key in ACTIVATION_KEYS for key, value in sorted(part.items()) for _ in jax.tree.leaves(value)]

@@ -38,6 +38,18 @@ def _assert_batches_equal(a, b):
     for key in x:
       np.testing.assert_array_equal(np.asarray(x[key]), np.asarray(y[key]))
 
+def _assert_resumes_exactly(c, process, taken, then):
+  """A fresh iterator given the (JSON round-tripped) state after `taken` batches yields the
+  same `then` batches as the original; `process`: (index, count). Returns that state."""
+  iterator = data.make_iterator(c, *process)
+  _take(iterator, taken)
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = _take(iterator, then)
+  resumed = data.make_iterator(c, *process)
+  resumed.set_state(state)
+  _assert_batches_equal(expected, _take(resumed, then))
+  return state
+
 
 def _arange_token_config(tmp_path, num_records=21, seq_len=4):
   """A .npy source whose record i starts with token i * seq_len, so records are identifiable."""
@@ -157,14 +169,8 @@ def test_batch_size_must_split_over_processes():
 def test_grain_iterator_state_json_round_trip_resumes_at_the_next_batch(global_batch, process_index, process_count):
   c = _config()
   c.train.batch_size = global_batch
-  iterator = data.make_iterator(c, process_index, process_count)
-  _take(iterator, 3)
-  state = json.loads(json.dumps(iterator.get_state()))
+  state = _assert_resumes_exactly(c, (process_index, process_count), taken=3, then=2)
   assert state == {"next_index": 3}   # grain's own state: what every checkpoint's data state holds
-  expected = _take(iterator, 2)
-  resumed = data.make_iterator(c, process_index, process_count)
-  resumed.set_state(state)
-  _assert_batches_equal(expected, _take(resumed, 2))
 
 
 def test_a_bad_id_in_a_batch_is_one_line_naming_file_record_and_id(tmp_path):
@@ -372,14 +378,8 @@ def test_document_starts_come_from_the_index_else_split_after_eos(tmp_path):
 
 def test_packed_rows_resume_exactly(tmp_path):
   _token_file(tmp_path / "d.bin", [np.arange(n % 13 + 1) for n in range(60)])
-  c = _document_config(tmp_path / "d.bin", batch_size=4)
-  iterator = data.make_iterator(c, 1, 2)
-  _take(iterator, 5)
-  state = json.loads(json.dumps(iterator.get_state()))
-  expected = _take(iterator, 4)
-  resumed = data.make_iterator(c, 1, 2)
-  resumed.set_state(state)
-  _assert_batches_equal(expected, _take(resumed, 4))
+  _assert_resumes_exactly(_document_config(tmp_path / "d.bin", batch_size=4), (1, 2), taken=5, then=4)
+
 
 
 # Mixtures.
@@ -419,13 +419,7 @@ def test_mixture_rows_follow_the_weights(tmp_path):
 
 def test_mixture_resumes_exactly_and_splits_over_processes(tmp_path):
   c = _mixture_config(tmp_path, batch_size=8)
-  iterator = data.make_iterator(c, 0, 1)
-  _take(iterator, 7)
-  state = json.loads(json.dumps(iterator.get_state()))
-  expected = _take(iterator, 3)
-  resumed = data.make_iterator(c, 0, 1)
-  resumed.set_state(state)
-  _assert_batches_equal(expected, _take(resumed, 3))
+  _assert_resumes_exactly(c, (0, 1), taken=7, then=3)
   reference = _global_batches(c, 1, 6)
   assert "segment_ids" in reference[0]
   for count in (2, 4):
