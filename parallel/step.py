@@ -183,7 +183,8 @@ class ParallelStep:
       batch = {**batch, "rows": probes.rows(batch)}
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
-                                         self.overlap, c.train.z_loss, probes, c.parallel.grad_sync)
+                                         self.overlap, c.train.z_loss, probes, c.parallel.grad_sync,
+                                         ordered_collectives=self.mesh.devices.flat[0].platform == "cpu")
     full_params = sharding.gather_params(params, self.layouts, self.model.config.compute_dtype)
     # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
     loss = jax.named_scope("forward")(

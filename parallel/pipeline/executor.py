@@ -41,6 +41,14 @@ forward and backward together and counts the statistics.
              to this stage's shard. Either way embedding / head gradients are summed over pp
              at the end (only their stages have any).
 
+On XLA:CPU (`ordered_collectives`, ParallelStep sets it from the mesh's platform) the tick runs
+forward slot, backward slot, forward send, backward send, in that order: its executor may
+start independent collectives (a send, a branch's tp all-gather) in different orders on
+different devices, and the rendezvous then waits until it aborts (seen under load: 2 of 3
+loaded runs of a dp2-pp2-tp2 case before, 0 of 6 after). Optimization barriers do not survive
+XLA:CPU's passes, so the order is a data dependency (`_after`). XLA:GPU runs one schedule on
+every device, so there the sends stay decoupled.
+
 Lockstep SPMD compromises (docs/parallelism.md has the measured costs): every stage walks the
 same ticks; inside a branch, collective matmul runs as chunked collectives instead of ppermute
 rings (a collective-permute spans every device of the program, a branch only one stage's);
@@ -86,12 +94,17 @@ def _shared_names(program: Program, c: ModelConfig) -> tuple:
 
 
 def _group_key(group: tuple) -> str:
-  """A residual buffer's name in the carry: the mesh axes its values vary over, their width.
-  (Strings, not the group tuples: the carry's order is the compiled tick's, and on XLA:CPU a
-  reordered carry once let devices start the tick's independent collectives in different
-  orders, a rendezvous that timed out under load; see docs/seams.md.)"""
+  """A residual buffer's name in the carry: the mesh axes its values vary over, their width."""
   axes, width = group
   return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
+
+
+def _after(x, deps, never):
+  """`x`, computed only once `deps` are (one element of each leaf added under `never`, a
+  condition false at run time that the compiler cannot see through). XLA:CPU drops
+  optimization barriers before it runs a program; a data dependency it keeps."""
+  picked = sum(jnp.ravel(leaf)[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))
+  return x + jnp.where(never, picked, 0.0).astype(x.dtype)
 
 
 def stage_params(params, layouts, compute_dtype=None):
@@ -128,12 +141,14 @@ def chunk_forward(program: Program, c: ModelConfig, overlap: Overlap, z_loss: fl
 
 
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
-                       z_loss: float, probes=None, grad_sync: str = "step"):
+                       z_loss: float, probes=None, grad_sync: str = "step", ordered_collectives: bool = False):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
   whole batch (summed over dp and pp). `grad_sync` (megajax.config.GRAD_SYNC_CHOICES): the dp
   reduce-scatter once per step after the tick scan, or after each backward. `probes`
   (megajax.observe.probes, bound to the step; the batch then has "rows"): perturb_at="stage:<s>"
-  perturbs what stage s sends on."""
+  perturbs what stage s sends on. `ordered_collectives` (XLA:CPU): the tick's collectives in
+  one order on every device: forward slot, backward slot, then the two sends (see the module
+  docstring)."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
   full = stage_params(params, layouts, c.compute_dtype)
@@ -254,16 +269,26 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       activation, residuals = lax.switch(op["f_branch"], forwards, stash, op, microbatch(op["f_microbatch"]))
     if probes is not None and probes.perturb_site == "stage":
       activation = probes.perturb_sent(activation, stage, op["f_chunk"], microbatch(op["f_microbatch"])["rows"], p, k)
-    with jax.named_scope("pp send-recv"):
-      activation = lax.ppermute(activation, PP, [(i, (i + 1) % p) for i in range(p)])
+    send_forward = lambda x: lax.ppermute(x, PP, [(i, (i + 1) % p) for i in range(p)])
+    send_backward = lambda x: lax.ppermute(x, PP, [(i, (i - 1) % p) for i in range(p)])
+    cotangents_in = cotangents
+    never = op["f_branch"] < 0      # false at run time, unknown to the compiler: a dependency it keeps
+    if ordered_collectives:   # the backward slot after the forward slot (its collectives too)
+      cotangents_in = _after(cotangents, activation, never)
+    else:
+      with jax.named_scope("pp send-recv"):
+        activation = send_forward(activation)
+    # The backward's residuals read before the switch: a branch given the whole buffer
+    # makes XLA copy it.
+    kept = {key: buffer[op["b_res_slot"]] for key, buffer in carry.get("residuals", {}).items()}
     with jax.named_scope(BACKWARD_SLOT):
-      # The backward's residuals read before the switch: a branch given the whole buffer
-      # makes XLA copy it.
-      kept = {key: buffer[op["b_res_slot"]] for key, buffer in carry.get("residuals", {}).items()}
-      grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents, kept,
+      grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents_in, kept,
                                            carry["grads"], carry["stats"], op, microbatch(op["b_microbatch"]))
     with jax.named_scope("pp send-recv"):
-      cotangent = lax.ppermute(cotangent, PP, [(i, (i - 1) % p) for i in range(p)])
+      if ordered_collectives:  # both sends after the backward slot, the forward's first
+        activation = send_forward(_after(activation, (cotangent, grads), never))
+        cotangent = _after(cotangent, activation, never)
+      cotangent = send_backward(cotangent)
     # Arrivals are written at the tick's end, after every read of the tick.
     new = dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),
                cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),

@@ -14,6 +14,7 @@ from megajax.config import default_config
 from megajax.model import GPT, ModelConfig
 from megajax.optim import make_optimizer
 from megajax.parallel import ParallelStep
+from megajax.parallel.pipeline import pipeline_gradients
 from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
 from megajax.reference_step import accumulate_gradients, init_train_state, make_loss_sums_fn, make_reference_step
 from megajax.trainer import build_parallel_step
@@ -156,10 +157,12 @@ def pipeline_config(mesh, schedule="interleaved_1f1b", virtual_stages=1, microba
   return c
 
 
-def compiled_gradients(mesh, m, baseline=False, packed=False):
+def compiled_gradients(mesh, m, baseline=False, packed=False, ordered_collectives=None):
   """(the 3D step, its compiled gradient program) for a 1F1B pipeline of m one-row
   microbatches; baseline=True: GPipe by autodiff in its place; packed=True: the batch has
-  segment_ids and positions (token data with data.document_masking)."""
+  segment_ids and positions (token data with data.document_masking); ordered_collectives:
+  the executor's tick order (None: the step's, ordered on these CPU devices; False: the
+  decoupled sends the GPU build runs, compiled here but not run)."""
   config = pipeline_config(mesh, "1f1b", 1, microbatches=m, layers=mesh[1] * 2, mode="none", rows=m)
   config.model.window_pattern = "L"
   if packed:
@@ -170,5 +173,9 @@ def compiled_gradients(mesh, m, baseline=False, packed=False):
     fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=mesh[1], virtual_stages=1,
                            microbatches=m, c=parallel_step.model.config, overlap=parallel_step.overlap,
                            z_loss=config.train.z_loss)
+  elif ordered_collectives is not None:
+    fn = functools.partial(pipeline_gradients, layouts=parallel_step.layouts, tables=parallel_step.pipeline,
+                           c=parallel_step.model.config, overlap=parallel_step.overlap, z_loss=config.train.z_loss,
+                           grad_sync=config.parallel.grad_sync, ordered_collectives=ordered_collectives)
   state, batch = parallel_step.abstract_inputs()
   return parallel_step, parallel_step.summed_gradients(fn).lower(state.params, batch).compile()

@@ -112,7 +112,7 @@ def test_decoupled_send_rings_over_pp():
   """Activations travel to stage s+1 and cotangents to s-1 in two collective-permutes of their
   own, outside every branch, and nothing the backward slot computes depends on the forward's
   send: the scheduler may run the send during the backward (decoupled send/recv)."""
-  _, compiled = compiled_gradients((1, 4, 1), 4)
+  _, compiled = compiled_gradients((1, 4, 1), 4, ordered_collectives=False)
   text = compiled.as_text()
   forward, backward = {(i, (i + 1) % 4) for i in range(4)}, {(i, (i - 1) % 4) for i in range(4)}
   # The HLO's device ids are mesh positions; on a (1, 4, 1) mesh the id is the stage.
@@ -136,6 +136,26 @@ def test_decoupled_send_rings_over_pp():
   assert len(conditionals) >= 2                                   # the forward and backward slots
   assert not downstream & set(conditionals), downstream & set(conditionals)
   assert all(op != "conditional" for op, _ in (found[n] for n in downstream))
+
+
+def test_on_cpu_the_tick_orders_its_collectives():
+  """XLA:CPU may start independent collectives in different orders on different devices (a
+  rendezvous then waits until it aborts): the step on CPU devices runs the backward slot after
+  the forward slot and both sends after the backward slot."""
+  _, compiled = compiled_gradients((1, 4, 1), 4)
+  body = next(c for c in re.split(r"\n(?=\S)", compiled.as_text()) if re.search(r" collective-permute(-start)?\(", c))
+  found = instructions(body)
+  def upstream(name):
+    seen, frontier = set(), {name}
+    while frontier:
+      frontier = {o for n in frontier for o in found.get(n, ("", set()))[1]} - seen
+      seen |= frontier
+    return seen
+  sends = [n for n, (op, _) in found.items() if op.startswith("collective-permute")]
+  conditionals = {n for n, (op, _) in found.items() if op == "conditional"}
+  assert len(sends) == 2 and len(conditionals) >= 2
+  for send in sends:                       # every slot's switch runs before either send
+    assert conditionals <= upstream(send), (send, conditionals - upstream(send))
 
 
 # --- The residuals a forward keeps for its backward (residuals.py).
