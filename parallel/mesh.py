@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
@@ -48,6 +49,17 @@ def to_varying(x, axes: tuple[str, ...]):
     return x
   pcast = getattr(jax.lax, "pcast", None)
   return pcast(x, missing, to="varying") if pcast is not None else jax.lax.pvary(x, missing)
+
+
+def after(x, deps, never):
+  """`x` bit for bit, computed only once `deps` are: one element of each leaf of `deps`
+  selected under `never`, a condition false at run time that the compiler cannot see
+  through. How the step orders work XLA would otherwise place freely (XLA:CPU drops
+  optimization barriers before it runs a program; a data dependency it keeps), and the
+  earliest an asynchronous collective on `x` can start. The result varies over the mesh
+  axes of x, deps and never together."""
+  picked = sum(jnp.ravel(leaf)[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))
+  return jnp.where(never, picked.astype(x.dtype), x)
 
 
 def mesh_shape(config) -> tuple[int, int, int]:

@@ -25,7 +25,7 @@ import optax
 
 from megajax.model import GPT, logical_axes
 from megajax.optim import TensorNorms
-from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
+from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
 
 # The logical axes tensor parallelism splits over the tp mesh axis; other axes stay whole.
 TENSOR_PARALLEL_AXES = ("heads", "kv_heads", "mlp", "vocab")
@@ -144,6 +144,78 @@ def gather_params(params, layouts, compute_dtype=None):
   ordered = sorted(params, key=_forward_order)
   return {name: jax.tree_util.tree_map_with_path(gather, {name: params[name]}, {name: layouts[name]})[name]
           for name in ordered}
+
+
+# ZeRO's gathers one layer ahead (pp = 1). The parameters stay gathered for the whole step
+# (ZeRO-2), so only the first microbatch waits for them: its forward issues each gather
+# one layer ahead of its use (the next block's as this one starts: sharding's part in
+# megajax.parallel.tensor_parallel.loss_sums), so on a GPU the gather of layer i + 1 runs
+# under layer i's compute, and only the embedding's and the first block's are exposed.
+# Every later microbatch reuses what it gathered.
+
+def gathered_zeros(shards, layouts, compute_dtype=None):
+  """Zeros typed like gather_params(shards, layouts, compute_dtype): shape, dtype and the
+  mesh axes they vary over (the gradient accumulators' and layer_ahead_gathers' template)."""
+  dp = lax.axis_size(DP)
+  def zeros(path, shard, layout):
+    shape = list(shard.shape)
+    if layout.dp_dim is not None:
+      shape[layout.dp_dim] *= dp
+    cast = compute_dtype is not None and gathers_in_compute_dtype(tuple(k.key for k in path))
+    return to_varying(jnp.zeros(shape, compute_dtype if cast else shard.dtype), (*varying_axes(shard), DP))
+  return jax.tree_util.tree_map_with_path(zeros, shards, layouts)
+
+
+@jax.custom_vjp
+def _gradient_to(sink, value):
+  """`value`, its cotangent handed to `sink` (a zero of its type): the gradient w.r.t. a
+  gathered parameter, though the gather itself runs inside the differentiated function."""
+  return value
+
+
+_gradient_to.defvjp(lambda sink, value: (value, None), lambda _, cotangent: (cotangent, None))
+
+
+def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never):
+  """For loss_sums(gather_ahead=...): (params, names, issued_after) -> params with the leaves
+  `names` added, gathered as gather_params does, each shard's gather depending on
+  `issued_after` (mesh.after, `never`: false at run time) so that none starts earlier;
+  a gathered leaf's gradient goes to its entry of `sinks` (gathered_zeros: the step
+  differentiates w.r.t. them). Names not in `shards` (a tied head) are skipped. A shard
+  that does not vary over every mesh axis of `issued_after` (tp-replicated LayerNorm
+  scales and biases: the activations vary over tp) is issued at once instead: a dependency
+  would make it vary over tp too, and it is small."""
+  def ahead(params, names, issued_after):
+    names = [name for name in names if name in shards and name not in params]
+    needs = varying_axes(jax.tree.leaves(issued_after)[0]) | varying_axes(never)
+    ordered = jax.tree.map(lambda x: after(x, issued_after, never) if needs <= varying_axes(x) | {DP} else x,
+                           {name: shards[name] for name in names})
+    gathered = gather_params(ordered, {name: layouts[name] for name in names}, compute_dtype)
+    return {**params, **jax.tree.map(_gradient_to, {name: sinks[name] for name in names}, gathered)}
+  return ahead
+
+
+def first_microbatch_gathering(loss, shards, layouts, compute_dtype, sinks):
+  """For megajax.reference_step.accumulate_gradients(first=...): microbatch -> ((objective,
+  stats), gradients w.r.t. the gathered parameters, the gathered parameters), the gathers
+  issued inside `loss(params, microbatch, gather_ahead=...)`'s forward one layer ahead.
+  `sinks`: gathered_zeros of the same arguments."""
+  def first(microbatch):
+    never = microbatch["inputs"][0, 0] < 0      # token ids are never negative: false, opaque to XLA
+
+    def objective(sinks):
+      ahead = layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never)
+      gathered = {}
+      def gather_ahead(params, names, issued_after):
+        params = ahead(params, names, issued_after)
+        gathered.update(params)
+        return params
+      total, stats = loss({}, microbatch, gather_ahead=gather_ahead)
+      return total, (stats, gathered)
+
+    (total, (stats, params)), grads = jax.value_and_grad(objective, has_aux=True)(sinks)
+    return (total, stats), grads, params
+  return first
 
 
 def _forward_order(name: str):

@@ -3,10 +3,10 @@
 Per device, one step is:
 
   1. ZeRO gather:  fp32 master shards --all-gather(dp)--> this tp rank's parameters, the
-                   linears' cast to the compute dtype first (sharding.gathers_in_compute_dtype),
-                   traced at the top of the step in layer order (embedding, layer 0, ...,
-                   head); XLA's scheduler places them, free to overlap later layers' gathers
-                   with the first layers' compute.
+                   linears' cast to the compute dtype first (sharding.gathers_in_compute_dtype).
+                   pp = 1: inside the first microbatch's forward, each issued one layer ahead
+                   of its use (sharding.layer_ahead_gathers), kept for the later microbatches;
+                   pp > 1: all of the stage's at the top of the step, before the tick scan.
   2. Forward/backward per microbatch: with pp = 1 a lax.scan over microbatches of the
                    tensor + sequence parallel model (megajax.parallel.tensor_parallel); with
                    pp > 1 the pipeline schedule's ticks (megajax.parallel.pipeline).
@@ -185,26 +185,30 @@ class ParallelStep:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
                                          self.overlap, c.train.z_loss, probes, c.parallel.grad_sync,
                                          ordered_collectives=self.mesh.devices.flat[0].platform == "cpu")
-    full_params = sharding.gather_params(params, self.layouts, self.model.config.compute_dtype)
     # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
     loss = jax.named_scope("forward")(
         functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
+    # ZeRO's gathers run inside the first microbatch's forward, one layer ahead of use
+    # (sharding.layer_ahead_gathers); the later microbatches use what it gathered.
+    sinks = sharding.gathered_zeros(params, self.layouts, self.model.config.compute_dtype)
+    first = sharding.first_microbatch_gathering(loss, params, self.layouts, self.model.config.compute_dtype, sinks)
     reduce_scatter = functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts)
     if c.parallel.grad_sync == "microbatch":
       # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
       # only this device's 1/dp shard, shaped like the master shard (m collectives per leaf).
       # Gradients w.r.t. leaves gathered in the compute dtype come back in it: in the master
       # dtype again before the reduction (the conversion the cast's transpose made before).
-      grads, stats = accumulate_gradients(loss, full_params, batch, c.train.microbatches,
+      grads, stats = accumulate_gradients(loss, None, batch, c.train.microbatches, first=first,
                                           reduce_grads=lambda g: reduce_scatter(sharding.to_master_dtype(g, params)),
                                           zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes)
     else:
       # grad_sync="step": the scan sums full local gradients (fp32, shaped like the gathered
-      # parameters) over the first m - 1 microbatches; the last one's backward runs after it,
-      # and with it one reduce-scatter per leaf over dp for the whole step, each depending only
-      # on its own leaf's sum: XLA may start the head's while the first layers' backward runs.
+      # parameters) over the microbatches between the first and the last; the last one's
+      # backward runs after it, and with it one reduce-scatter per leaf over dp for the whole
+      # step, each depending only on its own leaf's sum: XLA may start the head's while the
+      # first layers' backward runs.
       grads, stats = accumulate_gradients(
-          loss, full_params, batch, c.train.microbatches, zero_grads=sharding.gradient_accumulators(full_params),
+          loss, None, batch, c.train.microbatches, first=first, zero_grads=sharding.gradient_accumulators(sinks),
           probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)))
     # Captured statistics are global already (reduced over dp and tp where they were taken).
     return grads, {k: v if k == "capture" else lax.psum(v, DP) for k, v in stats.items()}

@@ -216,19 +216,26 @@ def head_loss_sums(params, x, batch, c: ModelConfig, overlap: Overlap, z_loss: f
   return vocab_parallel_cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
 
 
-def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0, probes=None):
+def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0, probes=None,
+              gather_ahead=None):
   """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
   A packed batch has "positions" and "segment_ids" [b, s] too (megajax.model.GPT).
 
   The pipeline (megajax.parallel.pipeline) runs the same pieces split into stages. With
   `probes` (megajax.observe.probes.Probes, bound to the step; the batch then has "rows") the stats
   also hold the captured statistics under "capture", {"<layer>:<tensor>": {...}}.
+  `gather_ahead` (megajax.parallel.sharding.layer_ahead_gathers): `params` starts empty and
+  each leaf is gathered one layer ahead of its use, issued after the input of the layer before.
   """
+  ahead = gather_ahead or (lambda params, names, issued_after: params)
   tokens = batch["inputs"]                                                # [b, s], every tp rank
+  params = ahead(params, ("embedding", "layer_0"), tokens)
   x = vocab_parallel_embed(params["embedding"], tokens, c)                # [b, s/n, hidden]
   positions, segment_ids = positions_of(batch), batch.get("segment_ids")
   captured = {}
   for layer in range(c.num_layers):
+    following = (f"layer_{layer + 1}",) if layer + 1 < c.num_layers else ("final_norm", "head")
+    params = ahead(params, following, x)      # issued as this layer starts, used by the next
     probe = probes.at_layer(layer, batch["rows"]) if probes is not None else None
     x, stats = probed_block(params[f"layer_{layer}"], x, positions, c.layer_window(layer), c, overlap, probe,
                             segment_ids)

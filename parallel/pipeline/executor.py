@@ -46,7 +46,7 @@ forward slot, backward slot, forward send, backward send, in that order: its exe
 start independent collectives (a send, a branch's tp all-gather) in different orders on
 different devices, and the rendezvous then waits until it aborts (seen under load: 2 of 3
 loaded runs of a dp2-pp2-tp2 case before, 0 of 6 after). Optimization barriers do not survive
-XLA:CPU's passes, so the order is a data dependency (`_after`). XLA:GPU runs one schedule on
+XLA:CPU's passes, so the order is a data dependency (`mesh.after`). XLA:GPU runs one schedule on
 every device, so there the sends stay decoupled.
 
 Lockstep SPMD compromises (docs/parallelism.md has the measured costs): every stage walks the
@@ -65,7 +65,7 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel import sharding
-from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
+from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
 from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
 from megajax.parallel.pipeline.stacking import LAYERS
 from megajax.parallel.pipeline.tables import Program, Tables
@@ -97,14 +97,6 @@ def _group_key(group: tuple) -> str:
   """A residual buffer's name in the carry: the mesh axes its values vary over, their width."""
   axes, width = group
   return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
-
-
-def _after(x, deps, never):
-  """`x`, computed only once `deps` are (one element of each leaf added under `never`, a
-  condition false at run time that the compiler cannot see through). XLA:CPU drops
-  optimization barriers before it runs a program; a data dependency it keeps."""
-  picked = sum(jnp.ravel(leaf)[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))
-  return x + jnp.where(never, picked, 0.0).astype(x.dtype)
 
 
 def stage_params(params, layouts, compute_dtype=None):
@@ -274,7 +266,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     cotangents_in = cotangents
     never = op["f_branch"] < 0      # false at run time, unknown to the compiler: a dependency it keeps
     if ordered_collectives:   # the backward slot after the forward slot (its collectives too)
-      cotangents_in = _after(cotangents, activation, never)
+      cotangents_in = after(cotangents, activation, never)
     else:
       with jax.named_scope("pp send-recv"):
         activation = send_forward(activation)
@@ -286,8 +278,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
                                            carry["grads"], carry["stats"], op, microbatch(op["b_microbatch"]))
     with jax.named_scope("pp send-recv"):
       if ordered_collectives:  # both sends after the backward slot, the forward's first
-        activation = send_forward(_after(activation, (cotangent, grads), never))
-        cotangent = _after(cotangent, activation, never)
+        activation = send_forward(after(activation, (cotangent, grads), never))
+        cotangent = after(cotangent, activation, never)
       cotangent = send_backward(cotangent)
     # Arrivals are written at the tick's end, after every read of the tick.
     new = dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),

@@ -17,8 +17,11 @@ Two runtimes (`Plan.executor`):
              the linears' and head's in the compute dtype (bf16), the embedding and the
              LayerNorms' in fp32 (sharding.gathers_in_compute_dtype), gradients
              reduce-scattered over dp in fp32 once per step (`Plan.grad_sync` "step", the
-             default; "microbatch": every microbatch's as they come), and
-             with pp > 1 the lockstep executor: by default each non-last microbatch-chunk's
+             default; "microbatch": every microbatch's as they come). Its dp overlap as
+             built: with pp = 1 the gathers one layer ahead in the first microbatch's
+             forward and the reduce-scatters under the backward that makes them; with
+             pp > 1 none (the stage's gathers before the tick scan, its reduce-scatters
+             after it or inside the backward slots). With pp > 1 the lockstep executor: by default each non-last microbatch-chunk's
              forward keeps its vjp residuals (what model.remat saves) in one of
              `residual_slots` slots until its backward, which reads them (no forward rerun;
              the last chunk runs forward and backward together); with
@@ -542,10 +545,23 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
     gather_bytes = counts.compute_gathered * cb + (counts.stage - counts.compute_gathered) * pb
   else:
     gather_bytes = counts.stage * cb
-  t_dp = _ring_seconds(scatter_bytes + gather_bytes, plan.dp, link)
+  t_gather, t_scatter = (_ring_seconds(nbytes, plan.dp, link) for nbytes in (gather_bytes, scatter_bytes))
   compute = m * (t_gemm + t_attention + t_memory)
-  if o.dp_overlap:   # per chunk, prefetched: the first gather and last scatter stay exposed
+  t_dp = t_gather + t_scatter
+  if o.dp_overlap and not megajax:   # per chunk, prefetched: the first gather and last scatter stay exposed
     t_dp = t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute)
+  elif o.dp_overlap and p == 1:
+    # megajax, pp = 1: each layer's gather issued one layer ahead inside the first
+    # microbatch's forward (sharding.layer_ahead_gathers), the first layer's exposed; the
+    # reduce-scatters with the last microbatch's backward ("step") or each microbatch's own
+    # ("microbatch"), the last layer's exposed. A backward is taken as twice its forward.
+    forward = (t_gemm + t_attention + t_memory) / 3
+    def hidden_by_layers(seconds, under):
+      return seconds / layers + max(0.0, seconds * (1 - 1 / layers) - under)
+    syncs = m if plan.grad_sync == "microbatch" else 1
+    t_dp = hidden_by_layers(t_gather, forward) + syncs * hidden_by_layers(t_scatter / syncs, 2 * forward)
+  # megajax, pp > 1: the stage's gathers run before the tick scan and its reduce-scatters
+  # after it ("step") or inside the backward slots ("microbatch"): all exposed.
 
   # Optimizer: a streaming pass over the dp shard (read param, grad, 2 moments; write 3),
   # LAMB a second pass for its norms; Megatron also writes the bf16 copy.

@@ -4,15 +4,17 @@ gradient sync over dp runs per step, the dtypes of ZeRO's gathers) and the optim
 bytes per device. Its values against the reference: tests/integration.
 """
 
+import collections
 import re
 
 import jax
+from jax.extend import core as jcore
 import numpy as np
 import pytest
 
 from megajax.config import TP_OVERLAP_CHOICES
 from megajax.parallel import sharding
-from tests.support.hlo import collective_counts, compiled_step_text, mesh_groups, replica_groups
+from tests.support.hlo import collective_counts, compiled_step_text, computations, mesh_groups, replica_groups
 from tests.support.reference import parallel_step_for, parallel_config, pipeline_config
 
 MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
@@ -63,7 +65,7 @@ def test_zero_reduce_scatters_gradients_and_never_all_reduces_them():
   counts = collective_counts(text, parallel_step.mesh)
   leaves = len(jax.tree.leaves(parallel_step.layouts))
   assert counts["reduce-scatter", "dp", "other"] == leaves   # one per gradient leaf
-  assert counts["all-gather", "dp", "other"] == leaves       # the ZeRO parameter gather
+  assert counts["all-gather", "dp", "forward"] == leaves     # the ZeRO parameter gather, in the forward
   # Prefetch: the program's first collective is a ZeRO parameter gather over dp.
   first = next(line for line in text.split("ENTRY", 1)[1].splitlines()
                if re.search(r" (all-gather|reduce-scatter|all-reduce|collective-permute)(-start)?\(", line))
@@ -77,6 +79,74 @@ def test_zero_reduce_scatters_gradients_and_never_all_reduces_them():
       dims = re.findall(r"[a-z0-9]+\[([\d,]*)\]", result_type)
       if crosses_dp or groups == dp_groups:
         assert all(d == "" for d in dims), f"a non-scalar all-reduce over dp: {line.strip()[:160]}"
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for x in value if isinstance(value, (list, tuple)) else (value,):
+      if isinstance(x, jcore.ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, jcore.Jaxpr):
+        yield x
+
+
+def _dots(eqns) -> int:
+  return sum((e.primitive.name == "dot_general") + sum(_dots(j.eqns) for j in _sub_jaxprs(e)) for e in eqns)
+
+
+def _shard_map_body(jaxpr):
+  for eqn in jaxpr.eqns:
+    for sub in _sub_jaxprs(eqn):
+      body = sub if eqn.primitive.name == "shard_map" else _shard_map_body(sub)
+      if body is not None:
+        return body
+  return None
+
+
+def test_zero_gathers_are_issued_one_layer_ahead():
+  """pp = 1, 3 layers, 2 microbatches: every dp all-gather sits in the first microbatch's
+  forward, and each waits for exactly the matmuls of the layers before the one ahead of its
+  use: the tp-split leaves of layer i + 1 (and the head after the last layer) on layer
+  i - 1's output, so they run under layer i. The embedding's, the first two layers' and the
+  tp-replicated LayerNorm and bias leaves (a dependency would make them vary over tp) wait
+  for nothing. Counted on the step's program (matmuls each gather depends on), then on the
+  compiled one: XLA keeps the order."""
+  layers = 3
+  config = parallel_config(2, 2, "serial", "none", layers=layers, microbatches=2)
+  parallel_step = parallel_step_for(config)
+  state, batch = parallel_step.abstract_inputs()
+  body = _shard_map_body(jax.make_jaxpr(parallel_step.summed_gradients())(state.params, batch).jaxpr)
+  producer = {v: eqn for eqn in body.eqns for v in eqn.outvars}
+
+  def ancestors(eqn, seen):
+    for v in eqn.invars:
+      source = None if isinstance(v, jcore.Literal) else producer.get(v)
+      if source is not None and id(source) not in seen:
+        seen[id(source)] = source
+        ancestors(source, seen)
+    return seen
+
+  waits = collections.Counter(_dots(ancestors(eqn, {}).values()) for eqn in body.eqns
+                              if eqn.primitive.name == "all_gather" and "dp" in str(eqn.params["axis_name"]))
+  layouts = parallel_step.layouts
+  split = {name: sum(layout.tp_dim is not None for layout in jax.tree.leaves(layouts[name])) for name in layouts}
+  levels = sorted(waits)
+  assert len(levels) == layers and levels[0] == 0 and levels[2] == 2 * levels[1] > 0, waits
+  assert waits[levels[1]] == split["layer_2"] and waits[levels[2]] == split["head"] == 1, waits
+  assert sum(waits.values()) == len(jax.tree.leaves(layouts))
+  # Compiled: the gathers of layer 2 after some of the step's matmuls, the head's after more.
+  text = parallel_step.summed_gradients().lower(state.params, batch).compile().as_text()
+  bodies = computations(text)
+  matmuls = {name for name, body in bodies.items() if re.search(r" (dot|convolution)\(", body)}
+  dots, after = 0, []
+  for line in bodies["ENTRY"].splitlines():   # a matmul, or a fusion / call of one
+    called = re.findall(r"(?:calls|to_apply)=%?([\w.-]+)", line)
+    dots += bool(re.search(r" (dot|convolution)\(", line) or matmuls.intersection(called))
+    if re.search(r" all-gather(-start)?\(", line) and replica_groups(line) == mesh_groups(parallel_step.mesh, "dp"):
+      after.append(dots)
+  assert len(after) == len(jax.tree.leaves(layouts))
+  after = sorted(after)
+  assert after[0] == 0 and 0 < after[-1 - split["layer_2"]] < after[-1], after
 
 
 @pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4)], ids=["8x1x1", "2x1x4"])

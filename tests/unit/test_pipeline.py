@@ -46,13 +46,14 @@ def test_1f1b_stash_is_bounded_independently_of_microbatches(name, v):
   assert gpipe == [4 * p * v, 16 * p * v]
 
 
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (8, 16)])
 @pytest.mark.parametrize("recompute", [False, True], ids=["residuals", "recompute"])
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 2)])
-def test_tables_route_every_message(name, v, recompute):
+def test_tables_route_every_message(name, v, recompute, p, m):
   """Replays the tables: each op reads the slot its input (or cotangent, or residuals) was
-  received into, and no slot is overwritten while its message is still needed."""
-  p = 4
-  t = tables_for(name, p, v, 8, recompute=recompute)
+  received into, and no slot is overwritten while its message is still needed. For m = p,
+  2p, 4p: the pipeline's equality tests run every m on two meshes only."""
+  t = tables_for(name, p, v, m, recompute=recompute)
   pairs, last = schedules.paired_timeline(t.schedule), p * v - 1
   received_at = {}   # (stage, kind, slot) -> (microbatch, chunk) held there
   reads_input = lambda op, g: g > 0 and (op.kind == schedules.FORWARD or recompute or g == last)

@@ -148,3 +148,21 @@ def test_megajax_plans_rerun_the_chunk_only_where_residuals_do_not_fit(paper_set
   assert "--config.parallel.pipeline_recompute=True" in plans.config_overrides(plan)
   dots, _ = plans.search(c, 256, 768, hw, MEGASCALE, "megajax", "dots")
   assert not dots[0].plan.pipeline_recompute       # where residuals fit, no forward is rerun
+
+
+def test_megajax_dp_overlap_is_what_its_step_does(paper_setting):
+  """megajax's exposed dp communication as built: with pp = 1 the gathers one layer ahead in
+  the first microbatch's forward and the reduce-scatters under the backward (at least one
+  layer's exposed, less than all: only one microbatch's forward hides the gathers); with pp > 1 all of it (before and after the tick
+  scan), where the paper's runtime overlaps it per chunk."""
+  c, hw = paper_setting
+  for pp, v in ((1, 1), (8, 4)):
+    plan = Plan(32, pp, 8, v, 1, 32 * 16)
+    serial = cost_model.step_time(c, dataclasses.replace(plan, opts=dataclasses.replace(MEGASCALE, dp_overlap=False)), hw)
+    overlapped = cost_model.step_time(c, plan, hw)
+    paper_runtime = cost_model.step_time(c, dataclasses.replace(plan, executor="paper"), hw)
+    layers = c.num_layers // pp
+    if pp == 1:
+      assert serial.dp_comm / layers <= overlapped.dp_comm < serial.dp_comm, (overlapped, serial)
+    else:
+      assert overlapped.dp_comm == serial.dp_comm > paper_runtime.dp_comm
