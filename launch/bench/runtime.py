@@ -13,8 +13,11 @@ dp gradient sync cost at run time, on CPU (8 host devices), side by side.
   dp sync     dp2-pp2-tp2 v=2 m=4, bf16 compute: the reduce-scatters, all-gathers and
               all-reduces over dp one step executes and their bytes per device, by dtype, for
               parallel.grad_sync="step" and "microbatch", next to the gradient buckets (the
-              leaves reduce-scattered over dp). Goal: one reduce-scatter per bucket per step
-              ("step"), the parameter gathers in bf16.
+              leaves reduce-scattered over dp), and where the pipeline moves them: the first
+              chunk's rows and the shared leaves before / after the tick scan, the other
+              chunks' in pieces in its head / tail ticks (executor.dp_edge_pieces). Goal:
+              every gradient byte reduce-scattered once per step ("step"), the parameter
+              gathers in bf16.
   step time   the compiled train step (train_step: gradients and optimizer), median seconds,
               residuals vs recompute on the pp2 v=2 pipeline, remat none.
 --quick: remat none and grad_sync="step" only, no step time (the smoke test's size).
@@ -26,6 +29,7 @@ dp gradient sync cost at run time, on CPU (8 host devices), side by side.
 from __future__ import annotations
 
 import collections
+import math
 import re
 
 import jax
@@ -36,6 +40,7 @@ from megajax.launch.bench.timing import median_seconds
 from megajax.launch.bench.train import CompiledStep
 from megajax.model import ModelConfig
 from megajax.observe.hlo import collective_counts, executed_dot_flops, pipeline_branch_weights
+from megajax.parallel.pipeline.executor import dp_edge_pieces
 from megajax.parallel.planner import fits
 from megajax.trainer import build_parallel_step
 
@@ -135,6 +140,12 @@ def dp_sync(grad_syncs: tuple) -> None:
     # What the program asks for, before XLA's passes (every all_gather, tp's too: the dp ones
     # gather the parameters, tp's gather activations in the compute dtype).
     asked = collections.Counter(re.findall(r'"stablehlo.all_gather".*-> tensor<[\dx]*x?([a-z]+\d*)>', lowered))
+    (gather_rows, gathers_at), (scatter_rows, scatters_at) = dp_edge_pieces(parallel_step.pipeline, 2, grad_sync)
+    state, _ = parallel_step.abstract_inputs()
+    shard_kib = sum(4 * math.prod(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(state.params)) / 2**10
+    print(f"{grad_sync:10} the other chunks' rows: gathered in {len(gathers_at)} head tick(s) of {gather_rows} row(s), "
+          f"reduce-scattered in {len(scatters_at)} tail tick(s) of {scatter_rows}; the fp32 gradient shards: "
+          f"{shard_kib:.1f} KiB per device")
     print(f"{grad_sync:10} {scattered} leaves reduce-scattered over dp, {len(layouts) - scattered} all-reduced "
           f"(no dp split); gathers over dp compiled in {', '.join(sorted(gathers)) or 'none'}; "
           f"all_gathers as lowered: {', '.join(f'{n} {t}' for t, n in sorted(asked.items()))}")

@@ -36,13 +36,24 @@ forward and backward together and counts the statistics.
              always summed in fp32:
              grad_sync="step" (the default): each backward's gradients are added in fp32 to
              this stage's full local gradients (shaped like the gathered stage parameters)
-             at the chunk's rows, and reduce-scattered over dp once, after the last tick.
+             at the chunk's rows, and reduce-scattered over dp once (below).
              grad_sync="microbatch": reduce-scattered over dp right away (ZeRO-2) and added
              to this stage's shard. Either way embedding / head gradients are summed over pp
              at the end (only their stages have any).
 
+ZeRO per model chunk (MegaScale's dp overlap; dp_edge_pieces): before the scan only the
+first local chunk's rows and the shared leaves are gathered. The scan runs in three parts:
+its head, the leading ticks in which every stage runs only its first chunk (the warm-up's
+start and its bubble), gathers the other chunks' rows in pieces, one per tick; its tail, the
+trailing ticks where again only first chunks run, reduce-scatters their summed gradients
+("step"), final by then; the steady ticks between carry no dp collective. A piece's
+collective sits outside the tick's switches, so XLA:GPU may run it under them. The first
+chunk's rows and the shared leaves are reduce-scattered after the scan. Each part's switches
+compile only the programs its tables select.
+
 On XLA:CPU (`ordered_collectives`, ParallelStep sets it from the mesh's platform) the tick runs
-forward slot, backward slot, forward send, backward send, in that order: its executor may
+(the head's gather or the tail's reduce-scatter,) forward slot, backward slot, forward send,
+backward send, in that order: its executor may
 start independent collectives (a send, a branch's tp all-gather) in different orders on
 different devices, and the rendezvous then waits until it aborts (seen under load: 2 of 3
 loaded runs of a dp2-pp2-tp2 case before, 0 of 6 after). Optimization barriers do not survive
@@ -68,7 +79,7 @@ from megajax.parallel import sharding
 from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
 from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
 from megajax.parallel.pipeline.stacking import LAYERS
-from megajax.parallel.pipeline.tables import Program, Tables
+from megajax.parallel.pipeline.tables import Program, Tables, dp_pieces
 from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
                                               vocab_parallel_embed)
 from megajax.reference_step import split_microbatches
@@ -97,6 +108,11 @@ def _group_key(group: tuple) -> str:
   """A residual buffer's name in the carry: the mesh axes its values vary over, their width."""
   axes, width = group
   return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
+
+
+def _zeros_like_rows(x, rows: int):
+  """Zeros typed like `x` (dtype, the mesh axes it varies over) with `rows` rows."""
+  return to_varying(jnp.zeros((rows, *x.shape[1:]), x.dtype), tuple(varying_axes(x)))
 
 
 def stage_params(params, layouts, compute_dtype=None):
@@ -132,33 +148,56 @@ def chunk_forward(program: Program, c: ModelConfig, overlap: Overlap, z_loss: fl
   return run
 
 
+def dp_edge_pieces(tables: Tables, dp: int, grad_sync: str) -> tuple:
+  """The other chunks' rows (all but the first local chunk's) as the tick scan moves them
+  over dp: ((rows per gather piece, their first rows), (the same for the reduce-scatters)),
+  one piece per tick of the scan's head and tail (tables.dp_pieces); none with dp = 1, one
+  chunk, or (reduce-scatters) grad_sync="microbatch"."""
+  rest = (tables.schedule.virtual_stages - 1) * tables.layers_per_chunk if dp > 1 else 0
+  lead, trail = tables.first_chunk_only_ticks()
+  return dp_pieces(rest, lead), dp_pieces(rest, trail if grad_sync == "step" else 0)
+
+
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
                        z_loss: float, probes=None, grad_sync: str = "step", ordered_collectives: bool = False):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
   whole batch (summed over dp and pp). `grad_sync` (megajax.config.GRAD_SYNC_CHOICES): the dp
-  reduce-scatter once per step after the tick scan, or after each backward. `probes`
+  reduce-scatter once per step, or after each backward. `probes`
   (megajax.observe.probes, bound to the step; the batch then has "rows"): perturb_at="stage:<s>"
   perturbs what stage s sends on. `ordered_collectives` (XLA:CPU): the tick's collectives in
-  one order on every device: forward slot, backward slot, then the two sends (see the module
-  docstring)."""
+  one order on every device: forward slot, backward slot, then the two sends, then the tick's
+  dp collective (see the module docstring)."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
-  full = stage_params(params, layouts, c.compute_dtype)
   stage = lax.axis_index(PP)
   microbatches = split_microbatches(batch, tables.schedule.microbatches)   # [m, b, S]
   b, seq = microbatches["inputs"].shape[1:]
+
+  # ZeRO over dp per chunk (MegaScale's dp overlap): the first local chunk's rows and the
+  # shared leaves are gathered before the tick scan; the other chunks' rows in pieces, one per
+  # tick of the scan's head (the ticks in which every stage runs only its first chunk: the
+  # warm-up's start, its bubble included); with grad_sync="step" their gradients are
+  # reduce-scattered in pieces over the tail (the cool-down's end, where only first chunks
+  # run), the first chunk's and the shared leaves' after the scan. A piece's collective sits
+  # outside the tick's switches, so it may run under them.
+  (gather_rows, gather_starts), (scatter_rows, scatter_starts) = dp_edge_pieces(tables, lax.axis_size(DP), grad_sync)
+  rest = (tables.schedule.virtual_stages - 1) * k                      # rows of the other chunks
+  first_rows = {**params, LAYERS: jax.tree.map(lambda x: x[:k] if gather_starts else x, params[LAYERS])}
+  full = stage_params(first_rows, layouts, c.compute_dtype)
+  never = microbatches["inputs"][0, 0, 0] < 0     # token ids are never negative: false at run time
 
   def activation_buffer(slots):
     shape = (slots, b, seq // lax.axis_size(TP), c.hidden_dim)
     return to_varying(jnp.zeros(shape, c.compute_dtype), (DP, PP, TP))
 
   zero_stat = to_varying(jnp.zeros((), jnp.float32), (DP, PP))
+  # "step": full local fp32 sums, typed like the gathered stage parameters; "microbatch": the
+  # 1/dp shards, typed like the master shards (varying over pp as a stage computes).
+  gathered_like = jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gathered_zeros(params, layouts, c.compute_dtype))
   carry = dict(
       stash=activation_buffer(tables.stash_slots + 1),
       cotangents=activation_buffer(tables.cotangent_slots + 1),
-      # "step": full local fp32 sums, typed like the gathered stage parameters; "microbatch":
-      # the 1/dp shards, typed like the master shards (varying over pp as a stage computes).
-      grads=(sharding.gradient_accumulators(full) if grad_sync == "step"
+      grads=(sharding.gradient_accumulators(gathered_like) if grad_sync == "step"
              else jax.tree.map(lambda x: to_varying(jnp.zeros_like(x), (PP,)), params)),
       stats={name: zero_stat for name in STAT_NAMES})
   empty_message = activation_buffer(1)[0]
@@ -166,13 +205,13 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   def microbatch(index):
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), microbatches)
 
-  def chunk_params(chunk):
-    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, chunk * k, k), full[LAYERS])
+  def chunk_params(layers, chunk):
+    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, chunk * k, k), layers)
 
   def add_chunk_grads(grads, chunk_grads, shared_grads, chunk):
     """Add one backward's gradients at the chunk's rows: as they are ("step": the dp
-    reduce-scatter waits for the step's end), or ("microbatch") reduce-scattered over dp now
-    (one call: the chunk's and the shared leaves' in one set, which CPU jobs across processes
+    reduce-scatter waits for the chunk's last backward), or ("microbatch") reduce-scattered
+    over dp now (one call: the chunk's and the shared leaves' in one set, which CPU jobs across processes
     pack and order) into the shard. In the master dtype first, as they come from the vjp (a
     leaf gathered in the compute dtype: the conversion its cast's transpose made before)."""
     names = [LAYERS, *shared_grads]
@@ -198,8 +237,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     for program in tables.programs:
       if not program.last:
         shared = {name: full[name] for name in _shared_names(program, c)}
-        splits[program] = SplitChunk.trace(chunk_forward(program, c, overlap, z_loss), chunk_params(index), shared,
-                                           empty_message, microbatch(index))
+        splits[program] = SplitChunk.trace(chunk_forward(program, c, overlap, z_loss), chunk_params(full[LAYERS], index),
+                                           shared, empty_message, microbatch(index))
         for group, words in splits[program].words.items():
           residual_words[group] = max(residual_words.get(group, 0), words)
     carry["residuals"] = {
@@ -208,11 +247,11 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   empty_residuals = {_group_key(group): to_varying(jnp.zeros((words,), group_dtype(group)), group[0])
                      for group, words in residual_words.items()}
 
-  def forward(program: Program):
+  def forward(program: Program, layers):
     run = chunk_forward(program, c, overlap, z_loss)
     def branch(stash, op, mb):
       shared = {name: full[name] for name in _shared_names(program, c)}
-      args = (chunk_params(op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
+      args = (chunk_params(layers, op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
       if program in splits:    # the forward, keeping what its backward reads
         (out, _), packed = splits[program].forward(*args, words=residual_words)
         residuals = {_group_key(group): vector for group, vector in packed.items()}
@@ -222,18 +261,18 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       return _matching(out, empty_message), _matching(residuals, empty_residuals)
     return branch
 
-  def backward(program: Program):
+  def backward(program: Program, layers):
     run = chunk_forward(program, c, overlap, z_loss)
     def branch(stash, cotangents, residuals, grads, stats, op, mb):
-      layers = chunk_params(op["b_chunk"])
+      chunk_layers = chunk_params(layers, op["b_chunk"])
       shared = {name: full[name] for name in _shared_names(program, c)}
       if program in splits:    # the pullback from the forward's residuals: no forward rerun
         stashed = {group: residuals[_group_key(group)] for group in residual_words}
-        vjp_fn = splits[program].pullback_from(layers, shared, empty_message, mb, stashed)
+        vjp_fn = splits[program].pullback_from(chunk_layers, shared, empty_message, mb, stashed)
       else:
         # The forward from the stashed input (rerun, or the last chunk's first run), then its backward.
-        loss_fn = lambda layers, shared, x: run(layers, shared, x, mb)
-        out, vjp_fn, new_stats = jax.vjp(loss_fn, layers, shared, stash[op["b_in_slot"]], has_aux=True)
+        loss_fn = lambda chunk_layers, shared, x: run(chunk_layers, shared, x, mb)
+        out, vjp_fn, new_stats = jax.vjp(loss_fn, chunk_layers, shared, stash[op["b_in_slot"]], has_aux=True)
       if program.last:     # the loss: seed its backward with 1, count its statistics
         cotangent = to_varying(jnp.ones((), out.dtype), tuple(varying_axes(out)))
         stats = _matching(jax.tree.map(jnp.add, stats, new_stats), stats)
@@ -244,16 +283,24 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       return grads, stats, empty_message if program.first else _matching(x_grad, empty_message)
     return branch
 
-  # Branch 0 idles; a last program's forward branch is never selected (see Tables.build).
-  forwards = [lambda stash, op, mb: (empty_message, empty_residuals)]
-  backwards = [lambda stash, cotangents, residuals, grads, stats, op, mb: (grads, stats, empty_message)]
-  for program in tables.programs:
-    forwards.append(forward(program) if not program.last else forwards[0])
-    backwards.append(backward(program))
+  def branches(layers, segment):
+    """Both slots' branch lists reading chunk rows from `layers`; branch 0 idles, and so does a
+    program the segment's tables never select (and a last program's forward: Tables.build)."""
+    forwards = [lambda stash, op, mb: (empty_message, empty_residuals)]
+    backwards = [lambda stash, cotangents, residuals, grads, stats, op, mb: (grads, stats, empty_message)]
+    for i, program in enumerate(tables.programs):
+      used = lambda prefix: bool((segment[prefix + "branch"] == i + 1).any())
+      forwards.append(forward(program, layers) if not program.last and used("f_") else forwards[0])
+      backwards.append(backward(program, layers) if used("b_") else backwards[0])
+    return forwards, backwards
 
-  def tick(carry, rows):
+  def tick(carry, rows, forwards, backwards, dp_collective=None):
+    """One tick; `dp_collective` (the head's gather, the tail's reduce-scatter) runs first on
+    CPU, the forward slot waiting for it (XLA:GPU may run it under both slots)."""
     op = {name: table[stage] for name, table in rows.items()}
     stash, cotangents = carry["stash"], carry["cotangents"]
+    if ordered_collectives and dp_collective is not None:
+      stash = after(stash, dp_collective, never)
     # Forward slot, then its send. Nothing the backward slot reads depends on the send (the
     # arrival is written at the tick's end), so the collective can run during the backward:
     # decoupled send/recv. Unconditional, so it stays outside any branch (idle ticks send zeros).
@@ -264,7 +311,6 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     send_forward = lambda x: lax.ppermute(x, PP, [(i, (i + 1) % p) for i in range(p)])
     send_backward = lambda x: lax.ppermute(x, PP, [(i, (i - 1) % p) for i in range(p)])
     cotangents_in = cotangents
-    never = op["f_branch"] < 0      # false at run time, unknown to the compiler: a dependency it keeps
     if ordered_collectives:   # the backward slot after the forward slot (its collectives too)
       cotangents_in = after(cotangents, activation, never)
     else:
@@ -288,10 +334,56 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     if "residuals" in carry:
       new["residuals"] = {key: lax.dynamic_update_index_in_dim(buffer, residuals[key], op["f_res_slot"], 0)
                           for key, buffer in carry["residuals"].items()}
-    return new, None
+    return new
 
-  carry, _ = lax.scan(tick, carry, {name: jnp.asarray(table) for name, table in tables.per_stage.items()})
+  def segment(first_tick, last_tick):
+    return {name: jnp.asarray(table[first_tick:last_tick]) for name, table in tables.per_stage.items()}, \
+        {name: table[first_tick:last_tick] for name, table in tables.per_stage.items()}
+
+  def rows_of(tree, start, size):
+    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, size), tree)
+
+  ticks = tables.ticks
+  head, tail = len(gather_starts), len(scatter_starts)
+  # Head: each tick also gathers a piece of the other chunks' rows (after the tick's sends
+  # on CPU), which the scan stacks; only the first chunk's rows are read meanwhile.
+  if head:
+    head_rows, head_table = segment(0, head)
+    forwards, backwards = branches(full[LAYERS], head_table)
+    def head_tick(carry, xs):
+      rows, start = xs
+      shards = rows_of(params[LAYERS], k + start, gather_rows)
+      piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype)[LAYERS]
+      return tick(carry, rows, forwards, backwards, piece), piece
+    carry, pieces = lax.scan(head_tick, carry, (head_rows, jnp.asarray(gather_starts, jnp.int32)))
+    layers = jax.tree.map(lambda first: _zeros_like_rows(first, k + rest).at[:k].set(first), full[LAYERS])
+    for i, start in enumerate(gather_starts):     # the pieces in row order (an overlap: the same rows)
+      layers = jax.tree.map(lambda buffer, piece, i=i, start=start: buffer.at[k + start:k + start + gather_rows]
+                            .set(piece[i]), layers, pieces)
+    full = {**full, LAYERS: layers}
+  steady_rows, steady_table = segment(head, ticks - tail)
+  forwards, backwards = branches(full[LAYERS], steady_table)
+  carry, _ = lax.scan(lambda carry, rows: (tick(carry, rows, forwards, backwards), None), carry, steady_rows)
+  # Tail: each tick also reduce-scatters a piece of the other chunks' summed rows, final
+  # since the tail began (only first chunks run there).
+  if tail:
+    tail_rows, tail_table = segment(ticks - tail, ticks)
+    forwards, backwards = branches(full[LAYERS], tail_table)
+    def tail_tick(carry, xs):
+      rows, start = xs
+      sums = rows_of(carry["grads"][LAYERS], k + start, scatter_rows)
+      piece = sharding.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]})[LAYERS]
+      return tick(carry, rows, forwards, backwards, piece), piece
+    carry, pieces = lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))
   grads = carry["grads"]
-  if grad_sync == "step":   # one dp reduce-scatter per leaf for the step (before the pp sum: on shards)
-    grads = sharding.reduce_scatter_grads(grads, layouts)
+  if grad_sync == "step":   # one dp reduce-scatter per leaf and piece for the step (before the pp sum: on shards)
+    first_chunk = {**grads, LAYERS: jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS])}
+    grads = sharding.reduce_scatter_grads(first_chunk, layouts)
+    if tail:
+      layers = jax.tree.map(lambda first, shard: _zeros_like_rows(first, shard.shape[0]).at[:k].set(first),
+                            grads[LAYERS], params[LAYERS])
+      for i, start in enumerate(scatter_starts):
+        layers = jax.tree.map(lambda buffer, piece, i=i, start=start: buffer.at[k + start:k + start + scatter_rows]
+                              .set(piece[i]), layers, pieces)
+      grads = {**grads, LAYERS: layers}
   return sum_over_stages(grads, carry["stats"])

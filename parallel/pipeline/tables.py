@@ -114,6 +114,27 @@ class Tables:
     return cls(schedule, k, programs, stash_slots, cotangent_slots, residual_slots, recompute, tables)
 
 
+  def first_chunk_only_ticks(self) -> tuple[int, int]:
+    """(leading, trailing) ticks in which no stage runs an op of any chunk but its first
+    (local chunk 0): the warm-up's start and the cool-down's end, where the executor moves
+    the other chunks' dp collectives (dp_pieces)."""
+    ps = self.per_stage
+    only_first = (((ps["f_branch"] == 0) | (ps["f_chunk"] == 0)) & ((ps["b_branch"] == 0) | (ps["b_chunk"] == 0))).all(1)
+    if only_first.all():
+      return self.ticks, self.ticks
+    return int(np.argmin(only_first)), int(np.argmin(only_first[::-1]))
+
+
+def dp_pieces(rows: int, ticks: int) -> tuple[int, tuple]:
+  """`rows` rows cut into equal pieces, one per tick over at most `ticks` ticks: (rows per
+  piece, each piece's first row). The last piece ends at `rows` and may overlap the one
+  before it (those rows are moved twice, the same values); () when there are none."""
+  if rows == 0 or ticks == 0:
+    return 0, ()
+  size = -(-rows // ticks)
+  return size, tuple(min(i * size, rows - size) for i in range(-(-rows // size)))
+
+
 class _SlotEvents:
   """One stage's use of a buffer, tick by tick; `assign` gives every held message a slot."""
 

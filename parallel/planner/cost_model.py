@@ -20,8 +20,8 @@ Two runtimes (`Plan.executor`):
              default; "microbatch": every microbatch's as they come). Its dp overlap as
              built: with pp = 1 the gathers one layer ahead in the first microbatch's
              forward and the reduce-scatters under the backward that makes them; with
-             pp > 1 none (the stage's gathers before the tick scan, its reduce-scatters
-             after it or inside the backward slots). With pp > 1 the lockstep executor: by default each non-last microbatch-chunk's
+             pp > 1 per chunk, the first chunk's exposed and the others' in pieces over
+             the tick scan's head and tail. With pp > 1 the lockstep executor: by default each non-last microbatch-chunk's
              forward keeps its vjp residuals (what model.remat saves) in one of
              `residual_slots` slots until its backward, which reads them (no forward rerun;
              the last chunk runs forward and backward together); with
@@ -245,11 +245,12 @@ class ParamCounts:
   shard: int         # of those, the ZeRO shard it owns (master, gradient, moments)
   model: int         # the whole model
   compute_gathered: int = 0   # of `stage`, those megajax gathers in the compute dtype
+  block: int = 0              # of `stage`, the blocks' (its layers')
 
 
 def param_counts(c: ModelConfig, plan: Plan) -> ParamCounts:
   layers = c.num_layers // plan.pp
-  stage = shard = model = compute_gathered = 0
+  stage = shard = model = compute_gathered = block = 0
   for name, shape, tp_dim, in_block in param_leaves(c):
     local = _local(shape, tp_dim, plan.tp)
     # megajax keeps the embedding and head on every stage; Megatron on the first / last one
@@ -258,9 +259,10 @@ def param_counts(c: ModelConfig, plan: Plan) -> ParamCounts:
                                       or c.tie_embeddings else 0)
     stage += copies * math.prod(local)
     compute_gathered += copies * math.prod(local) if gathers_in_compute_dtype(name, in_block) else 0
+    block += copies * math.prod(local) if in_block else 0
     shard += copies * _zero_shard(local, plan.dp)
     model += (c.num_layers if in_block else 1) * math.prod(shape)
-  return ParamCounts(stage, shard, model, compute_gathered)
+  return ParamCounts(stage, shard, model, compute_gathered, block)
 
 
 # --- Memory ------------------------------------------------------------------------------
@@ -560,8 +562,18 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
       return seconds / layers + max(0.0, seconds * (1 - 1 / layers) - under)
     syncs = m if plan.grad_sync == "microbatch" else 1
     t_dp = hidden_by_layers(t_gather, forward) + syncs * hidden_by_layers(t_scatter / syncs, 2 * forward)
-  # megajax, pp > 1: the stage's gathers run before the tick scan and its reduce-scatters
-  # after it ("step") or inside the backward slots ("microbatch"): all exposed.
+  elif o.dp_overlap:
+    # megajax, pp > 1 (executor.py): the first chunk's rows and the shared leaves gathered
+    # before the tick scan and reduce-scattered after it, exposed; the other chunks' rows in
+    # pieces over the p head ticks (a chunk's forward each) and, with "step", the p tail ticks
+    # (a chunk's backward each), exposed beyond them. "microbatch" reduce-scatters inside the
+    # backward slots: exposed.
+    edge = 1 - counts.block * (1 - 1 / v) / counts.stage
+    chunk_forward = (t_gemm + t_attention + t_memory) / (3 * v)
+    def hidden_in_edge(seconds, window):
+      return seconds * edge + max(0.0, seconds * (1 - edge) - p * window)
+    t_dp = hidden_in_edge(t_gather, chunk_forward) + (
+        hidden_in_edge(t_scatter, 2 * chunk_forward) if plan.grad_sync == "step" else t_scatter)
 
   # Optimizer: a streaming pass over the dp shard (read param, grad, 2 moments; write 3),
   # LAMB a second pass for its norms; Megatron also writes the bf16 copy.

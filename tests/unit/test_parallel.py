@@ -170,14 +170,20 @@ def test_optimizer_state_is_split_over_dp(mesh):
 
 # --- Gradient sync over dp (parallel.grad_sync), counted as the compiled step executes it.
 
-def _executed_dp_collectives(config):
+def _compiled_step(config):
   parallel_step = parallel_step_for(config)
-  text = parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile().as_text()
-  executed = {measure: collective_counts(text, parallel_step.mesh, executed=True, by_dtype=True, nbytes=measure)
-              for measure in (False, True)}
-  dp = {measure: {k: v for k, v in counts.items() if k[0] == "reduce-scatter" and k[1] == "dp"}
-        for measure, counts in executed.items()}
-  return parallel_step, dp[False], dp[True]
+  return parallel_step, parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile().as_text()
+
+
+def _dp_collectives(parallel_step, text, kind="reduce-scatter", executed=True, nbytes=False):
+  counts = collective_counts(text, parallel_step.mesh, executed=executed, by_dtype=True, nbytes=nbytes)
+  return {k: v for k, v in counts.items() if k[0] == kind and k[1] == "dp"}
+
+
+def _shard_bytes(parallel_step):
+  """fp32 bytes of this device's 1/dp shard of its tp shard of every leaf."""
+  state, _ = parallel_step.abstract_inputs()
+  return sum(4 * int(np.prod(leaf.sharding.shard_shape(leaf.shape))) for leaf in jax.tree.leaves(state.params))
 
 
 @pytest.mark.parametrize("grad_sync,per_step", [("step", 1), ("microbatch", 4)])
@@ -186,21 +192,30 @@ def test_dp_reduce_scatters_once_per_step_or_per_microbatch(grad_sync, per_step)
   "microbatch" one per leaf inside it, 4 times over (and 4 times the bytes)."""
   config = parallel_config(2, 2, "serial", "none", microbatches=4)
   config.parallel.grad_sync = grad_sync
-  parallel_step, counts, nbytes = _executed_dp_collectives(config)
+  parallel_step, text = _compiled_step(config)
+  counts, nbytes = _dp_collectives(parallel_step, text), _dp_collectives(parallel_step, text, nbytes=True)
   leaves = jax.tree.leaves(parallel_step.layouts)
   assert counts == {("reduce-scatter", "dp", "other", "f32"): per_step * len(leaves)}
-  # Each device keeps the 1/dp shard of its tp shard of every leaf, in fp32.
-  state, _ = parallel_step.abstract_inputs()
-  shard_bytes = sum(4 * int(np.prod(leaf.sharding.shard_shape(leaf.shape))) for leaf in jax.tree.leaves(state.params))
-  assert nbytes == {("reduce-scatter", "dp", "other", "f32"): per_step * shard_bytes}
+  assert nbytes == {("reduce-scatter", "dp", "other", "f32"): per_step * _shard_bytes(parallel_step)}
 
 
-def test_pipeline_reduce_scatters_once_per_step_after_the_tick_scan():
-  """dp2-pp2-tp2, 4 microbatches, grad_sync="step": one dp reduce-scatter per leaf of the
-  pipeline layout in the whole step, none inside the ticks."""
-  config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
-  parallel_step, counts, _ = _executed_dp_collectives(config)
-  assert counts == {("reduce-scatter", "dp", "other", "f32"): len(jax.tree.leaves(parallel_step.layouts))}
+def test_pipeline_dp_collectives_run_per_chunk_in_the_edge_ticks():
+  """dp2-pp2-tp2, interleaved v = 2, 8 layers (2 rows per chunk), 4 microbatches, fp32,
+  grad_sync="step": the first chunk's rows and the shared leaves are gathered before the tick
+  scan and reduce-scattered after it, one collective per leaf; the second chunk's rows in
+  pieces inside the scan, one row per tick over the 2 head ticks (gathers) and the 2 tail
+  ticks (reduce-scatters) in which only first chunks run. Every byte moves once."""
+  config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4, layers=8)
+  key = lambda kind: (kind, "dp", "other", "f32")
+  parallel_step, text = _compiled_step(config)
+  for kind in ("all-gather", "reduce-scatter"):
+    executed, nbytes = _dp_collectives(parallel_step, text, kind), _dp_collectives(parallel_step, text, kind, nbytes=True)
+    compiled = _dp_collectives(parallel_step, text, kind, executed=False)
+    leaves, layer_leaves = len(jax.tree.leaves(parallel_step.layouts)), len(jax.tree.leaves(parallel_step.layouts["layers"]))
+    assert compiled == {key(kind): leaves + layer_leaves}, (kind, compiled)     # a piece's: in a loop body
+    assert executed == {key(kind): leaves + 2 * layer_leaves}, (kind, executed)  # ... run twice
+    dp = 1 if kind == "reduce-scatter" else 2      # a gather's result is the whole leaf
+    assert nbytes == {key(kind): dp * _shard_bytes(parallel_step)}, (kind, nbytes)
 
 
 # --- ZeRO gathers in the compute dtype.
