@@ -60,7 +60,7 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int,
                          reduce_grads: Callable | None = None, zero_grads=None, probes=None,
-                         reduce_sum: Callable | None = None, first: Callable | None = None):
+                         reduce_sum: Callable | None = None, first_microbatch: Callable | None = None):
   """Summed gradients and stats over microbatches; one microbatch's activations live at a time.
 
   `reduce_grads` maps each microbatch's gradients to what is summed (ZeRO-2 per microbatch:
@@ -69,7 +69,7 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
   microbatch once (the 3D step's grad_sync="step": one dp reduce-scatter per leaf); the last
   microbatch then runs after the scan, not in it, so that each leaf's reduction, in the same
   computation as that backward and depending only on its own leaf, can be scheduled while
-  the rest of the backward runs (MegaScale's DP overlap). `first` runs the first microbatch
+  the rest of the backward runs (MegaScale's DP overlap). `first_microbatch` runs the first one
   before the scan, in the computation the step starts with: microbatch -> ((objective,
   stats), gradients, the params every later microbatch uses; the 3D step's ZeRO gathers,
   issued inside its forward: `params` is then None). `probes` (megajax.observe.Probes) when
@@ -80,13 +80,13 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
   last_after_scan = reduce_sum is not None
   reduce_grads, reduce_sum = reduce_grads or identity, reduce_sum or identity
   if microbatches == 1:
-    (_, stats), grads, _ = first(batch) if first is not None else (*grad_fn(params, batch), None)
+    (_, stats), grads, _ = first_microbatch(batch) if first_microbatch is not None else (*grad_fn(params, batch), None)
     return reduce_sum(reduce_grads(grads)), stats
 
   add_stats = probes.combine if probes is not None else lambda a, b: jax.tree.map(jnp.add, a, b)
   microbatches = split_microbatches(batch, microbatches)
-  if first is not None:
-    (_, first_stats), first_grads, params = first(jax.tree.map(lambda x: x[0], microbatches))
+  if first_microbatch is not None:
+    (_, first_stats), first_grads, params = first_microbatch(jax.tree.map(lambda x: x[0], microbatches))
 
   def one_microbatch(carry, microbatch):
     grads_sum, stats_sum = carry
@@ -101,9 +101,9 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
   if probes is not None and probes.capturing:
     zero_stats["capture"] = probes.zeros()
   carry = (zero_grads, zero_stats)
-  if first is not None:    # summed from zero in microbatch order, as in the scan
+  if first_microbatch is not None:    # summed from zero in microbatch order, as in the scan
     carry = (jax.tree.map(jnp.add, zero_grads, reduce_grads(first_grads)), add_stats(zero_stats, first_stats))
-  in_scan = jax.tree.map(lambda x: x[int(first is not None):x.shape[0] - int(last_after_scan)], microbatches)
+  in_scan = jax.tree.map(lambda x: x[int(first_microbatch is not None):x.shape[0] - int(last_after_scan)], microbatches)
   if in_scan["inputs"].shape[0]:
     carry, _ = jax.lax.scan(one_microbatch, carry, in_scan)
   if last_after_scan:   # the last microbatch, summed in the same order as in the scan

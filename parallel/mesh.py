@@ -57,8 +57,9 @@ def after(x, deps, never):
   through. How the step orders work XLA would otherwise place freely (XLA:CPU drops
   optimization barriers before it runs a program; a data dependency it keeps), and the
   earliest an asynchronous collective on `x` can start. The result varies over the mesh
-  axes of x, deps and never together."""
-  picked = sum(jnp.ravel(leaf)[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))
+  axes of x, deps and never together. No gradient flows into `deps` (an order, not a value:
+  inside a differentiated function a cotangent there would transpose whatever made them)."""
+  picked = sum(jnp.ravel(jax.lax.stop_gradient(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))
   return jnp.where(never, picked.astype(x.dtype), x)
 
 

@@ -126,7 +126,7 @@ def to_master_dtype(grads, params_like):
 
 # Inside the shard_map: ZeRO's gather of the parameters and scatter of the gradients.
 
-def gather_params(params, layouts, compute_dtype=None):
+def gather_params(params, layouts, compute_dtype=None, in_turn=None):
   """dp shards -> this tp rank's full parameters, one all-gather over dp per leaf.
 
   With a `compute_dtype` the leaves of gathers_in_compute_dtype are cast to it on the shard
@@ -134,12 +134,32 @@ def gather_params(params, layouts, compute_dtype=None):
   cotangent would be summed before its conversion: the GPipe baseline's tick scan).
   Leaves ZeRO could not split are marked per-device on dp, like the gathered ones: every
   gradient then comes back per device and reduce_scatter_grads does the one dp reduction.
+  `in_turn` (XLA:CPU inside a loop, where independent collectives may start in a different
+  order on each device): a condition false at run time (mesh.after); each gather then waits
+  for the one before, the leaves taken from the least varying (a dependency must not add
+  mesh axes to a leaf).
   """
+  previous = None
+
   @jax.named_scope("dp all-gather")    # trace scopes name each collective kind (megajax.observe.traces)
   def gather(path, p, layout):
+    nonlocal previous
     if compute_dtype is not None and gathers_in_compute_dtype(tuple(k.key for k in path)):
       p = p.astype(compute_dtype)
-    return to_varying(p, (DP,)) if layout.dp_dim is None else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True)
+    if in_turn is not None and previous is not None and varying_axes(previous) <= varying_axes(p) | {DP}:
+      p = after(p, previous, in_turn)
+    gathered = to_varying(p, (DP,)) if layout.dp_dim is None else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True)
+    previous = gathered if in_turn is not None else None
+    return gathered
+
+  if in_turn is not None:
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    flat_layouts = treedef.flatten_up_to(layouts)
+    order = sorted(range(len(paths)), key=lambda i: (len(varying_axes(paths[i][1]) | {DP}), i))
+    out = [None] * len(paths)
+    for i in order:
+      out[i] = gather(paths[i][0], paths[i][1], flat_layouts[i])
+    return treedef.unflatten(out)
   # Traced in the order the forward pass needs them (a dict would be walked alphabetically).
   ordered = sorted(params, key=_forward_order)
   return {name: jax.tree_util.tree_map_with_path(gather, {name: params[name]}, {name: layouts[name]})[name]
@@ -176,40 +196,48 @@ def _gradient_to(sink, value):
 _gradient_to.defvjp(lambda sink, value: (value, None), lambda _, cotangent: (cotangent, None))
 
 
-def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never):
-  """For loss_sums(gather_ahead=...): (params, names, issued_after) -> params with the leaves
-  `names` added, gathered as gather_params does, each shard's gather depending on
-  `issued_after` (mesh.after, `never`: false at run time) so that none starts earlier;
+def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered: bool = False):
+  """For loss_sums(gather_ahead=...): (params, names, issued_after) -> (params with the leaves
+  `names` added, issued_after), gathered as gather_params does, each shard's gather depending
+  on `issued_after` (mesh.after, `never`: false at run time) so that none starts earlier;
   a gathered leaf's gradient goes to its entry of `sinks` (gathered_zeros: the step
   differentiates w.r.t. them). Names not in `shards` (a tied head) are skipped. A shard
   that does not vary over every mesh axis of `issued_after` (tp-replicated LayerNorm
   scales and biases: the activations vary over tp) is issued at once instead: a dependency
-  would make it vary over tp too, and it is small."""
+  would make it vary over tp too, and it is small.
+  `ordered` (XLA:CPU): the group's gathers one after another, and what comes next waits for
+  them: the returned `issued_after` (the layer's input) and the group's own leaves."""
   def ahead(params, names, issued_after):
     names = [name for name in names if name in shards and name not in params]
     needs = varying_axes(jax.tree.leaves(issued_after)[0]) | varying_axes(never)
-    ordered = jax.tree.map(lambda x: after(x, issued_after, never) if needs <= varying_axes(x) | {DP} else x,
-                           {name: shards[name] for name in names})
-    gathered = gather_params(ordered, {name: layouts[name] for name in names}, compute_dtype)
-    return {**params, **jax.tree.map(_gradient_to, {name: sinks[name] for name in names}, gathered)}
+    ordered_shards = jax.tree.map(lambda x: after(x, issued_after, never) if needs <= varying_axes(x) | {DP} else x,
+                                  {name: shards[name] for name in names})
+    gathered = gather_params(ordered_shards, {name: layouts[name] for name in names}, compute_dtype,
+                             in_turn=never if ordered else None)
+    if ordered and names:
+      last = max(jax.tree.leaves(gathered), key=lambda x: len(varying_axes(x)))
+      waits = lambda x: after(x, last, never) if varying_axes(last) <= varying_axes(x) else x
+      gathered = jax.tree.map(waits, gathered)
+      issued_after = jax.tree.map(waits, issued_after)
+    return {**params, **jax.tree.map(_gradient_to, {name: sinks[name] for name in names}, gathered)}, issued_after
   return ahead
 
 
-def first_microbatch_gathering(loss, shards, layouts, compute_dtype, sinks):
-  """For megajax.reference_step.accumulate_gradients(first=...): microbatch -> ((objective,
-  stats), gradients w.r.t. the gathered parameters, the gathered parameters), the gathers
-  issued inside `loss(params, microbatch, gather_ahead=...)`'s forward one layer ahead.
-  `sinks`: gathered_zeros of the same arguments."""
+def first_microbatch_gathering(loss, shards, layouts, compute_dtype, sinks, ordered: bool = False):
+  """For megajax.reference_step.accumulate_gradients(first_microbatch=...): microbatch ->
+  ((objective, stats), gradients w.r.t. the gathered parameters, the gathered parameters),
+  the gathers issued inside `loss(params, microbatch, gather_ahead=...)`'s forward one layer
+  ahead. `sinks`: gathered_zeros of the same arguments; `ordered`: layer_ahead_gathers'."""
   def first(microbatch):
     never = microbatch["inputs"][0, 0] < 0      # token ids are never negative: false, opaque to XLA
 
     def objective(sinks):
-      ahead = layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never)
+      ahead = layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered)
       gathered = {}
       def gather_ahead(params, names, issued_after):
-        params = ahead(params, names, issued_after)
+        params, issued_after = ahead(params, names, issued_after)
         gathered.update(params)
-        return params
+        return params, issued_after
       total, stats = loss({}, microbatch, gather_ahead=gather_ahead)
       return total, (stats, gathered)
 

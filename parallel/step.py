@@ -191,14 +191,15 @@ class ParallelStep:
     # ZeRO's gathers run inside the first microbatch's forward, one layer ahead of use
     # (sharding.layer_ahead_gathers); the later microbatches use what it gathered.
     sinks = sharding.gathered_zeros(params, self.layouts, self.model.config.compute_dtype)
-    first = sharding.first_microbatch_gathering(loss, params, self.layouts, self.model.config.compute_dtype, sinks)
+    first = sharding.first_microbatch_gathering(loss, params, self.layouts, self.model.config.compute_dtype, sinks,
+                                                ordered=self.mesh.devices.flat[0].platform == "cpu")
     reduce_scatter = functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts)
     if c.parallel.grad_sync == "microbatch":
       # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
       # only this device's 1/dp shard, shaped like the master shard (m collectives per leaf).
       # Gradients w.r.t. leaves gathered in the compute dtype come back in it: in the master
       # dtype again before the reduction (the conversion the cast's transpose made before).
-      grads, stats = accumulate_gradients(loss, None, batch, c.train.microbatches, first=first,
+      grads, stats = accumulate_gradients(loss, None, batch, c.train.microbatches, first_microbatch=first,
                                           reduce_grads=lambda g: reduce_scatter(sharding.to_master_dtype(g, params)),
                                           zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes)
     else:
@@ -208,7 +209,7 @@ class ParallelStep:
       # step, each depending only on its own leaf's sum: XLA may start the head's while the
       # first layers' backward runs.
       grads, stats = accumulate_gradients(
-          loss, None, batch, c.train.microbatches, first=first, zero_grads=sharding.gradient_accumulators(sinks),
+          loss, None, batch, c.train.microbatches, first_microbatch=first, zero_grads=sharding.gradient_accumulators(sinks),
           probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)))
     # Captured statistics are global already (reduced over dp and tp where they were taken).
     return grads, {k: v if k == "capture" else lax.psum(v, DP) for k, v in stats.items()}

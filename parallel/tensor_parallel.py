@@ -225,17 +225,18 @@ def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0
   `probes` (megajax.observe.probes.Probes, bound to the step; the batch then has "rows") the stats
   also hold the captured statistics under "capture", {"<layer>:<tensor>": {...}}.
   `gather_ahead` (megajax.parallel.sharding.layer_ahead_gathers): `params` starts empty and
-  each leaf is gathered one layer ahead of its use, issued after the input of the layer before.
+  each leaf is gathered one layer ahead of its use, issued after the input of the layer
+  before (which it returns, on XLA:CPU made to wait for the gathers).
   """
-  ahead = gather_ahead or (lambda params, names, issued_after: params)
+  ahead = gather_ahead or (lambda params, names, issued_after: (params, issued_after))
   tokens = batch["inputs"]                                                # [b, s], every tp rank
-  params = ahead(params, ("embedding", "layer_0"), tokens)
+  params, tokens = ahead(params, ("embedding", "layer_0"), tokens)
   x = vocab_parallel_embed(params["embedding"], tokens, c)                # [b, s/n, hidden]
   positions, segment_ids = positions_of(batch), batch.get("segment_ids")
   captured = {}
   for layer in range(c.num_layers):
     following = (f"layer_{layer + 1}",) if layer + 1 < c.num_layers else ("final_norm", "head")
-    params = ahead(params, following, x)      # issued as this layer starts, used by the next
+    params, x = ahead(params, following, x)   # issued as this layer starts, used by the next
     probe = probes.at_layer(layer, batch["rows"]) if probes is not None else None
     x, stats = probed_block(params[f"layer_{layer}"], x, positions, c.layer_window(layer), c, overlap, probe,
                             segment_ids)

@@ -19,7 +19,7 @@ dp gradient sync cost at run time, on CPU (8 host devices), side by side.
               every gradient byte reduce-scattered once per step ("step"), the parameter
               gathers in bf16.
   step time   the compiled train step (train_step: gradients and optimizer), median seconds,
-              residuals vs recompute on the pp2 v=2 pipeline, remat none.
+              residuals vs recompute on the pp2 v=2 pipeline, remat none and dots.
 --quick: remat none and grad_sync="step" only, no step time (the smoke test's size).
   memory      XLA's temp bytes per device of the gradient program (memory_analysis), residuals
               vs recompute, next to the planner's estimate for the same config
@@ -140,7 +140,7 @@ def dp_sync(grad_syncs: tuple) -> None:
     # What the program asks for, before XLA's passes (every all_gather, tp's too: the dp ones
     # gather the parameters, tp's gather activations in the compute dtype).
     asked = collections.Counter(re.findall(r'"stablehlo.all_gather".*-> tensor<[\dx]*x?([a-z]+\d*)>', lowered))
-    (gather_rows, gathers_at), (scatter_rows, scatters_at) = dp_edge_pieces(parallel_step.pipeline, 2, grad_sync)
+    (gather_rows, gathers_at), (scatter_rows, scatters_at) = dp_edge_pieces(parallel_step.pipeline, mesh.shape["dp"], grad_sync)
     state, _ = parallel_step.abstract_inputs()
     shard_kib = sum(4 * math.prod(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(state.params)) / 2**10
     print(f"{grad_sync:10} the other chunks' rows: gathered in {len(gathers_at)} head tick(s) of {gather_rows} row(s), "
@@ -153,30 +153,28 @@ def dp_sync(grad_syncs: tuple) -> None:
 
 def step_time(repeats: int) -> None:
   print(f"\n== step time: the compiled train step, median of {repeats} on {jax.devices()[0].platform} "
-        "(dp1-pp2-tp1 v=2 m=4, remat none, fp32)")
-  seconds = {}
-  for recompute, way in WAYS.items():
-    step = CompiledStep(_config(pp=2, recompute=recompute), jax.devices()[:2])
-    seconds[way] = median_seconds(step.run, repeats=repeats)
-    print(f"{way:10} {seconds[way] * 1e3:>9.2f} ms")
-  print(f"recompute / residuals: {seconds['recompute'] / seconds['residuals']:.3f}x")
+        "(dp1-pp2-tp1 v=2 m=4, fp32)")
+  print(f"{'remat':6} {'residuals':>11} {'recompute':>11} {'recompute / residuals':>22}")
+  for remat in ("none", "dots"):
+    seconds = {}
+    for recompute, way in WAYS.items():
+      step = CompiledStep(_config(pp=2, remat=remat, recompute=recompute), jax.devices()[:2])
+      seconds[way] = median_seconds(step.run, repeats=repeats)
+    print(f"{remat:6} {seconds['residuals'] * 1e3:>8.2f} ms {seconds['recompute'] * 1e3:>8.2f} ms "
+          f"{seconds['recompute'] / seconds['residuals']:>21.3f}x")
 
 
 def memory(pipelines: dict) -> None:
   print("\n== memory: temp bytes per device of the gradient program (XLA memory_analysis) vs the planner "
         "(fits.estimate, cpu: remat none), dp1-pp2-tp1 v=2 m=4, fp32")
   print(f"{'':10} {'XLA temp':>10} {'planner: activations+logits+pipeline':>37} {'params_temp':>12} {'total':>10}")
-  plans_know = None
   for recompute, way in WAYS.items():
     parallel_step, compiled = pipelines[recompute]
     estimate = fits.estimate(parallel_step.config, "cpu")
-    plans_know = hasattr(fits.plan_of(parallel_step.config), "pipeline_recompute")
     mib = lambda n: f"{n / 2**20:.2f} MiB"
     print(f"{way:10} {mib(compiled.memory_analysis().temp_size_in_bytes):>10} "
           f"{mib(estimate.activations + estimate.logits + estimate.pipeline):>37} "
           f"{mib(estimate.params_temp):>12} {mib(estimate.total):>10}")
-  if not plans_know:
-    print("(the planner's Plan has no pipeline_recompute field yet: its two rows estimate the same plan)")
 
 
 def runtime(repeats: int, quick: bool = False) -> None:

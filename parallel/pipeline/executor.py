@@ -52,9 +52,9 @@ chunk's rows and the shared leaves are reduce-scattered after the scan. Each par
 compile only the programs its tables select.
 
 On XLA:CPU (`ordered_collectives`, ParallelStep sets it from the mesh's platform) the tick runs
-(the head's gather or the tail's reduce-scatter,) forward slot, backward slot, forward send,
-backward send, in that order: its executor may
-start independent collectives (a send, a branch's tp all-gather) in different orders on
+(the head's gather or the tail's reduce-scatter, each leaf's after another's,) forward slot,
+backward slot, forward send, backward send, in that order: its executor may start
+independent collectives (a send, a branch's tp all-gather) in different orders on
 different devices, and the rendezvous then waits until it aborts (seen under load: 2 of 3
 loaded runs of a dp2-pp2-tp2 case before, 0 of 6 after). Optimization barriers do not survive
 XLA:CPU's passes, so the order is a data dependency (`mesh.after`). XLA:GPU runs one schedule on
@@ -110,17 +110,27 @@ def _group_key(group: tuple) -> str:
   return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
 
 
-def _zeros_like_rows(x, rows: int):
-  """Zeros typed like `x` (dtype, the mesh axes it varies over) with `rows` rows."""
-  return to_varying(jnp.zeros((rows, *x.shape[1:]), x.dtype), tuple(varying_axes(x)))
+def _with_rows(first, rows: int):
+  """[rows, ...] typed like `first` (dtype, the mesh axes it varies over), `first`'s rows on top."""
+  out = to_varying(jnp.zeros((rows, *first.shape[1:]), first.dtype), tuple(varying_axes(first)))
+  return out.at[:first.shape[0]].set(first)
 
 
-def stage_params(params, layouts, compute_dtype=None):
+def _assemble_rows(first, rows: int, pieces, starts: tuple):
+  """_with_rows, then piece i of `pieces` [n, size, ...] from row len(first) + starts[i] (in
+  order; where pieces overlap they hold the same values)."""
+  out, k, size = _with_rows(first, rows), first.shape[0], pieces.shape[1]
+  for i, start in enumerate(starts):
+    out = out.at[k + start:k + start + size].set(pieces[i])
+  return out
+
+
+def stage_params(params, layouts, compute_dtype=None, in_turn=None):
   """ZeRO gather -> this stage's rows and this tp rank's shards, marked per device on pp like
   everything a stage computes: a pp-invariant input's gradient would otherwise be summed
-  over pp inside the backward, a collective only its stage runs. `compute_dtype`: the
-  linears' leaves gathered in it (megajax.parallel.sharding.gather_params)."""
-  return jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts, compute_dtype))
+  over pp inside the backward, a collective only its stage runs. `compute_dtype`, `in_turn`:
+  megajax.parallel.sharding.gather_params'."""
+  return jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts, compute_dtype, in_turn))
 
 
 def sum_over_stages(grads: dict, stats: dict):
@@ -165,8 +175,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   reduce-scatter once per step, or after each backward. `probes`
   (megajax.observe.probes, bound to the step; the batch then has "rows"): perturb_at="stage:<s>"
   perturbs what stage s sends on. `ordered_collectives` (XLA:CPU): the tick's collectives in
-  one order on every device: forward slot, backward slot, then the two sends, then the tick's
-  dp collective (see the module docstring)."""
+  one order on every device: the head's or tail's dp collective, forward slot, backward
+  slot, then the two sends (see the module docstring)."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
   stage = lax.axis_index(PP)
@@ -345,21 +355,24 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
 
   ticks = tables.ticks
   head, tail = len(gather_starts), len(scatter_starts)
-  # Head: each tick also gathers a piece of the other chunks' rows (after the tick's sends
-  # on CPU), which the scan stacks; only the first chunk's rows are read meanwhile.
+  # Head: each tick also gathers a piece of the other chunks' rows (first, on CPU), which the
+  # scan stacks; only the first chunk's rows are read meanwhile.
   if head:
     head_rows, head_table = segment(0, head)
+    reads = (head_table["f_branch"] == 0) | (head_table["f_chunk"] == 0), (head_table["b_branch"] == 0) | (head_table["b_chunk"] == 0)
+    assert reads[0].all() and reads[1].all(), "the head's ticks read only first chunks (Tables.first_chunk_only_ticks)"
     forwards, backwards = branches(full[LAYERS], head_table)
-    def head_tick(carry, xs):
+    def head_tick(carry_and_layers, xs):
+      carry, layers = carry_and_layers
       rows, start = xs
       shards = rows_of(params[LAYERS], k + start, gather_rows)
-      piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype)[LAYERS]
-      return tick(carry, rows, forwards, backwards, piece), piece
-    carry, pieces = lax.scan(head_tick, carry, (head_rows, jnp.asarray(gather_starts, jnp.int32)))
-    layers = jax.tree.map(lambda first: _zeros_like_rows(first, k + rest).at[:k].set(first), full[LAYERS])
-    for i, start in enumerate(gather_starts):     # the pieces in row order (an overlap: the same rows)
-      layers = jax.tree.map(lambda buffer, piece, i=i, start=start: buffer.at[k + start:k + start + gather_rows]
-                            .set(piece[i]), layers, pieces)
+      piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype,
+                           in_turn=never if ordered_collectives else None)[LAYERS]
+      # Into the stage's rows at once (no branch reads them before the head ends).
+      layers = jax.tree.map(lambda buffer, rows: lax.dynamic_update_slice_in_dim(buffer, rows, k + start, 0), layers, piece)
+      return (tick(carry, rows, forwards, backwards, piece), layers), None
+    layers = jax.tree.map(lambda first: _with_rows(first, k + rest), full[LAYERS])
+    (carry, layers), _ = lax.scan(head_tick, (carry, layers), (head_rows, jnp.asarray(gather_starts, jnp.int32)))
     full = {**full, LAYERS: layers}
   steady_rows, steady_table = segment(head, ticks - tail)
   forwards, backwards = branches(full[LAYERS], steady_table)
@@ -372,7 +385,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     def tail_tick(carry, xs):
       rows, start = xs
       sums = rows_of(carry["grads"][LAYERS], k + start, scatter_rows)
-      piece = sharding.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]})[LAYERS]
+      piece = sharding.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]},
+                                            bucketed=True if ordered_collectives else None)[LAYERS]
       return tick(carry, rows, forwards, backwards, piece), piece
     carry, pieces = lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))
   grads = carry["grads"]
@@ -380,10 +394,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     first_chunk = {**grads, LAYERS: jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS])}
     grads = sharding.reduce_scatter_grads(first_chunk, layouts)
     if tail:
-      layers = jax.tree.map(lambda first, shard: _zeros_like_rows(first, shard.shape[0]).at[:k].set(first),
-                            grads[LAYERS], params[LAYERS])
-      for i, start in enumerate(scatter_starts):
-        layers = jax.tree.map(lambda buffer, piece, i=i, start=start: buffer.at[k + start:k + start + scatter_rows]
-                              .set(piece[i]), layers, pieces)
-      grads = {**grads, LAYERS: layers}
+      grads = {**grads, LAYERS: jax.tree.map(lambda first, shard, piece: _assemble_rows(first, shard.shape[0], piece,
+                                                                                        scatter_starts),
+                                             grads[LAYERS], params[LAYERS], pieces)}
   return sum_over_stages(grads, carry["stats"])

@@ -113,7 +113,6 @@ class Tables:
       tables[name][tables[name] < 0] = trash
     return cls(schedule, k, programs, stash_slots, cotangent_slots, residual_slots, recompute, tables)
 
-
   def first_chunk_only_ticks(self) -> tuple[int, int]:
     """(leading, trailing) ticks in which no stage runs an op of any chunk but its first
     (local chunk 0): the warm-up's start and the cool-down's end, where the executor moves

@@ -50,6 +50,7 @@ import math
 
 from megajax import flops
 from megajax.model import ModelConfig
+from megajax.parallel.pipeline.tables import dp_pieces
 
 GB = 1e9
 
@@ -464,6 +465,12 @@ class StepTime:
     return f"compute (then {loss} {losses[loss] / self.total:.0%})"
 
 
+def _pipelined(pieces: int, piece_seconds: float, window: float) -> float:
+  """Exposed seconds of `pieces` equal collectives issued one compute `window` ahead of use,
+  back to back on one link: the first hides under nothing, each later one under its window."""
+  return piece_seconds + (pieces - 1) * max(0.0, piece_seconds - window) if pieces else 0.0
+
+
 def _ring_seconds(nbytes: float, group: int, gbps: float) -> float:
   """One ring all-gather or reduce-scatter of `nbytes` (the full tensor) over `group` devices."""
   return (group - 1) / group * nbytes / (gbps * GB) if group > 1 else 0.0
@@ -552,28 +559,31 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   t_dp = t_gather + t_scatter
   if o.dp_overlap and not megajax:   # per chunk, prefetched: the first gather and last scatter stay exposed
     t_dp = t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute)
-  elif o.dp_overlap and p == 1:
-    # megajax, pp = 1: each layer's gather issued one layer ahead inside the first
-    # microbatch's forward (sharding.layer_ahead_gathers), the first layer's exposed; the
-    # reduce-scatters with the last microbatch's backward ("step") or each microbatch's own
-    # ("microbatch"), the last layer's exposed. A backward is taken as twice its forward.
-    forward = (t_gemm + t_attention + t_memory) / 3
-    def hidden_by_layers(seconds, under):
-      return seconds / layers + max(0.0, seconds * (1 - 1 / layers) - under)
+  elif o.dp_overlap:   # megajax: its dp overlap as built
+    forward = (gemm_fwd / (peak * k.gemm_efficiency) + attention_fwd / (peak * attention_efficiency)
+               + t_memory / 3)                                    # one microbatch, the stage's layers
+    backward = t_gemm + t_attention + t_memory - forward           # recomputation included
     syncs = m if plan.grad_sync == "microbatch" else 1
-    t_dp = hidden_by_layers(t_gather, forward) + syncs * hidden_by_layers(t_scatter / syncs, 2 * forward)
-  elif o.dp_overlap:
-    # megajax, pp > 1 (executor.py): the first chunk's rows and the shared leaves gathered
-    # before the tick scan and reduce-scattered after it, exposed; the other chunks' rows in
-    # pieces over the p head ticks (a chunk's forward each) and, with "step", the p tail ticks
-    # (a chunk's backward each), exposed beyond them. "microbatch" reduce-scatters inside the
-    # backward slots: exposed.
-    edge = 1 - counts.block * (1 - 1 / v) / counts.stage
-    chunk_forward = (t_gemm + t_attention + t_memory) / (3 * v)
-    def hidden_in_edge(seconds, window):
-      return seconds * edge + max(0.0, seconds * (1 - edge) - p * window)
-    t_dp = hidden_in_edge(t_gather, chunk_forward) + (
-        hidden_in_edge(t_scatter, 2 * chunk_forward) if plan.grad_sync == "step" else t_scatter)
+    if p == 1:
+      # Each layer's gather issued one layer ahead in the first microbatch's forward
+      # (sharding.layer_ahead_gathers); each layer's reduce-scatter under the backward of the
+      # layers before it (the last microbatch's, or each microbatch's with "microbatch").
+      t_dp = (_pipelined(layers, t_gather / layers, forward / layers)
+              + syncs * _pipelined(layers, t_scatter / (syncs * layers), backward / layers))
+    else:
+      # executor.py: the first chunk's rows and the shared leaves before / after the tick
+      # scan, exposed; the other chunks' rows in pieces, one per head tick (a chunk's forward
+      # each) and, with "step", one per tail tick (a chunk's backward); "microbatch"
+      # reduce-scatters inside the backward slots, exposed.
+      rest = counts.block * (1 - 1 / v)
+      rows = (v - 1) * (layers // v)
+      size, starts = dp_pieces(rows, p)
+      piece = lambda seconds: seconds * rest / counts.stage * size / max(rows, 1)
+      t_dp = (t_gather * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_gather) - forward / v))
+      if plan.grad_sync == "step":
+        t_dp += t_scatter * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_scatter) - backward / v)
+      else:
+        t_dp += t_scatter
 
   # Optimizer: a streaming pass over the dp shard (read param, grad, 2 moments; write 3),
   # LAMB a second pass for its norms; Megatron also writes the bf16 copy.

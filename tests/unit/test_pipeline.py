@@ -15,6 +15,7 @@ from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel.pipeline import LAYERS, Tables, stacked_layer_order, to_model_params, to_pipeline_params
 from megajax.parallel.pipeline import residuals
 from megajax.parallel.pipeline import schedule as schedules
+from megajax.parallel.pipeline import tables as tables_module
 from tests.support.hlo import instructions
 from tests.support.reference import compiled_gradients, pipeline_config
 
@@ -98,6 +99,30 @@ def test_tables_route_every_message(name, v, recompute, p, m):
         received_at[stage, "R", slot] = (own.microbatch, own.chunk)
       else:
         assert slot == t.residual_slots
+
+
+@pytest.mark.parametrize("rows,ticks,pieces", [(1, 2, (1, (0,))), (2, 2, (1, (0, 1))), (3, 2, (2, (0, 1))),
+                                               (14, 6, (3, (0, 3, 6, 9, 11))), (5, 16, (1, (0, 1, 2, 3, 4))),
+                                               (0, 4, (0, ())), (3, 0, (0, ()))])
+def test_dp_pieces_cover_every_row_once_per_tick(rows, ticks, pieces):
+  size, starts = tables_module.dp_pieces(rows, ticks)
+  assert (size, starts) == pieces
+  assert len(starts) <= ticks
+  assert set().union(*(range(s, s + size) for s in starts)) == (set(range(rows)) if ticks else set())
+
+
+@pytest.mark.parametrize("name,v,traversal", [("interleaved_1f1b", 2, "depth_first"), ("interleaved_1f1b", 3, "depth_first"),
+                                              ("interleaved_1f1b", 2, "breadth_first"), ("gpipe", 2, "depth_first")])
+def test_first_chunk_only_ticks_start_and_end_the_schedule(name, v, traversal):
+  """At least p leading and trailing ticks run only first chunks (where the executor moves
+  the other chunks' dp collectives), and the tick after the leading ones does not."""
+  for p, m in ((2, 4), (4, 8)):
+    t = tables_for(name, p, v, m, traversal)
+    lead, trail = t.first_chunk_only_ticks()
+    assert lead >= p and trail >= p, (p, m, lead, trail)
+    chunks = np.concatenate([t.per_stage["f_chunk"][lead], t.per_stage["b_chunk"][lead]])
+    assert chunks.max() > 0
+    assert (t.per_stage["f_chunk"][:lead] == 0).all() and (t.per_stage["b_chunk"][-trail:] == 0).all()
 
 
 def _done(pairs, stage, key, tick, kind=schedules.BACKWARD):
