@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 
 from megajax.checkpoint import integrity, reshard
 from megajax.checkpoint.integrity import CheckpointError, IntegrityError, MetaHandler, MetaRestore, MetaSave
+from megajax.config import default_config
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep
 from megajax.parallel.mesh import DP
@@ -480,11 +481,17 @@ def _agreed(read):
   return result
 
 
+def _saved_model(saved: dict) -> dict:
+  """The checkpoint's model fields over today's defaults: a field added since (model.norm,
+  model.mlp) has its default, which is what every model before it was."""
+  return {**default_config().model.to_dict(), **saved["model"]}
+
+
 def _differences(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
   """'model.hidden_dim: checkpoint 64, this run 128' for each model field (and the optimizer) that differs."""
-  now = json.loads(config.to_json())
-  lines = [f"model.{k}: checkpoint {saved['model'].get(k)!r}, this run {v!r}"
-           for k, v in now["model"].items() if saved["model"].get(k) != v]
+  now, saved_model = json.loads(config.to_json()), _saved_model(saved)
+  lines = [f"model.{k}: checkpoint {saved_model.get(k)!r}, this run {v!r}"
+           for k, v in now["model"].items() if saved_model.get(k) != v]
   if saved["optimizer"]["name"] != now["optimizer"]["name"]:
     lines.append(f"optimizer.name: checkpoint {saved['optimizer']['name']!r}, this run {now['optimizer']['name']!r}")
   return lines
@@ -498,7 +505,7 @@ def check_compatible(meta: dict, config: ml_collections.ConfigDict, parallel_ste
   if not differences:
     return
   shapes = lambda model: jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-  saved_model = GPT(ModelConfig.from_config(ml_collections.ConfigDict(meta["config"]["model"])))
+  saved_model = GPT(ModelConfig.from_config(ml_collections.ConfigDict(_saved_model(meta["config"]))))
   saved, now = shapes(saved_model), shapes(parallel_step.model)
   same = (jax.tree.structure(saved) == jax.tree.structure(now)
           and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(now)))

@@ -1,4 +1,13 @@
-"""The transformer's feed-forward network: hidden -> mlp_dim -> GeLU -> hidden."""
+"""The transformer's feed-forward network (model.mlp), in two families:
+
+  gelu    wo(gelu(wi(x)))                     GPT, MegaScale: hidden -> mlp_dim -> hidden
+  swiglu  wo(silu(wi_gate(x)) * wi_up(x))     Llama, Mistral: two input projections of mlp_dim
+
+A family is its input projections (MLP_INPUTS) and the activation of their outputs
+(MLP_ACTIVATIONS); the 3D step (megajax.parallel.tensor_parallel) reads both, so it computes
+what this module does on its shard of the mlp units. The activation runs in the compute
+dtype, like the linears around it.
+"""
 
 import flax.linen as nn
 import jax
@@ -7,8 +16,23 @@ import jax.numpy as jnp
 from megajax.layers import initializers
 
 
+def gelu(h: jax.Array) -> jax.Array:
+  return nn.gelu(h, approximate=True)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return nn.silu(gate) * up
+
+
+# model.mlp -> the names of its input projections (in the order the 3D step fuses them into
+# its column-parallel matmul), and the activation of their outputs (keys: megajax.config.MLP_CHOICES).
+MLP_INPUTS = {"gelu": ("wi",), "swiglu": ("wi_gate", "wi_up")}
+MLP_ACTIVATIONS = {"gelu": gelu, "swiglu": swiglu}
+
+
 class Mlp(nn.Module):
   mlp_dim: int
+  family: str = "gelu"
   use_bias: bool = True
   init_std: float = 0.02
   out_init_std: float = 0.02
@@ -17,12 +41,12 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    # x: [b, s, hidden]
-    hidden = x.shape[-1]
-    h = nn.Dense(self.mlp_dim, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-                 kernel_init=initializers.normal(self.init_std, ("embed", "mlp")),
-                 bias_init=initializers.zeros(("mlp",)), name="wi")(x)          # [b, s, mlp]
-    h = nn.gelu(h, approximate=True)
-    return nn.Dense(hidden, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+    # x: [b, s, hidden]; tensor parallelism splits the mlp units (the "mlp" logical axis).
+    projections = [nn.Dense(self.mlp_dim, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                            kernel_init=initializers.normal(self.init_std, ("embed", "mlp")),
+                            bias_init=initializers.zeros(("mlp",)), name=name)(x)   # [b, s, mlp] each
+                   for name in MLP_INPUTS[self.family]]
+    h = MLP_ACTIVATIONS[self.family](*projections)
+    return nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                     kernel_init=initializers.normal(self.out_init_std, ("mlp", "embed")),
                     bias_init=initializers.zeros(("embed",)), name="wo")(h)     # [b, s, hidden]

@@ -1,4 +1,8 @@
-"""LayerNorm with statistics in fp32 whatever the compute dtype."""
+"""The normalizations (model.norm), statistics in fp32 whatever the compute dtype.
+
+  layernorm  y = (x - mean(x)) / sqrt(var(x) + eps) * scale + bias   (GPT, MegaScale)
+  rmsnorm    y = x / sqrt(mean(x^2) + eps) * scale                   (Llama, Mistral: no bias)
+"""
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -9,3 +13,12 @@ from megajax.layers import initializers
 def layer_norm(epsilon: float, dtype: jnp.dtype, param_dtype: jnp.dtype, name: str) -> nn.LayerNorm:
   return nn.LayerNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name,
                       scale_init=initializers.ones(("embed",)), bias_init=initializers.zeros(("embed",)))
+
+
+def rms_norm(epsilon: float, dtype: jnp.dtype, param_dtype: jnp.dtype, name: str) -> nn.RMSNorm:
+  return nn.RMSNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name,
+                    scale_init=initializers.ones(("embed",)))
+
+
+# model.norm -> the module's constructor (keys: megajax.config.NORM_CHOICES).
+NORM_MODULES = {"layernorm": layer_norm, "rmsnorm": rms_norm}

@@ -30,7 +30,9 @@ CONFIGS_DIR = os.path.join(REPO, "configs")
 
 # --- model ------------------------------------------------------------------------------------
 
-BLOCK_CHOICES = ("parallel", "serial")
+BLOCK_CHOICES = ("parallel", "parallel_two_norms", "serial")   # megajax.model.BLOCK_MODULES' keys
+NORM_CHOICES = ("layernorm", "rmsnorm")               # megajax.layers.NORM_MODULES' keys
+MLP_CHOICES = ("gelu", "swiglu")                      # megajax.layers.MLP_INPUTS' (and MLP_ACTIVATIONS') keys
 ATTENTION_IMPL_CHOICES = ("xla", "pallas", "cudnn")   # megajax.layers.ATTENTION_IMPLS' keys
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none", "full", "dots")              # megajax.model.REMAT_POLICIES' keys, and "none"
@@ -44,17 +46,21 @@ def _model() -> ml_collections.ConfigDict:
   m.hidden_dim = 64
   m.num_heads = 4
   m.num_kv_heads = 0        # 0: as many KV heads as query heads (no grouping).
-  m.mlp_dim = 0             # 0: 4 * hidden_dim.
+  m.mlp_dim = 0             # 0: 4 * hidden_dim (also for swiglu; Llama's 8/3 ratio is set explicitly).
   m.window = 0              # Sliding-window width w; 0: full causal attention.
   m.window_pattern = "L"    # Per layer, repeated: L = local (window), G = global.
-  m.block = "parallel"      # "parallel" (MegaScale PTB) or "serial" (GPT).
+  # "parallel" (MegaScale PTB: x + Attn(N(x)) + MLP(N(x))), "parallel_two_norms" (GPT-NeoX:
+  # x + Attn(N1(x)) + MLP(N2(x))) or "serial" (GPT, Llama: z = x + Attn(N1(x)); z + MLP(N2(z))).
+  m.block = "parallel"
+  m.norm = "layernorm"      # "layernorm" (scale and bias) or "rmsnorm" (Llama: scale only).
+  m.mlp = "gelu"            # "gelu" (wi, wo) or "swiglu" (Llama: wo(silu(wi_gate(x)) * wi_up(x))).
   m.attention_impl = "xla"
   m.compute_dtype = "bfloat16"
   m.param_dtype = "float32"
   m.tie_embeddings = False
-  m.use_bias = True
+  m.use_bias = True         # biases in the attention and MLP linears (False: Llama, PaLM).
   m.rope_theta = 10000.0
-  m.layernorm_epsilon = 1e-5
+  m.layernorm_epsilon = 1e-5  # the epsilon of model.norm, either kind.
   m.init_std = 0.02
   m.remat = "none"          # Activation recomputation per block.
   return m
@@ -65,6 +71,8 @@ def _check_model(config) -> None:
   for field in ("model.vocab_size", "model.seq_len", "model.num_layers", "model.hidden_dim", "model.num_heads"):
     check.positive_int(config, field)
   check.choice(config, "model.block", BLOCK_CHOICES)
+  check.choice(config, "model.norm", NORM_CHOICES)
+  check.choice(config, "model.mlp", MLP_CHOICES)
   check.choice(config, "model.attention_impl", ATTENTION_IMPL_CHOICES)
   check.choice(config, "model.compute_dtype", DTYPE_CHOICES)
   check.choice(config, "model.param_dtype", DTYPE_CHOICES)

@@ -1,9 +1,13 @@
-"""The GPT decoder: embeddings -> N blocks (parallel or serial) -> final LayerNorm -> logits.
+"""The GPT decoder: embeddings -> N blocks -> final norm -> logits.
 
-parallel block (MegaScale's PTB, one shared LayerNorm):
-    y = x + Attn(LN(x)) + MLP(LN(x))
-serial block (GPT / Megatron pre-LN):
-    z = x + Attn(LN1(x));  y = z + MLP(LN2(z))
+The blocks (model.block), with N a norm (model.norm: LayerNorm or RMSNorm) and MLP the
+feed-forward network (model.mlp: GeLU or SwiGLU):
+parallel (MegaScale's PTB, one shared norm):
+    y = x + Attn(N(x)) + MLP(N(x))
+parallel_two_norms (GPT-NeoX / GPT-J's parallel residual, a norm per branch):
+    y = x + Attn(N1(x)) + MLP(N2(x))
+serial (GPT / Megatron / Llama pre-norm):
+    z = x + Attn(N1(x));  y = z + MLP(N2(z))
 
 Parameters are fp32 (param_dtype), matmuls run in compute_dtype, logits are fp32.
 
@@ -25,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from megajax.layers import Attention, Mlp, initializers, layer_norm
+from megajax.layers import NORM_MODULES, Attention, Mlp, initializers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,8 @@ class ModelConfig:
   window: int | None
   window_pattern: str
   block: str
+  norm: str
+  mlp: str
   attention_impl: str
   compute_dtype: jnp.dtype
   param_dtype: jnp.dtype
@@ -82,13 +88,14 @@ def _attention(config: ModelConfig, window: int | None) -> Attention:
 
 
 def _mlp(config: ModelConfig) -> Mlp:
-  return Mlp(mlp_dim=config.mlp_dim, use_bias=config.use_bias, init_std=config.init_std,
+  return Mlp(mlp_dim=config.mlp_dim, family=config.mlp, use_bias=config.use_bias, init_std=config.init_std,
              out_init_std=config.init_std / math.sqrt(2 * config.num_layers),
              dtype=config.compute_dtype, param_dtype=config.param_dtype, name="mlp")
 
 
-def _norm(config: ModelConfig, name: str) -> nn.LayerNorm:
-  return layer_norm(config.layernorm_epsilon, config.compute_dtype, config.param_dtype, name)
+def norm(config: ModelConfig, name: str) -> nn.Module:
+  """The model's norm (model.norm) named `name`; the 3D step applies these very modules."""
+  return NORM_MODULES[config.norm](config.layernorm_epsilon, config.compute_dtype, config.param_dtype, name)
 
 
 class ParallelBlock(nn.Module):
@@ -97,8 +104,18 @@ class ParallelBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    h = _norm(self.config, "norm")(x)                                     # [b, s, hidden]
+    h = norm(self.config, "norm")(x)                                      # [b, s, hidden]
     return x + _attention(self.config, self.window)(h, positions, segment_ids) + _mlp(self.config)(h)
+
+
+class ParallelTwoNormsBlock(nn.Module):
+  config: ModelConfig
+  window: int | None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    attended = _attention(self.config, self.window)(norm(self.config, "attention_norm")(x), positions, segment_ids)
+    return x + attended + _mlp(self.config)(norm(self.config, "mlp_norm")(x))
 
 
 class SerialBlock(nn.Module):
@@ -107,13 +124,13 @@ class SerialBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    z = x + _attention(self.config, self.window)(_norm(self.config, "attention_norm")(x), positions, segment_ids)
-    return z + _mlp(self.config)(_norm(self.config, "mlp_norm")(z))
+    z = x + _attention(self.config, self.window)(norm(self.config, "attention_norm")(x), positions, segment_ids)
+    return z + _mlp(self.config)(norm(self.config, "mlp_norm")(z))
 
 
 # model.block -> the Flax block (keys: megajax.config.BLOCK_CHOICES; the 3D step's sharded
 # blocks are megajax.parallel.tensor_parallel.BLOCK_FUNCTIONS).
-BLOCK_MODULES = {"parallel": ParallelBlock, "serial": SerialBlock}
+BLOCK_MODULES = {"parallel": ParallelBlock, "parallel_two_norms": ParallelTwoNormsBlock, "serial": SerialBlock}
 # model.remat -> what a recomputed block saves for its backward ("none": no recomputation).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -148,7 +165,7 @@ class GPT(nn.Module):
     for layer in range(c.num_layers):
       x = block_cls(c, c.layer_window(layer), name=f"layer_{layer}")(x, positions, segment_ids)
 
-    x = _norm(c, "final_norm")(x)
+    x = norm(c, "final_norm")(x)
     if c.tie_embeddings:
       head = embedding.T                                                  # [hidden, vocab]
     else:

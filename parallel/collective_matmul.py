@@ -4,6 +4,7 @@ Inside the step's shard_map, activations between blocks are split along the sequ
 over `tp` (sequence parallelism) and weights are split along their feature dimension:
 
   column_parallel_linear:  x [b, s/tp, k] -> all-gather(seq) -> @ w [k, f/tp] -> [b, s, f/tp]
+  column_parallel_apply:   x [b, s/tp, k] -> all-gather(seq) -> fn (token-wise: norms, matmuls)
   row_parallel_linear:     x [b, s, k/tp] -> @ w [k/tp, f] -> reduce-scatter(seq) -> [b, s/tp, f]
 
 `mode="none"` issues the collective and then the matmul (the baseline). In
@@ -31,8 +32,9 @@ from jax import lax
 
 from megajax.parallel.mesh import TP, varying_axes
 
-__all__ = ["all_gather_matmul", "chunked_all_gather_matmul", "chunked_matmul_reduce_scatter",
-           "column_parallel_linear", "matmul_reduce_scatter", "row_parallel_linear"]
+__all__ = ["all_gather_matmul", "chunked_all_gather_apply", "chunked_all_gather_matmul",
+           "chunked_matmul_reduce_scatter", "column_parallel_apply", "column_parallel_linear", "matmul_reduce_scatter",
+           "row_parallel_linear"]
 
 
 
@@ -63,30 +65,40 @@ def _matmul(x, w, out_dtype):
   return jnp.einsum("bsk,kf->bsf", x, w, preferred_element_type=out_dtype)
 
 
-def _ring_all_gather_matmul(x, w, chunks: int, out_dtype):
-  """(all_gather(x, seq) @ w, all_gather(x, seq)) with each transfer hidden behind a matmul.
+def _ring_all_gather(x, fn, chunks: int):
+  """(fn(all_gather(x, seq)), all_gather(x, seq)) for a token-wise `fn` (each token's output
+  from its own input), each transfer hidden behind fn on a chunk already held.
 
-  x: [b, s_local, k] this rank's sequence shard; w: [k, f]. Step t computes on the chunks
-  that started t ranks away while `ppermute` moves them one rank further.
+  x: [b, s_local, k] this rank's sequence shard. Step t computes on the chunks that started
+  t ranks away while `ppermute` moves them one rank further.
   """
   n = lax.axis_size(TP)
   rank = lax.axis_index(TP)
   b, s_local, k = x.shape
   piece = _chunk(s_local, chunks)
   held = [x[:, c * piece:(c + 1) * piece] for c in range(chunks)]
-  out = jnp.zeros((b, n * s_local, w.shape[1]), out_dtype or jnp.result_type(x, w))
+  out = None
   gathered = jnp.zeros((b, n * s_local, k), x.dtype)
   for step in range(n):
-    # Issue the next transfer first: it depends only on what we hold, not on this step's matmul.
+    # Issue the next transfer first: it depends only on what we hold, not on this step's compute.
     moving = ([lax.ppermute(h, TP, _ring_perm(n, _direction(c, chunks))) for c, h in enumerate(held)]
               if step < n - 1 else None)
     for c, h in enumerate(held):
       source = (rank - _direction(c, chunks) * step) % n
       start = source * s_local + c * piece
-      out = lax.dynamic_update_slice_in_dim(out, _matmul(h, w, out_dtype).astype(out.dtype), start, axis=1)
+      y = fn(h)
+      if out is None:
+        out = jnp.zeros((b, n * s_local, y.shape[-1]), y.dtype)
+      out = lax.dynamic_update_slice_in_dim(out, y, start, axis=1)
       gathered = lax.dynamic_update_slice_in_dim(gathered, h, start, axis=1)
     held = moving
   return out, gathered
+
+
+def _ring_all_gather_matmul(x, w, chunks: int, out_dtype):
+  """(all_gather(x, seq) @ w, all_gather(x, seq)), w: [k, f]: the ring with a matmul per chunk."""
+  dtype = out_dtype or jnp.result_type(x, w)
+  return _ring_all_gather(x, lambda h: _matmul(h, w, out_dtype).astype(dtype), chunks)
 
 
 def _ring_matmul_reduce_scatter(x, w, chunks: int, out_dtype):
@@ -156,12 +168,18 @@ matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_
 
 def chunked_all_gather_matmul(x, w, chunks: int, out_dtype=None):
   """all_gather(x, seq over tp) @ w, one all-gather per sequence chunk (no ring)."""
+  return chunked_all_gather_apply(x, lambda h: _matmul(h, w, out_dtype), chunks)
+
+
+def chunked_all_gather_apply(x, fn, chunks: int):
+  """fn(all_gather(x, seq over tp)) for a token-wise fn, one all-gather per sequence chunk (no
+  ring), fn on each gathered chunk while the next one's gather is in flight."""
   b, s_local, k = x.shape
   size, n = _chunk(s_local, chunks), lax.axis_size(TP)
   outs = []
   for c in range(chunks):
     piece = lax.all_gather(x[:, c * size:(c + 1) * size], TP, axis=1)        # [b, n, size, k]
-    outs.append(_matmul(piece.reshape(b, n * size, k), w, out_dtype).reshape(b, n, size, -1))
+    outs.append(fn(piece.reshape(b, n * size, k)).reshape(b, n, size, -1))
   return jnp.stack(outs, axis=2).reshape(b, n * s_local, -1)               # rows (rank, chunk, i)
 
 
@@ -186,6 +204,20 @@ def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None, ring: b
       return all_gather_matmul(x, w, chunks, out_dtype)
     return chunked_all_gather_matmul(x, w, chunks, out_dtype)
   return _matmul(lax.all_gather(x, TP, axis=1, tiled=True), w, out_dtype)
+
+
+@jax.named_scope("tp all-gather")
+def column_parallel_apply(x, fn, mode: str, chunks: int, ring: bool = True):
+  """fn(all_gather(x)) for a token-wise fn of x [b, s/tp, k] (sequence shard): one all-gather
+  on tp, overlapped with fn the way column_parallel_linear overlaps it with its matmul (the
+  ring differentiated by autodiff: its backward sends the cotangents back around the ring,
+  each hop behind a chunk's vjp). For what needs the gathered input before its matmuls: the
+  two norms of the parallel_two_norms block."""
+  if mode == "collective_matmul" and lax.axis_size(TP) > 1:
+    if ring:
+      return _ring_all_gather(x, fn, chunks)[0]
+    return chunked_all_gather_apply(x, fn, chunks)
+  return fn(lax.all_gather(x, TP, axis=1, tiled=True))
 
 
 @jax.named_scope("tp reduce-scatter")

@@ -5,28 +5,32 @@ Layout on a device of a tp group of size n (Megatron-SP):
   attention, MLP        [b, s, heads/n, d], [b, s, mlp/n]   head / hidden-unit shard
   embedding, head       [vocab/n, hidden], [hidden, vocab/n]  vocab shard
 
-Parallel block (MegaScale Fig. 3b): LN(x) is all-gathered once and feeds one fused
-column-parallel matmul [Q|K|V|MLP-in]; the attention output and the MLP activation are
-concatenated into one fused row-parallel matmul [Out; MLP-out] + reduce-scatter. One
-all-gather and one reduce-scatter on tp per layer; the serial block needs two of each.
+Parallel block (MegaScale Fig. 3b): N(x) is all-gathered once and feeds one fused
+column-parallel matmul [Q|K|V|MLP-in] (MLP-in: wi, or SwiGLU's wi_gate and wi_up); the
+attention output and the MLP activation are concatenated into one fused row-parallel matmul
+[Out; MLP-out] + reduce-scatter. One all-gather and one reduce-scatter on tp per layer; the
+serial block needs two of each. The two-norm parallel block (GPT-NeoX) gathers its input x
+once, not its two norms' outputs (half the bytes), and runs both norms on the gathered
+tokens (elementwise, repeated on every tp rank) before the two column matmuls; then the same
+fused row-parallel matmul: one all-gather, one reduce-scatter, like the parallel block.
 
 The parameters are the model's own pytree (megajax.model), each leaf this device's tp shard.
-The math and dtypes follow the Flax modules (LayerNorm is the Flax module itself), so the
-single-device model is the reference this path is tested against.
+The math and dtypes follow the Flax modules (the norms are the Flax modules themselves, the
+MLP's activation megajax.layers.MLP_ACTIVATIONS), so the single-device model is the
+reference this path is tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from megajax.layers import ATTENTION_IMPLS, layer_norm, rotary_embedding
-from megajax.model import REMAT_POLICIES, ModelConfig
-from megajax.parallel.collective_matmul import column_parallel_linear, row_parallel_linear
+from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, MLP_INPUTS, rotary_embedding
+from megajax.model import REMAT_POLICIES, ModelConfig, norm
+from megajax.parallel.collective_matmul import column_parallel_apply, column_parallel_linear, row_parallel_linear
 from megajax.parallel.mesh import TP
 
 
@@ -41,12 +45,15 @@ class Overlap:
   def column(self, x, w, out_dtype=None):
     return column_parallel_linear(x, w, self.mode, self.chunks, out_dtype, self.ring)
 
+  def column_apply(self, x, fn):
+    return column_parallel_apply(x, fn, self.mode, self.chunks, self.ring)
+
   def row(self, x, w):
     return row_parallel_linear(x, w, self.mode, self.chunks, self.ring)
 
 
 def _norm(params, x, c: ModelConfig):
-  return layer_norm(c.layernorm_epsilon, c.compute_dtype, c.param_dtype, "norm").apply({"params": params}, x)
+  return norm(c, "norm").apply({"params": params}, x)
 
 
 def _columns(leaf):
@@ -98,27 +105,71 @@ def _bias_sum(biases, c: ModelConfig):
   return sum(b.astype(c.compute_dtype) for b in biases) if c.use_bias else 0
 
 
-def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None, segment_ids=None):
-  """y = x + Attn(LN(x)) + MLP(LN(x)): one all-gather, one reduce-scatter on tp.
-  Returns (y, the statistics `probe` captured: {} without one)."""
+def _mlp_inputs(mlp: dict, c: ModelConfig) -> list[dict]:
+  """The MLP's input projections (wi; SwiGLU's wi_gate, wi_up) in the fused matmul's order."""
+  return [mlp[name] for name in MLP_INPUTS[c.mlp]]
+
+
+def _mlp_activation(columns: list, c: ModelConfig):
+  """The MLP's activation of its input projections' outputs, on this device's mlp units."""
+  return MLP_ACTIVATIONS[c.mlp](*columns)
+
+
+def _parallel_branches(p, x, fused, widths, positions, window, c: ModelConfig, overlap: Overlap, probe,
+                       segment_ids):
+  """Both parallel blocks from their fused column-parallel output [b, s, (q+k+v+mlp inputs)/n],
+  bias added: attention and the MLP's activation -> one fused row-parallel matmul
+  [Out; MLP-out] + reduce-scatter -> y = x + both branches. Returns (y, captured)."""
   attention, mlp = p["attention"], p["mlp"]
   captured = {}
-  y = _norm(p["norm"], x, c)                                              # [b, s/n, hidden]
-  kernel, bias, widths = _fused_input([attention["query"], attention["key"], attention["value"], mlp["wi"]], c)
-  fused = overlap.column(y, kernel)                                       # [b, s, (q+k+v+mlp)/n]
-  if bias is not None:
-    fused = fused + bias
-  q, k, v, hidden = _split(fused, widths)
+  q, k, v, *mlp_columns = _split(fused, widths)
   attended = _attention(q, k, v, positions, window, c, probe, captured, segment_ids)
   activations = jnp.concatenate([_observe(probe, captured, "attn_out", attended),
-                                 _observe(probe, captured, "mlp_out", nn.gelu(hidden, approximate=True))], axis=-1)
+                                 _observe(probe, captured, "mlp_out", _mlp_activation(mlp_columns, c))], axis=-1)
   out_kernel = jnp.concatenate([_out_kernel(attention), mlp["wo"]["kernel"]], axis=0).astype(c.compute_dtype)
   out = overlap.row(activations, out_kernel)                              # [b, s/n, hidden]
   return x + out + _bias_sum([attention["out"].get("bias"), mlp["wo"].get("bias")], c), captured
 
 
+def _fused_parallel_input(p, c: ModelConfig):
+  """The column-parallel [Q|K|V|MLP-in] kernel and bias of a parallel block, each part's width."""
+  attention = p["attention"]
+  return _fused_input([attention["query"], attention["key"], attention["value"], *_mlp_inputs(p["mlp"], c)], c)
+
+
+def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None, segment_ids=None):
+  """y = x + Attn(N(x)) + MLP(N(x)): one all-gather, one reduce-scatter on tp.
+  Returns (y, the statistics `probe` captured: {} without one)."""
+  y = _norm(p["norm"], x, c)                                              # [b, s/n, hidden]
+  kernel, bias, widths = _fused_parallel_input(p, c)
+  fused = overlap.column(y, kernel)                                       # [b, s, (q+k+v+mlp)/n]
+  if bias is not None:
+    fused = fused + bias
+  return _parallel_branches(p, x, fused, widths, positions, window, c, overlap, probe, segment_ids)
+
+
+def parallel_two_norms_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None,
+                             segment_ids=None):
+  """y = x + Attn(N1(x)) + MLP(N2(x)): x all-gathered once, both norms on the gathered
+  tokens, then the parallel block's fused row-parallel matmul: one all-gather, one
+  reduce-scatter on tp. Returns (y, the statistics `probe` captured: {} without one)."""
+  kernel, bias, widths = _fused_parallel_input(p, c)
+  qkv = sum(widths[:3])
+  attention_kernel, mlp_kernel = kernel[:, :qkv], kernel[:, qkv:]
+  matmul = lambda a, w: jnp.einsum("bsk,kf->bsf", a, w)
+
+  def branch_inputs(gathered):                                            # [b, tokens, hidden]
+    return jnp.concatenate([matmul(_norm(p["attention_norm"], gathered, c), attention_kernel),
+                            matmul(_norm(p["mlp_norm"], gathered, c), mlp_kernel)], axis=-1)
+
+  fused = overlap.column_apply(x, branch_inputs)                          # [b, s, (q+k+v+mlp)/n]
+  if bias is not None:
+    fused = fused + bias
+  return _parallel_branches(p, x, fused, widths, positions, window, c, overlap, probe, segment_ids)
+
+
 def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None, segment_ids=None):
-  """z = x + Attn(LN1(x)); y = z + MLP(LN2(z)): two all-gathers, two reduce-scatters on tp.
+  """z = x + Attn(N1(x)); y = z + MLP(N2(z)): two all-gathers, two reduce-scatters on tp.
   Returns (y, the statistics `probe` captured: {} without one)."""
   attention, mlp = p["attention"], p["mlp"]
   captured = {}
@@ -131,17 +182,17 @@ def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, prob
                       _attention(q, k, v, positions, window, c, probe, captured, segment_ids))
   z = x + overlap.row(attended, _out_kernel(attention).astype(c.compute_dtype)) \
       + _bias_sum([attention["out"].get("bias")], c)
-  kernel, bias, _ = _fused_input([mlp["wi"]], c)
-  hidden = overlap.column(_norm(p["mlp_norm"], z, c), kernel)
+  kernel, bias, widths = _fused_input(_mlp_inputs(mlp, c), c)
+  hidden = overlap.column(_norm(p["mlp_norm"], z, c), kernel)             # [b, s, (mlp inputs)/n]
   if bias is not None:
     hidden = hidden + bias
-  activation = _observe(probe, captured, "mlp_out", nn.gelu(hidden, approximate=True))
+  activation = _observe(probe, captured, "mlp_out", _mlp_activation(_split(hidden, widths), c))
   out = overlap.row(activation, mlp["wo"]["kernel"].astype(c.compute_dtype))
   return z + out + _bias_sum([mlp["wo"].get("bias")], c), captured
 
 
 # model.block -> this device's block (keys: megajax.config.BLOCK_CHOICES, like megajax.model.BLOCK_MODULES).
-BLOCK_FUNCTIONS = {"parallel": parallel_block, "serial": serial_block}
+BLOCK_FUNCTIONS = {"parallel": parallel_block, "parallel_two_norms": parallel_two_norms_block, "serial": serial_block}
 
 
 @jax.named_scope("tp embedding")
@@ -209,7 +260,7 @@ def positions_of(batch):
 
 
 def head_loss_sums(params, x, batch, c: ModelConfig, overlap: Overlap, z_loss: float):
-  """Final LayerNorm -> vocab-parallel head -> cross-entropy sums; `params` has final_norm and the head."""
+  """Final norm -> vocab-parallel head -> cross-entropy sums; `params` has final_norm and the head."""
   y = _norm(params["final_norm"], x, c)
   head = params["embedding"].T if c.tie_embeddings else params["head"]   # [hidden, vocab/n]
   logits = overlap.column(y, head.astype(c.compute_dtype), out_dtype=jnp.float32)  # [b, s, vocab/n]

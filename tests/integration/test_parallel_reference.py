@@ -3,7 +3,8 @@
 Every (mesh, block, tp_overlap, accumulation) the step claims: the loss and every gradient
 within 1e-5 relative of megajax.reference_step's single-device step, and the params after 3
 LAMB steps within 1e-5 (with the default parallel.grad_sync="step"); both gradient syncs
-over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16); then
+over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16, the
+block families: RMSNorm + SwiGLU, the two-norm parallel block); then
 the linears gathered in bf16 against fp32 gathers, bit for bit.
 """
 
@@ -47,10 +48,15 @@ def test_both_gradient_syncs_match_the_reference(mesh, grad_sync):
     ((("remat", "full"),), 1e-5),
     ((("tie_embeddings", True), ("use_bias", False)), 1e-5),
     ((("compute_dtype", "bfloat16"),), 3e-2),   # the default dtype: bf16 matmuls on both sides
-], ids=["remat", "tied_no_bias", "bf16"])
+    ((("block", "serial"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("use_bias", False)), 1e-5),
+    ((("block", "parallel_two_norms"),), 1e-5),
+], ids=["remat", "tied_no_bias", "bf16", "llama", "neox"])
 def test_model_variants_match_the_reference(overrides, rtol):
   """Recomputation around the ring matmuls' custom VJPs; the tied head on the vocab shard;
-  bf16 compute, where only rounding (not math) may differ."""
+  bf16 compute, where only rounding (not math) may differ; the block families: Llama's
+  serial block (RMSNorm, a bias-free SwiGLU: gate and up in one column matmul), GPT-NeoX's
+  two-norm parallel block (its input gathered around the ring by autodiff, both norms after
+  it). (SwiGLU in a parallel block: the pipeline's case.)"""
   config = parallel_config(2, 4, "parallel", "collective_matmul", 2)
   for field, value in overrides:
     config.model[field] = value

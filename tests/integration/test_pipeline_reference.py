@@ -5,8 +5,9 @@ loss, all gradients and the params after 3 LAMB steps within 1e-5 of megajax.ref
 the breadth-first traversal; both gradient syncs over dp (once per step, the default, and per
 microbatch); every remat policy inside the pipeline's backward from kept residuals; the serial
 block with recomputation and a tied embedding, from residuals and with the chunk's forward
-rerun (parallel.pipeline_recompute). Then memory: bounded in m for both backwards, unlike GPipe
-by autodiff, whose gradients are the executor's.
+rerun (parallel.pipeline_recompute); the block families (two norms, RMSNorm, SwiGLU). Then
+memory: bounded in m for both backwards, unlike GPipe by autodiff, whose gradients are the
+executor's.
 """
 
 import jax
@@ -80,6 +81,17 @@ def test_serial_block_remat_and_tied_embeddings_through_the_pipeline(recompute):
   overrides = (("num_layers", 4), ("block", "serial"), ("remat", "dots"), ("tie_embeddings", True))
   config.model.block, config.model.remat, config.model.tie_embeddings = "serial", "dots", True
   config.parallel.pipeline_recompute = recompute
+  assert_matches_reference(config, overrides, reference_microbatches=1, param_leaf_rtol=3e-5)
+
+
+def test_block_families_through_the_pipeline():
+  """GPT-NeoX's two-norm parallel block with RMSNorm and SwiGLU (gate and up beside q, k, v in
+  the fused column matmul) on a pp2-tp2 1F1B pipeline: the block's input gathered chunk by
+  chunk inside the stages' branches (no ring there), both norms after the gather."""
+  config = pipeline_config((1, 2, 2), "1f1b", microbatches=4, layers=2, rows=8)
+  overrides = (("num_layers", 2), ("block", "parallel_two_norms"), ("norm", "rmsnorm"), ("mlp", "swiglu"))
+  for field, value in overrides:
+    config.model[field] = value
   assert_matches_reference(config, overrides, reference_microbatches=1, param_leaf_rtol=3e-5)
 
 

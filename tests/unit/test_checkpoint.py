@@ -2,20 +2,24 @@
 the config's checks, integrity (checksums, digests, quarantine), bad checkpoints and another
 model's. (Across kills, preemption and processes: tests/e2e; onto other meshes: tests/integration.)"""
 
+import copy
 import errno
+import json
 import os
 import threading
 import time
+import types
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from megajax.checkpoint import CheckpointError, TrainingCheckpointer, load_params
+from megajax.checkpoint import CheckpointError, TrainingCheckpointer, check_compatible, load_params
 from megajax.checkpoint.integrity import IntegrityError, checksums, fingerprints, sealed, unsealed
 from megajax.checkpoint.manager import _damaged, storage_refused
 from megajax.config import ConfigError, validate
+from megajax.model import GPT, ModelConfig
 from megajax.trainer import train
 from tests.support.checkpoints import (DAMAGES, parallel_step_for, quarantined, quarantined_as, restore_latest,
                                        truncate_arrays)
@@ -164,6 +168,21 @@ def test_a_checkpoint_of_another_model_lists_the_fields(two_checkpoints):
                      r"model\.num_layers: checkpoint 2, this run 4; model\.hidden_dim: checkpoint 32, this run 64|"
                      r"model\.hidden_dim: checkpoint 32, this run 64; model\.num_layers: checkpoint 2, this run 4"):
     restore_latest(workdir, config, parallel_step_for(config))
+
+
+def test_a_checkpoint_of_another_block_family_lists_the_fields(tiny_config):
+  """An RMSNorm + SwiGLU checkpoint into a LayerNorm + GeLU model: refused, both fields named;
+  one from before model.norm and model.mlp existed is a LayerNorm + GeLU model, and fits."""
+  model_of = lambda config: types.SimpleNamespace(model=GPT(ModelConfig.from_config(config.model)))
+  llama = copy.deepcopy(tiny_config)
+  llama.model.update(norm="rmsnorm", mlp="swiglu")
+  meta = {"config": json.loads(llama.to_json())}
+  with pytest.raises(CheckpointError, match=r"different model: model\.norm: checkpoint 'rmsnorm', this run "
+                     r"'layernorm'; model\.mlp: checkpoint 'swiglu', this run 'gelu'\."):
+    check_compatible(meta, tiny_config, model_of(tiny_config), "checkpoints/6")
+  before = json.loads(tiny_config.to_json())
+  del before["model"]["norm"], before["model"]["mlp"]
+  check_compatible({"config": before}, tiny_config, model_of(tiny_config), "checkpoints/6")
 
 
 def test_digests_refuse_a_changed_file_and_read_one_from_before_digests():

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, REMAT_CHOICES, ConfigError, default_config,
-                            load_config, parse_mixture, uses_document_masking, validate)
+from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, MLP_CHOICES, NORM_CHOICES, REMAT_CHOICES, ConfigError,
+                            default_config, load_config, parse_mixture, uses_document_masking, validate)
 from megajax.launch import train as train_command
-from megajax.layers import ATTENTION_IMPLS
+from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, MLP_INPUTS, NORM_MODULES
 from megajax.model import BLOCK_MODULES, REMAT_POLICIES
 from megajax.parallel.tensor_parallel import BLOCK_FUNCTIONS
 from tests.support import REPO
@@ -25,6 +25,8 @@ INVALID = [
     ("model.window", -1, "model.window"),
     ("model.window_pattern", "LXG", "model.window_pattern"),
     ("model.block", "sandwich", "model.block"),
+    ("model.norm", "batchnorm", "model.norm"),
+    ("model.mlp", "geglu", "model.mlp"),
     ("model.attention_impl", "flash3", "model.attention_impl"),
     ("model.compute_dtype", "fp8", "model.compute_dtype"),
     ("model.remat", "some", "model.remat"),
@@ -212,6 +214,8 @@ def test_every_name_a_choice_field_accepts_is_implemented():
   assert set(BLOCK_CHOICES) == set(BLOCK_MODULES) == set(BLOCK_FUNCTIONS)
   assert set(REMAT_CHOICES) == set(REMAT_POLICIES) | {"none"}
   assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_IMPLS)
+  assert set(NORM_CHOICES) == set(NORM_MODULES)
+  assert set(MLP_CHOICES) == set(MLP_INPUTS) == set(MLP_ACTIVATIONS)
 
 
 # Every way a config file can fail to give a config: (file text or None for no file, what the

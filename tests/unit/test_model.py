@@ -1,13 +1,19 @@
-"""The model: window masking, block types, grouped KV heads, tied heads, the loss."""
+"""The model: window masking, block types and families (norms, MLPs), grouped KV heads, tied
+heads, the loss."""
 
+import itertools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from megajax.layers import sliding_window_mask, xla_attention
+from megajax.config import BLOCK_CHOICES, MLP_CHOICES, NORM_CHOICES
+from megajax.layers import Mlp, rms_norm, sliding_window_mask, xla_attention
 from megajax.loss import cross_entropy
-from megajax.model import GPT, ModelConfig, ParallelBlock, SerialBlock, init_params, logical_axes
+from megajax.model import (GPT, ModelConfig, ParallelBlock, ParallelTwoNormsBlock, SerialBlock, init_params,
+                           logical_axes, norm)
 from megajax.reference_step import make_loss_fn
 
 
@@ -68,14 +74,16 @@ def test_window_pattern_alternates_local_and_global(tiny_config):
   assert [config.layer_window(i) for i in range(4)] == [5, None, 5, None]
 
 
-def test_parallel_and_serial_blocks(tiny_config):
-  """Same interface and output shapes; PTB shares one LayerNorm, serial has two; both train."""
+def test_every_block_trains(tiny_config):
+  """Same interface and output shapes; PTB shares one norm, the others have two; every
+  parameter gets a gradient (the two-norm block with RMSNorm and a bias-free SwiGLU too)."""
   results = {}
-  for block in ("parallel", "serial"):
-    tiny_config.model.block = block
+  for block, norm_kind, mlp in (("parallel", "layernorm", "gelu"), ("serial", "layernorm", "gelu"),
+                                ("parallel_two_norms", "rmsnorm", "swiglu")):
+    tiny_config.model.update(block=block, norm=norm_kind, mlp=mlp, use_bias=mlp == "gelu")
     model, params = build(tiny_config)
     tokens = random_tokens(tiny_config)
-    assert model.apply({"params": params}, tokens).shape == (2, tiny_config.model.seq_len, 64)
+    assert jax.eval_shape(model.apply, {"params": params}, tokens).shape == (2, tiny_config.model.seq_len, 64)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1), "loss_mask": jnp.ones(tokens.shape)}
     (loss, _), grads = jax.value_and_grad(make_loss_fn(model), has_aux=True)(params, batch)
     assert jax.tree.structure(grads) == jax.tree.structure(params)
@@ -84,6 +92,7 @@ def test_parallel_and_serial_blocks(tiny_config):
     results[block] = (params, float(loss))
   assert set(results["parallel"][0]["layer_0"]) == {"norm", "attention", "mlp"}
   assert set(results["serial"][0]["layer_0"]) == {"attention_norm", "mlp_norm", "attention", "mlp"}
+  assert set(results["parallel_two_norms"][0]["layer_0"]) == {"attention_norm", "mlp_norm", "attention", "mlp"}
   assert results["parallel"][1] != results["serial"][1]
 
 
@@ -186,3 +195,79 @@ def test_remat_changes_memory_not_math(tiny_config, remat):
   lowered = lambda m: jax.jit(jax.grad(lambda p: make_loss_fn(m)(p, batch)[0])).lower(params).as_text()
   assert "optimization_barrier" in lowered(remat_model)
   assert "optimization_barrier" not in lowered(model)
+
+
+# --- Block families: model.block x model.norm x model.mlp (with use_bias, tie_embeddings).
+
+FAMILIES = [(block, norm, mlp) for block in BLOCK_CHOICES for norm in NORM_CHOICES for mlp in MLP_CHOICES]
+
+
+def test_every_family_names_its_parameters(tiny_config):
+  """Norm modules by block, norm leaves by norm (RMSNorm: scale only), MLP projections by mlp
+  (SwiGLU: wi_gate, wi_up [hidden, mlp], wo), biases by use_bias; every leaf has logical axes."""
+  norms = {"parallel": {"norm"}, "parallel_two_norms": {"attention_norm", "mlp_norm"},
+           "serial": {"attention_norm", "mlp_norm"}}
+  for (block, norm_kind, mlp), use_bias in itertools.product(FAMILIES, (True, False)):
+    tiny_config.model.update(block=block, norm=norm_kind, mlp=mlp, use_bias=use_bias, tie_embeddings=not use_bias)
+    model = GPT(ModelConfig.from_config(tiny_config.model))
+    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    layer = params["layer_0"]
+    assert set(layer) == norms[block] | {"attention", "mlp"}, (block, set(layer))
+    for name in norms[block] | {"final_norm"}:
+      leaves = layer.get(name) or params[name]
+      assert set(leaves) == ({"scale", "bias"} if norm_kind == "layernorm" else {"scale"}), (norm_kind, leaves)
+    inputs = {"gelu": {"wi"}, "swiglu": {"wi_gate", "wi_up"}}[mlp]
+    assert set(layer["mlp"]) == inputs | {"wo"}
+    for name in inputs:
+      assert layer["mlp"][name]["kernel"].shape == (32, 128)
+      assert set(layer["mlp"][name]) == ({"kernel", "bias"} if use_bias else {"kernel"})
+      assert tuple(logical_axes(model)["layer_0"]["mlp"][name]["kernel"]) == ("embed", "mlp")
+    assert ("head" in params) == use_bias   # tied exactly when bias-free here
+    specs = jax.tree.leaves(logical_axes(model), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    assert [len(spec) for spec in specs] == [p.ndim for p in jax.tree.leaves(params)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_is_x_over_its_root_mean_square_times_scale(dtype):
+  """Statistics in fp32 whatever the compute dtype; no bias, no mean subtracted."""
+  x = (3 + jax.random.normal(jax.random.key(0), (2, 5, 16))).astype(dtype)
+  scale = 1 + 0.1 * jax.random.normal(jax.random.key(1), (16,))
+  got = rms_norm(1e-5, dtype, jnp.float32, "norm").apply({"params": {"scale": scale}}, x)
+  x32 = x.astype(jnp.float32)
+  want = x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5) * scale
+  assert got.dtype == dtype
+  np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=1e-6 if dtype == jnp.float32 else 1e-2)
+
+
+def test_swiglu_mlp_is_wo_of_silu_gate_times_up():
+  keys = jax.random.split(jax.random.key(0), 5)
+  x = jax.random.normal(keys[0], (2, 5, 16))
+  mlp = Mlp(mlp_dim=24, family="swiglu", use_bias=True, dtype=jnp.float32)
+  params = nn.unbox(mlp.init(keys[1], x)["params"])
+  params["wi_gate"]["bias"] = 0.1 * jax.random.normal(keys[2], (24,))
+  params["wi_up"]["bias"] = 0.1 * jax.random.normal(keys[3], (24,))
+  linear = lambda name, h: h @ params[name]["kernel"] + params[name]["bias"]
+  gate = linear("wi_gate", x)
+  want = linear("wo", gate / (1 + jnp.exp(-gate)) * linear("wi_up", x))
+  np.testing.assert_allclose(mlp.apply({"params": params}, x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_parallel_two_norms_block_is_x_plus_attn_of_n1_plus_mlp_of_n2(tiny_config):
+  """y = x + Attn(attention_norm(x)) + MLP(mlp_norm(x)): additive, each branch reads only its norm."""
+  tiny_config.model.update(block="parallel_two_norms", init_std=0.5)
+  config = ModelConfig.from_config(tiny_config.model)
+  x = jax.random.normal(jax.random.key(2), (2, 16, 32))
+  positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+  block = ParallelTwoNormsBlock(config, window=None)
+  params = nn.unbox(block.init(jax.random.key(3), x, positions)["params"])
+  apply = lambda p: block.apply({"params": p}, x, positions)
+  zeroed = lambda p, module, name: {**p, module: {**p[module], name: jax.tree.map(jnp.zeros_like, p[module][name])}}
+  only_mlp, only_attention = apply(zeroed(params, "attention", "out")), apply(zeroed(params, "mlp", "wo"))
+  np.testing.assert_allclose(apply(params), only_mlp + only_attention - x, atol=1e-4)
+  mlp = Mlp(mlp_dim=config.mlp_dim, dtype=jnp.float32)
+  want_mlp = mlp.apply({"params": params["mlp"]}, norm(config, "n").apply({"params": params["mlp_norm"]}, x))
+  np.testing.assert_allclose(only_mlp - x, want_mlp, rtol=1e-5, atol=1e-5)
+  # The attention branch reads attention_norm, not mlp_norm.
+  changed = lambda name: {**params, name: {"scale": 2 * params[name]["scale"], "bias": params[name]["bias"] + 1}}
+  np.testing.assert_allclose(apply(zeroed(changed("mlp_norm"), "mlp", "wo")), only_attention, atol=1e-6)
+  assert not np.allclose(apply(zeroed(changed("attention_norm"), "mlp", "wo")), only_attention, atol=1e-3)

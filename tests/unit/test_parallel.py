@@ -29,11 +29,16 @@ def test_xla_mode_compiles_with_windowed_einsum_options():
 
 # --- The compiled program.
 
-@pytest.mark.parametrize("layers", [2, 3])
-@pytest.mark.parametrize("block,per_layer", [("parallel", 1), ("serial", 2)])
+# (block, its all-gathers per layer, layers): the two-norm block on one depth only (CI time).
+PER_LAYER = [(block, n, layers) for block, n in (("parallel", 1), ("serial", 2)) for layers in (2, 3)]
+PER_LAYER.append(("parallel_two_norms", 1, 3))
+
+
+@pytest.mark.parametrize("block,per_layer,layers", PER_LAYER, ids=[f"{b}-{n}-{l}" for b, n, l in PER_LAYER])
 def test_tp_collectives_per_layer_without_overlap(block, per_layer, layers):
   """mode none: per layer, forward, per_layer all-gathers and reduce-scatters over tp (and
-  their transposes backward); plus the head's all-gather and the embedding's reduce-scatter."""
+  their transposes backward); plus the head's all-gather and the embedding's reduce-scatter.
+  The two-norm parallel block gathers its input once for both norms, like the parallel block."""
   parallel_step, text = compiled_step_text(2, 4, block, "none", layers)
   counts = collective_counts(text, parallel_step.mesh)
   for phase in ("forward", "backward"):
