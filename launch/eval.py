@@ -15,7 +15,6 @@ batches of train.batch_size rows (train.eval_batches). Any bad input (workdir, c
 checkpoint) is one line on stderr and exit code 2. One process.
 """
 
-import json
 import math
 import os
 
@@ -26,7 +25,7 @@ import jax
 import ml_collections
 
 from megajax.checkpoint import CheckpointError, TrainingCheckpointer
-from megajax.config import ConfigError, apply_overrides, default_config, validate
+from megajax.config import ConfigError, apply_overrides, read_run_config, validate
 from megajax.launch.cli import QuietLibraries, fail, flags_parser
 from megajax.launch.cluster import request_host_devices
 from megajax.launch.runtime import configure_runtime
@@ -39,34 +38,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (config.json,
 _DATA = flags.DEFINE_string("data", None, "Held-out token file (.bin or .npy); default: the run's eval data.")
 _BATCHES = flags.DEFINE_integer("batches", None, "Held-out batches to evaluate; default: train.eval_batches.")
 flags.mark_flags_as_required(["workdir"])
-
-
-def _fields(tree: dict, prefix: str = "") -> dict:
-  """{"model": {"num_layers": 4}} -> {"model.num_layers": 4}."""
-  flat = {}
-  for name, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_fields(value, f"{prefix}{name}."))
-    else:
-      flat[f"{prefix}{name}"] = value
-  return flat
-
-
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The run's config.json over today's defaults (a field added since keeps its default); what
-  only training reads (drills, probes) back to its defaults: evaluation runs none of it."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: not found; megajax-train --workdir={workdir} writes it")
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (OSError, json.JSONDecodeError) as error:
-    raise FileNotFoundError(f"{path}: unreadable ({error}); it is the run's config, megajax-train writes it") from None
-  defaults = default_config()
-  config = apply_overrides(default_config(), _fields(saved))
-  config.debug, config.observe = defaults.debug, defaults.observe
-  return config
 
 
 def _overrides(config: ml_collections.ConfigDict) -> None:
@@ -92,7 +63,7 @@ def main(argv):
     fail(PROGRAM, "missing input", f"{checkpoints}: no checkpoint; train with checkpoints first "
                                    "(megajax-train saves every checkpoint.every_steps and at the end)")
   try:
-    config = run_config(workdir)
+    config = read_run_config(workdir)
     _overrides(config)
     validate(config)
   except FileNotFoundError as error:

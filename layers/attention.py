@@ -6,6 +6,11 @@ Token i attends to token j when  i - window < j <= i  (window=None: plain causal
 segment_ids[i] == segment_ids[j]: attention never crosses a document boundary. Rotary
 positions are then each token's position within its document.
 `xla_attention` is the reference implementation every kernel is tested against.
+
+Decoding (megajax.sampling) runs the same module with a "cache" collection: each layer keeps
+its keys and values by position, all of them for a global layer, the last `window` in a ring
+buffer for a local one (slot = position % window), so a local layer's cache does not grow
+with the generated length. `positions` then says where each new token sits (-1: padding).
 """
 
 from __future__ import annotations
@@ -51,25 +56,34 @@ def attention_probs(q: jax.Array, k: jax.Array, window: int | None,
                     segment_ids: jax.Array | None = None) -> jax.Array:
   """softmax(q k^T / sqrt(d)) under the mask, fp32 [b, kv_h, g, q, s] (g = h / kv_h query heads
   per KV head; masked entries 0). q: [b, s, h, d]; k: [b, s, kv_h, d]; segment_ids [b, s]."""
-  b, s, h, d = q.shape
+  s = q.shape[1]
+  mask = sliding_window_mask(s, s, window, segment_ids)
+  return masked_probs(q, k, mask if segment_ids is not None else mask[None])
+
+
+def masked_probs(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+  """softmax(q k^T / sqrt(d)) where `mask` [b, q, s] allows, fp32 [b, kv_h, g, q, s]: the math
+  every XLA attention here shares (training's and the KV cache's). q: [b, q, h, d]; k: [b, s, kv_h, d]."""
+  b, t, h, d = q.shape
   kv_heads = k.shape[2]
-  q = q.reshape(b, s, kv_heads, h // kv_heads, d)                          # [b, s, kv_h, g, d]
+  q = q.reshape(b, t, kv_heads, h // kv_heads, d)                          # [b, q, kv_h, g, d]
   scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
   scores = scores / math.sqrt(d)                                          # [b, kv_h, g, q, s] fp32
-  mask = sliding_window_mask(s, s, window, segment_ids)
-  if segment_ids is not None:
-    mask = mask[:, None, None]                                            # [b, 1, 1, q, s]
-  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(scores, axis=-1)
+
+
+def attend(probs: jax.Array, v: jax.Array) -> jax.Array:
+  """probs [b, kv_h, g, q, s] (fp32) applied to v [b, s, kv_h, d] -> [b, q, h, d] in v's dtype."""
+  b, kv_heads, g, t, _ = probs.shape
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)           # [b, q, kv_h, g, d]
+  return out.reshape(b, t, kv_heads * g, v.shape[-1])
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
                   segment_ids: jax.Array | None = None) -> jax.Array:
   """Reference attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] with h % kv_h == 0."""
-  b, s, h, d = q.shape
-  probs = attention_probs(q, k, window, segment_ids).astype(v.dtype)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)                         # [b, s, kv_h, g, d]
-  return out.reshape(b, s, h, d)
+  return attend(attention_probs(q, k, window, segment_ids), v)
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
@@ -84,6 +98,52 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
   mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation,
                                       local_window_size=None if window is None else (window - 1, 0))
+
+
+def position_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | None) -> jax.Array:
+  """bool[b, q, s]: the sliding-window causal mask by position (i - window < j <= i), keys at
+  position -1 (empty cache slots, padding) masked: the mask of sliding_window_mask where the
+  keys are not laid out by index (a KV cache's ring buffer)."""
+  i, j = q_positions[:, :, None], k_positions[:, None, :]
+  mask = (j >= 0) & (j <= i)
+  if window is not None:
+    mask &= j > i - window
+  return mask
+
+
+def cache_slots(window: int | None, max_len: int) -> int:
+  """How many keys a layer's KV cache holds: the window for a local layer (its ring buffer),
+  every position up to max_len for a global one."""
+  return max_len if window is None else min(window, max_len)
+
+
+def init_kv_cache(batch: int, slots: int, kv_heads: int, head_dim: int, dtype) -> dict:
+  """One layer's empty cache: keys and values [b, slots, kv_h, d], each slot's position (-1: empty)."""
+  return {"key": jnp.zeros((batch, slots, kv_heads, head_dim), dtype),
+          "value": jnp.zeros((batch, slots, kv_heads, head_dim), dtype),
+          "positions": jnp.full((batch, slots), -1, jnp.int32)}
+
+
+def cached_attention(cache: dict, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                     window: int | None) -> tuple[jax.Array, dict]:
+  """New tokens (q, k, v [b, t, heads, d] after rotary; positions [b, t], -1 for padding)
+  against the cache and each other -> (out [b, t, h, d], the cache with them written).
+
+  A slot holds position p at p % slots; of the new tokens only a row's last `slots` are
+  written (the others would be overwritten within this call), so no two writes meet."""
+  keys = jnp.concatenate([cache["key"], k.astype(cache["key"].dtype)], axis=1)
+  values = jnp.concatenate([cache["value"], v.astype(cache["value"].dtype)], axis=1)
+  key_positions = jnp.concatenate([cache["positions"], positions], axis=1)
+  out = attend(masked_probs(q, keys, position_mask(positions, key_positions, window)), values)
+
+  slots = cache["positions"].shape[1]
+  newest = jnp.max(positions, axis=1, keepdims=True)                     # [b, 1]
+  written = (positions >= 0) & (positions > newest - slots)
+  slot = jnp.where(written, positions % slots, slots)                     # slots: out of range, dropped
+  rows = jnp.arange(positions.shape[0])[:, None]
+  write = lambda buffer, new: buffer.at[rows, slot].set(new.astype(buffer.dtype), mode="drop")
+  return out, {"key": write(cache["key"], k), "value": write(cache["value"], v),
+               "positions": write(cache["positions"], positions)}
 
 
 # model.attention_impl -> (q, k, v, window, segment_ids=None) -> out; every entry is tested against "xla". The
@@ -123,7 +183,14 @@ class Attention(nn.Module):
     v = projection(self.num_kv_heads, "kv_heads", "value")(x)
     q = rotary_embedding(q, positions, self.rope_theta)
     k = rotary_embedding(k, positions, self.rope_theta)
-    out = ATTENTION_IMPLS[self.impl](q, k, v, self.window, segment_ids)   # [b, s, h, d]
+    if self.has_variable("cache", "key"):                                  # decoding: megajax.sampling
+      names = ("key", "value", "positions")
+      cache = {name: self.get_variable("cache", name) for name in names}
+      out, cache = cached_attention(cache, q, k, v, positions, self.window)
+      for name in names:
+        self.put_variable("cache", name, cache[name])
+    else:
+      out = ATTENTION_IMPLS[self.impl](q, k, v, self.window, segment_ids)   # [b, s, h, d]
     return nn.DenseGeneral(
         features=hidden, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name="out",

@@ -9,6 +9,7 @@ The Python API, in the order a user meets it:
     logits = model.apply({"params": params}, tokens)        # f32[batch, seq, vocab]
     loss, stats = megajax.make_loss_fn(model)(params, batch)
     result = megajax.train(config, workdir="/tmp/run")      # result.state, result.history
+    tokens = megajax.generate(params, config, [[1, 2, 3]], max_new_tokens=32, temperature=0.8)
 
 This file is the facade over every layer of the package (WORKSPACE.md, "Layering"); code
 inside megajax imports the module it needs, never this one.
@@ -20,10 +21,11 @@ from megajax.flops import training_flops_per_token
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.optim import make_optimizer
 from megajax.reference_step import TrainState, init_train_state, make_loss_fn, make_reference_step
+from megajax.sampling import generate
 from megajax.trainer import TrainResult, build_model, train
 
 __all__ = [
     "ConfigError", "GPT", "ModelConfig", "TrainResult", "TrainState", "build_model", "count_params",
-    "default_config", "init_params", "init_train_state", "load_config", "load_params", "make_loss_fn",
+    "default_config", "generate", "init_params", "init_train_state", "load_config", "load_params", "make_loss_fn",
     "make_optimizer", "make_reference_step", "save_params", "train", "training_flops_per_token", "validate",
 ]

@@ -15,6 +15,7 @@ keys its registry by them (e.g. megajax.layers.ATTENTION_IMPLS, tested equal).
 
 from __future__ import annotations
 
+import json
 import os
 
 import ml_collections
@@ -625,10 +626,50 @@ def wants_probes(config: ml_collections.ConfigDict) -> bool:
 
 
 def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
-  """Loads `get_config()` from a config file, applies {"model.num_layers": 4, ...}, validates."""
-  config = apply_overrides(check.read_config_file(path), overrides or {})
+  """The config of `path`, with {"model.num_layers": 4, ...} applied, validated. `path` is a
+  config file (`get_config()`), a run's workdir, or its config.json (read_run_config)."""
+  if os.path.isdir(path) or path.endswith(".json"):
+    config = read_run_config(path)
+  else:
+    config = check.read_config_file(path)
+  config = apply_overrides(config, overrides or {})
   validate(config)
   return config
+
+
+def read_run_config(path: str) -> ml_collections.ConfigDict:
+  """A run's config: `path` is its workdir or the config.json megajax-train wrote there. Read
+  over today's defaults (a field added since keeps its default); the drills and probes, which
+  only that training run wanted, back to their defaults. Not validated. A missing or unreadable
+  file, or a field today's megajax lacks: a ConfigError naming it."""
+  file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.isfile(file):
+    raise ConfigError("config", file, "not found", "pass a run's workdir (megajax-train --workdir=W writes "
+                      "W/config.json), its config.json, or a config file such as configs/default.py")
+  try:
+    with open(file, encoding="utf-8") as f:
+      saved = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    raise ConfigError("config", file, f"unreadable ({check.one_line(error)})",
+                      "it is a run's config as megajax-train writes it; pass another workdir") from None
+  if not isinstance(saved, dict):
+    raise ConfigError("config", file, f"holds a JSON {type(saved).__name__}, not a config object",
+                      "pass the config.json megajax-train wrote")
+  config = apply_overrides(default_config(), _dotted(saved))
+  defaults = default_config()
+  config.debug, config.observe = defaults.debug, defaults.observe
+  return config
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict:
+  """{"model": {"num_layers": 4}} -> {"model.num_layers": 4}."""
+  flat = {}
+  for name, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_dotted(value, f"{prefix}{name}."))
+    else:
+      flat[f"{prefix}{name}"] = value
+  return flat
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:

@@ -89,13 +89,13 @@ def read_config_file(path: str, argument: str | None = None) -> ml_collections.C
   except SyntaxError as error:
     raise ConfigError("config", path, f"syntax error at line {error.lineno}: {error.msg}", fix) from None
   except (OSError, ValueError) as error:       # unreadable, or not text
-    raise ConfigError("config", path, f"cannot be read: {_one_line(error)}", fix) from None
+    raise ConfigError("config", path, f"cannot be read: {one_line(error)}", fix) from None
   spec = importlib.util.spec_from_file_location("megajax_user_config", path)
   module = importlib.util.module_from_spec(spec)
   try:
     exec(code, module.__dict__)
   except Exception as error:                   # the file's own code: anything can go wrong in it
-    raise ConfigError("config", path, f"loading it raised {_one_line(error)}", fix) from None
+    raise ConfigError("config", path, f"loading it raised {one_line(error)}", fix) from None
   get_config = getattr(module, "get_config", None)
   if not callable(get_config):
     raise ConfigError("config", path, "defines no get_config()",
@@ -103,14 +103,14 @@ def read_config_file(path: str, argument: str | None = None) -> ml_collections.C
   try:
     config = get_config() if argument is None else get_config(argument)
   except Exception as error:
-    raise ConfigError("config", path, f"get_config() raised {_one_line(error)}", fix) from None
+    raise ConfigError("config", path, f"get_config() raised {one_line(error)}", fix) from None
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError("config", path, f"get_config() returned {type(config).__name__}, not a ConfigDict",
                       "return megajax.config.default_config() with your changes, as configs/default.py does")
   return config
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
   """`Type: the first non-empty line of its message` (just the type when it has none)."""
   first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
   return f"{type(error).__name__}: {first}" if first else type(error).__name__

@@ -204,6 +204,29 @@ def copy_tokenizer(data_path: str, dest_dir: str) -> str | None:
   return dest
 
 
+def workdir_tokenizer_file(workdir: str) -> str | None:
+  """The tokenizer file a run trained with (WORKDIR/tokenizer/, copied there by the trainer
+  from its token files' sidecars), or None: the run read bytes or synthetic tokens."""
+  directory = os.path.join(workdir, "tokenizer")
+  files = sorted(name for name in os.listdir(directory) if name.endswith((".json", ".model"))) \
+      if os.path.isdir(directory) else []
+  if len(files) > 1:
+    raise ConfigError("workdir", workdir, f"{directory} holds {len(files)} tokenizers ({', '.join(files)})",
+                      "keep the one the run's data was written with")
+  return os.path.join(directory, files[0]) if files else None
+
+
+def workdir_tokenizer(workdir: str):
+  """The tokenizer a run trained with: its WORKDIR/tokenizer/ file, else bytes."""
+  file = workdir_tokenizer_file(workdir)
+  if file is None:
+    return ByteTokenizer()
+  try:
+    return load_tokenizer(file)
+  except TokenizerError as error:
+    raise ConfigError("workdir", workdir, f"its tokenizer: {error}", "copy the data's tokenizer there again") from None
+
+
 def one_line(error: Exception) -> str:
   """An exception's message on one line (the libraries' span several)."""
   return " ".join(str(error).split()) or type(error).__name__

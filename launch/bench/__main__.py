@@ -9,6 +9,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench data [--data_batches=50] [--data_steps=20]
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
+  python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
 """
 
 import importlib
@@ -33,6 +34,7 @@ _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark
 _WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
 _QUICK = flags.DEFINE_boolean("quick", False,
                               "runtime benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 512, "Tokens the sample benchmark generates per row.")
 
 # name (its module, megajax.launch.bench.<name>, imported only when run) -> what runs it, with
 # the flags it reads.
@@ -48,6 +50,7 @@ BENCHMARKS = {
     "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value),
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
+    "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
 }
 
 

@@ -93,8 +93,9 @@ def test_prepare_data_trains_a_bpe_over_jsonl_and_parquet_the_same_for_any_worke
 
 def test_own_corpus_journey_bpe_then_packed_training_with_held_out_eval(tmp_path):
   """A user's corpus end to end: prepare with a trained BPE, train on it (packed documents,
-  5 of its documents held out, evaluated in the loop), then megajax-eval on the saved run. The
-  run logs its data, carries the tokenizer in its workdir, and writes eval records."""
+  5 of its documents held out, evaluated in the loop), then megajax-eval on the saved run and
+  megajax-sample from it. The run logs its data, carries the tokenizer in its workdir, and
+  writes eval records."""
   words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
   rng = np.random.default_rng(0)
   for i in range(4):
@@ -121,6 +122,12 @@ def test_own_corpus_journey_bpe_then_packed_training_with_held_out_eval(tmp_path
   assert result.returncode == 0, result.stderr[-3000:]
   printed = float(re.search(r"eval_loss=([\d.]+)", result.stdout).group(1))   # 6 significant digits
   assert abs(printed - evals[-1]["eval_loss"]) <= 1e-5 * evals[-1]["eval_loss"], (result.stdout, evals[-1])
+  # Then a sample in the run's own vocabulary: the prompt, and the new text after it.
+  result = run_module(["-m", "megajax.launch.sample", f"--workdir={workdir}", "--prompt=alpha beta",
+                       "--max_new_tokens=12", "--temperature=0", "--chunk=4"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("alpha beta") and len(result.stdout.strip()) > len("alpha beta"), result.stdout
+  assert f"sampling from {workdir}/params" in result.stderr
 
 
 @pytest.mark.parametrize("flags, line", [

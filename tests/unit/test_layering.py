@@ -24,7 +24,7 @@ LAYERS = (
     ("core", ("megajax.config", "megajax.config_checks", "megajax.model", "megajax.loss", "megajax.optim",
               "megajax.flops", "megajax.data", "megajax.token_files", "megajax.tokenizer", "megajax.text_inputs",
               "megajax.reference_step")),
-    ("parallel", ("megajax.parallel",)),
+    ("parallel", ("megajax.parallel", "megajax.sampling")),   # sampling: decoding, heads split over tp
     ("checkpoint", ("megajax.checkpoint",)),
     ("observe", ("megajax.observe",)),
     ("trainer", ("megajax.trainer",)),

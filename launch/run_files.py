@@ -1,0 +1,74 @@
+"""A finished (or running) training run's files, as the commands that read a workdir need
+them: its config, its trained parameters on one device, its tokenizer.
+
+    config = run_config(workdir)        # WORKDIR/config.json over today's defaults, validated
+    params = run_params(workdir, config)  # the newest of WORKDIR/params and the latest checkpoint
+    tokenizer = workdir_tokenizer(workdir)  # megajax.tokenizer: WORKDIR/tokenizer/, else bytes
+
+Every failure is a ConfigError or a CheckpointError with a one-line message.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_collections
+
+from megajax.checkpoint import CheckpointError, TrainingCheckpointer, load_params
+from megajax.config import ConfigError, read_run_config, validate
+from megajax.tokenizer import workdir_tokenizer, workdir_tokenizer_file
+from megajax.trainer import build_parallel_step
+
+__all__ = ["run_config", "run_params", "workdir_tokenizer", "workdir_tokenizer_file"]
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The run's config, validated (a ConfigError names the bad field)."""
+  if not os.path.isdir(workdir):
+    raise ConfigError("workdir", workdir, "no such directory", "pass the --workdir a megajax-train run wrote")
+  config = read_run_config(workdir)
+  try:
+    validate(config)
+  except (TypeError, ValueError) as error:    # a field of the wrong type in a hand-edited file
+    raise ConfigError("config", os.path.join(workdir, "config.json"), str(error), "fix or rewrite it") from None
+  return config
+
+
+def _mtime(path: str) -> float:
+  return os.path.getmtime(path) if os.path.exists(path) else float("-inf")
+
+
+def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, str]:
+  """(the model's parameter pytree on this process's first device, where it came from).
+
+  WORKDIR/params (written when training ends) unless a checkpoint was saved after it (a run
+  still going, or resumed since); a checkpoint is restored on one device through the run's own
+  step (any mesh restores onto another) and its parameters taken out of the step's layout."""
+  exported = os.path.join(workdir, "params")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(name) for name in os.listdir(checkpoints) if name.isdigit()) if os.path.isdir(checkpoints) else []
+  latest = os.path.join(checkpoints, str(steps[-1])) if steps else None
+  if os.path.isdir(exported) and (latest is None or _mtime(exported) >= _mtime(latest)):
+    try:
+      return load_params(exported), exported
+    except (OSError, ValueError, KeyError) as error:
+      raise CheckpointError(f"{exported}: unreadable parameters ({type(error).__name__}); delete it to read "
+                            "the latest checkpoint instead") from None
+  if latest is None:
+    raise CheckpointError(f"{workdir}: no trained parameters (neither params/ nor a checkpoint); "
+                          f"megajax-train --workdir={workdir} writes them")
+  one_device = config.copy_and_resolve_references()
+  for axis in ("dp", "pp", "tp", "virtual_stages"):
+    one_device.parallel[axis] = 1
+  one_device.parallel.schedule = "1f1b"
+  one_device.train.microbatches = 1
+  parallel_step = build_parallel_step(one_device, jax.local_devices()[:1])
+  checkpointer = TrainingCheckpointer(checkpoints, one_device)
+  try:
+    restored = checkpointer.restore_latest(parallel_step)
+  finally:
+    checkpointer.close()
+  if restored is None:
+    raise CheckpointError(f"{checkpoints}: no checkpoint to restore")
+  return jax.jit(parallel_step.model_params)(restored.state.params), checkpointer.path(restored.step)
