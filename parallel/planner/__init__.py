@@ -1,7 +1,8 @@
 """The 3D-parallelism planner: a cost model of one training step, its calibration, the search.
 
-  cost_model.py   per-device memory and step time / MFU of a plan (dp, pp, tp, v, microbatch)
-                  on a device type; `Calibration`, the fitted step-time constants, a plain value
+  cost_model.py   step time / MFU of a plan (dp, pp, tp, v, microbatch) on a device type, and its
+                  parameters leaf by leaf; `Calibration`, the fitted step-time constants, a plain value
+  memory.py       per-device memory of a plan, its constants fitted to XLA's buffer assignment
   plans.py        every plan that divides evenly, the ones that fit, best predicted MFU first
   fits.py         the trainer's check before anything compiles: does a config fit its devices
   paper.py        the MegaScale paper's Tables 2 and 3, predicted next to the published MFU

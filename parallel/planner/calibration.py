@@ -22,7 +22,7 @@ from scipy.optimize import least_squares
 from megajax.config import apply_overrides, default_config, validate
 from megajax.model import GPT, ModelConfig
 from megajax.parallel.mesh import make_mesh
-from megajax.parallel.planner import cost_model, paper
+from megajax.parallel.planner import cost_model, memory, paper
 from megajax.parallel.planner.cost_model import CALIBRATION, Calibration
 from megajax.parallel.planner.fits import plan_of
 from megajax.parallel.step import ParallelStep
@@ -100,7 +100,7 @@ def memory_case_config(case: MemoryCase):
 
 
 def predicted_bytes(config) -> float:
-  return cost_model.memory(ModelConfig.from_config(config.model), plan_of(config)).total
+  return memory.memory(ModelConfig.from_config(config.model), plan_of(config)).total
 
 
 def measured_bytes(config) -> float:

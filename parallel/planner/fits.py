@@ -2,7 +2,7 @@
 is initialized or compiled.
 
 `check_fits(config, devices)` estimates the bytes one device of the job needs for the training
-step (cost_model.memory for the config's model and plan: `plan_of`) and compares them with
+step (memory.memory for the config's model and plan: `plan_of`) and compares them with
 what the device has (`device_memory`):
 
   GPU   the device's `bytes_limit` from memory_stats(): what XLA's allocator may use (by
@@ -29,8 +29,9 @@ import psutil
 
 from megajax.config_checks import ConfigError
 from megajax.model import ModelConfig
-from megajax.parallel.planner import cost_model
-from megajax.parallel.planner.cost_model import GB, Memory, Plan
+from megajax.parallel.planner import cost_model, memory
+from megajax.parallel.planner.cost_model import GB, Plan
+from megajax.parallel.planner.memory import Memory
 
 MEMORY_MARGIN = 1.5     # refuse above this multiple of the device's memory (see the docstring)
 
@@ -47,7 +48,7 @@ def plan_of(config: ml_collections.ConfigDict) -> Plan:
 def estimate(config: ml_collections.ConfigDict, platform: str) -> Memory:
   """Bytes per device of the config's step. On CPU with remat none whatever model.remat says:
   XLA:CPU's scheduler runs the recomputation early, measured equal to none (calibration.py)."""
-  return cost_model.memory(ModelConfig.from_config(config.model), plan_of(config),
+  return memory.memory(ModelConfig.from_config(config.model), plan_of(config),
                            remat="none" if platform == "cpu" else None)
 
 

@@ -11,21 +11,22 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.model import ModelConfig
-from megajax.parallel.planner import cost_model
+from megajax.parallel.planner import cost_model, memory
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, Calibration, Hardware, Optimizations, Plan
+from megajax.parallel.planner.memory import Memory
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   plan: Plan
-  memory: cost_model.Memory
+  memory: Memory
   time: cost_model.StepTime
   fits: bool            # the memory fits the device (cost_model.usable_bytes)
 
 
 def evaluate(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
              calibration: Calibration = CALIBRATION) -> Candidate:
-  mem = cost_model.memory(c, plan, remat)
+  mem = memory.memory(c, plan, remat)
   return Candidate(plan, mem, cost_model.step_time(c, plan, hw, remat, calibration),
                    mem.total <= cost_model.usable_bytes(hw))
 

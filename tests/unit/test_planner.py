@@ -11,7 +11,7 @@ from megajax.config import SCHEDULE_CHOICES, TRAVERSAL_CHOICES
 
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.parallel.pipeline import Tables, simulate
-from megajax.parallel.planner import calibration, cost_model, paper, plans
+from megajax.parallel.planner import calibration, cost_model, memory, paper, plans
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
 
 
@@ -23,11 +23,11 @@ def paper_setting():
 
 def test_memory_counts_dtypes_and_sharding(tiny_config):
   c = ModelConfig.from_config(tiny_config.model)
-  one = cost_model.memory(c, Plan(1, 1, 1, 1, 4, 4, MEGASCALE))
+  one = memory.memory(c, Plan(1, 1, 1, 1, 4, 4, MEGASCALE))
   tiny_config.model.compute_dtype = "bfloat16"
-  bf16 = cost_model.memory(ModelConfig.from_config(tiny_config.model), Plan(1, 1, 1, 1, 4, 4, MEGASCALE))
+  bf16 = memory.memory(ModelConfig.from_config(tiny_config.model), Plan(1, 1, 1, 1, 4, 4, MEGASCALE))
   assert bf16.activations < one.activations and bf16.state == one.state    # fp32 master either way
-  zero = cost_model.memory(c, Plan(4, 1, 1, 1, 1, 4, MEGASCALE))
+  zero = memory.memory(c, Plan(4, 1, 1, 1, 1, 4, MEGASCALE))
   assert zero.state == pytest.approx(one.state / 4, rel=0.05)              # ZeRO: 1/dp of the state
 
 
@@ -47,7 +47,7 @@ def test_stash_slots_and_bubble_match_the_schedule(tiny_config):
     schedule = simulate("interleaved_1f1b" if v > 1 else "1f1b", p, v, m)
     tables = Tables.build(schedule, ModelConfig.from_config(tiny_config.model))
     plan = Plan(1, p, 1, v, 1, m)
-    assert cost_model.stash_slots(plan) == tables.stash_slots
+    assert memory.stash_slots(plan) == tables.stash_slots
     assert plan.bubble_fraction == pytest.approx(schedule.bubble_fraction)
 
 
@@ -67,10 +67,10 @@ def test_slot_formulas_equal_the_executor_tables(tiny_config, schedule, traversa
         for recompute in (False, True):
           tables = Tables.build(timeline, ModelConfig.from_config(tiny_config.model), recompute)
           plan = Plan(1, p, 1, v, 1, m, pipeline_recompute=recompute, schedule=schedule, traversal=traversal)
-          got = (cost_model.stash_slots(plan), cost_model.cotangent_slots(plan), cost_model.residual_slots(plan))
+          got = (memory.stash_slots(plan), memory.cotangent_slots(plan), memory.residual_slots(plan))
           assert got == (tables.stash_slots, tables.cotangent_slots, tables.residual_slots), (p, v, m, recompute)
-  assert cost_model.residual_slots(Plan(1, 4, 1, 1, 1, 64)) == 6
-  assert cost_model.residual_slots(Plan(1, 4, 1, 2, 1, 64)) == 10
+  assert memory.residual_slots(Plan(1, 4, 1, 1, 1, 64)) == 6
+  assert memory.residual_slots(Plan(1, 4, 1, 2, 1, 64)) == 10
 
 
 def test_pipeline_recompute_costs_a_forward_and_saves_memory(paper_setting):
@@ -84,7 +84,7 @@ def test_pipeline_recompute_costs_a_forward_and_saves_memory(paper_setting):
     kept, again = cost_model.step_time(c, default, hw, remat), cost_model.step_time(c, rerun, hw, remat)
     assert kept.recompute < again.recompute and kept.mfu > again.mfu
     assert kept.recompute > 0                    # the policy's own
-    assert cost_model.memory(c, default, remat).total > cost_model.memory(c, rerun, remat).total
+    assert memory.memory(c, default, remat).total > memory.memory(c, rerun, remat).total
   # remat none: the rerun's matmuls are all the pipeline's (fused attention's backward recomputes its scores anyway)
   kept, again = cost_model.step_time(c, default, hw, "none"), cost_model.step_time(c, rerun, hw, "none")
   assert again.gemm == pytest.approx(kept.gemm * 4 / 3)

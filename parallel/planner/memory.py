@@ -1,0 +1,202 @@
+"""The cost model's memory half: bytes per device of a 3D plan's training step.
+
+For a model (megajax.model.ModelConfig) and a plan (cost_model.Plan), `memory` predicts the
+bytes one device of the busiest stage holds: the training state (fp32 master params and
+optimizer moments, ZeRO-sharded over dp), the compute copies and gradients, the activations
+the runtime keeps, the logits and the pipeline's buffers. Two runtimes (`Plan.executor`):
+"megajax", this repository's step, whose constants (XLA_*) are fitted to XLA's buffer
+assignment of the real compiled step (calibration.memory_check checks held-out configs), and
+"paper", Megatron-LM's distributed optimizer with the activations of Korthikanti et al. (2022).
+The parameters themselves, leaf by leaf, are cost_model.param_counts'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megajax.model import ModelConfig
+from megajax.parallel.planner.cost_model import Plan, apply_switches, param_counts
+
+# megajax executor's memory, fitted by least squares to XLA's buffer assignment of the real
+# compiled step on CPU (fp32, remat none, xla attention): 21 configs with pp = 1 and 22 with
+# pp = 2-4 (shapes, dp, tp, v, microbatches varied); calibration.MEMORY_CASES checks configs
+# outside those. Elements kept per token per layer, in units of each tensor's width:
+XLA_KEPT = dict(hidden=1.5,      # x [s, h] (LayerNorm input / gathered output), per LayerNorm
+                qkv=3.2,         # q, k, v and their rotated / attended copies [s, (q + 2 kv) / tp]
+                mlp=3.1,         # MLP input, GeLU output, the concatenated row-parallel input [s, f / tp]
+                scores=2.3,      # fp32 attention scores and probabilities [heads / tp, s, s]
+                logits=2.1)      # fp32 logits and their softmax [s, vocab / tp]
+XLA_PARAM_TEMPS = 1.1            # param-sized temporaries (gradients, optimizer) per tp-shard param
+XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps the gradients)
+# ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash buffers),
+# refitted when the executor gained its residual slots (parallel.pipeline_recompute=False):
+# least squares on XLA's bytes of 9 pipeline configs (pp 2-4, dp 1-2, tp 1-2, v 1-3, 1-3 layers
+# per chunk, seq 64-128, b 1-2, m 4-8, both traversals and grad_syncs), each compiled with
+# both executors (18 numbers, 7 constants); calibration.MEMORY_CASES' pipeline config, held out,
+# is within 2% either way, the 18 within 6%:
+XLA_PIPELINE = dict(params=0.85,  # param-sized temporaries per stage param (branch gradient buffers)
+                    gather=1.4,  # extra when dp > 1
+                    layer=0.74,  # of a layer's non-score activations above (XLA fuses the recompute)
+                    scores=2.03,  # of its attention scores (the backward holds more of them)
+                    logits=0.58,  # of the logits
+                    message=3.21,  # buffers per stash / cotangent slot [b, s / tp, h]
+                    residual=1.8)  # buffers per residual slot: the scan's carry and XLA:CPU's per-tick
+                                   # copies. Fitted at 2.21 on the 9 configs while the backward's
+                                   # switch took the whole buffer as operand; since it takes only its
+                                   # slot, set from the one pipeline MEMORY_CASE (12.90 MB): refit pending
+# ... and of its residual slots: a chunk's vjp residuals under remat none are
+# XLA_RESIDUALS_NONE x the XLA_KEPT bytes of its layers, measured (the residual buffer's words
+# in the lowered step) on the same 9 configs: 1.38-1.44.
+XLA_RESIDUALS_NONE = 1.41
+# ... and of parallel.grad_sync="step" (m > 1), in fp32 gradients of the device's parameters
+# (its tp shard, its stage), in place of the 1/dp accumulator of "microbatch". Measured, not
+# fitted over many configs: XLA's bytes of the memory check's two dp cases in both modes
+# (pp = 1: the scan's sum and the last microbatch's gradients, run after the scan, live side by side).
+XLA_STEP_SUM = dict(scan=2.1, pipeline=0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Bytes per device (the busiest stage)."""
+  state: float          # master params + optimizer moments (+ Megatron's bf16 weights and grads)
+  params_temp: float    # gathered compute parameters and gradient buffers during the step
+  activations: float    # what the backward needs, for every in-flight microbatch
+  logits: float         # the head's fp32 logits of one microbatch
+  pipeline: float       # stashed stage inputs and cotangents (megajax pipeline)
+
+  @property
+  def total(self) -> float:
+    return self.state + self.params_temp + self.activations + self.logits + self.pipeline
+
+
+def _warmup_group(plan: Plan) -> tuple[int, int]:
+  """(W, group): stage 0's warm-up forwards before the slots cap them, 2(p-1) + (v-1) * group
+  (pipeline/schedule.py), and the microbatches a traversal walks through a chunk at a time
+  (depth-first p, breadth-first and GPipe m). GPipe runs every forward first: W = m v."""
+  p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
+  group = p if plan.traversal == "depth_first" and plan.schedule != "gpipe" else m
+  return (m * v if plan.schedule == "gpipe" else 2 * (p - 1) + (v - 1) * group), group
+
+
+def cotangent_slots(plan: Plan) -> int:
+  """Cotangent slots of megajax's pipeline executor (pipeline.Tables.cotangent_slots, exactly):
+  one, unless v > 1 walks more than p microbatches through a chunk at a time."""
+  if plan.pp == 1:
+    return 0
+  group = _warmup_group(plan)[1]
+  return max(1, group - (plan.pp - 1)) if plan.virtual_stages > 1 else 1
+
+
+def stash_slots(plan: Plan) -> int:
+  """Activation slots of megajax's pipeline executor (pipeline.Tables.stash_slots, exactly).
+  pipeline_recompute: an input waits from arrival to its backward, W - 1 of them at once
+  (capped at the m v microbatch-chunks); otherwise only until its forward (as many as the
+  cotangents), but for the last chunk's, which waits until its backward (GPipe: all m)."""
+  p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
+  if p == 1:
+    return 0
+  if plan.pipeline_recompute:
+    warmup = _warmup_group(plan)[0]
+    return m * v if plan.schedule == "gpipe" else min(warmup - 1, m * v)
+  return m if plan.schedule == "gpipe" else cotangent_slots(plan)
+
+
+def residual_slots(plan: Plan) -> int:
+  """Residual slots of megajax's pipeline executor (pipeline.Tables.residual_slots, exactly):
+  a non-last chunk's residuals wait from its forward to its backward, at most stage 0's
+  warm-up forwards W at once, capped at the m v microbatch-chunks (1F1B p = 4: 6; interleaved
+  v = 2: 10; independent of m beyond that). None with pipeline_recompute."""
+  if plan.pp == 1 or plan.pipeline_recompute:
+    return 0
+  return min(_warmup_group(plan)[0], plan.microbatches * plan.virtual_stages)
+
+
+def _layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> tuple[float, float]:
+  """megajax: (bytes one layer keeps for its backward per microbatch, of which attention scores)."""
+  n, b, s = plan.tp, plan.micro_batch, c.seq_len
+  tokens, cb = b * s, c.compute_dtype.itemsize
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  norms = 1 if c.block == "parallel" else 2
+  if remat == "full":
+    return tokens * c.hidden_dim / n * cb, 0.0                             # the block's input
+  if remat == "dots":     # projection outputs; attention and elementwise ops are recomputed
+    return tokens * ((q + 2 * kv + c.mlp_dim) / n + c.hidden_dim * (1 + 1 / n) * norms) * cb, 0.0
+  kept = tokens * (XLA_KEPT["hidden"] * c.hidden_dim * norms + XLA_KEPT["qkv"] * (q + 2 * kv) / n
+                   + XLA_KEPT["mlp"] * c.mlp_dim / n) * cb
+  scores = 0.0 if fused_attention else XLA_KEPT["scores"] * b * c.num_heads / n * s * s * 4
+  return kept + scores, scores
+
+
+def _megatron_layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> float:
+  """Megatron-LM with sequence parallelism (Korthikanti et al. 2022, Table 2): bytes per layer
+  per microbatch; 34 s b h / t, plus 5 a s^2 b / t for the unfused softmax without recompute."""
+  sbh = c.seq_len * plan.micro_batch * c.hidden_dim
+  if remat == "full":
+    return 2 * sbh / plan.tp
+  kept = 34 * sbh / plan.tp
+  if remat == "none" and not fused_attention:
+    kept += 5 * c.num_heads * c.seq_len * c.seq_len * plan.micro_batch / plan.tp
+  return kept
+
+
+def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None) -> Memory:
+  """Per-device bytes of `plan` on the model `c` (the switches applied here). `remat` defaults to
+  the model's policy; `fused_attention` (a kernel that never holds the [s, s] scores: Pallas,
+  cuDNN, FlashAttention) to the plan's fused_ops switch."""
+  c = apply_switches(c, plan.opts)
+  remat = remat or c.remat
+  counts = param_counts(c, plan)
+  pb = c.param_dtype.itemsize
+  tokens = plan.micro_batch * c.seq_len
+  logits = tokens * c.vocab_size / plan.tp * 4
+  layers = c.num_layers // plan.pp
+  fused_attention = plan.opts.fused_ops if fused_attention is None else fused_attention
+  if plan.executor == "paper":
+    # bf16 weights, fp32 gradients, and the distributed optimizer's fp32 master + 2 moments.
+    state = counts.stage * (2 + 4) + counts.shard * 12
+    per_layer = _megatron_layer_kept(c, plan, remat, fused_attention)
+    in_flight = plan.pp * (1 + (plan.pp - 1) / (plan.pp * plan.virtual_stages)) if plan.pp > 1 else 1
+    kept = per_layer * layers * in_flight
+    if remat == "full":   # one layer's activations are rebuilt during its backward
+      kept += _megatron_layer_kept(c, plan, "none", fused_attention)
+    return Memory(state, 0.0, kept, 2 * logits, 0.0)
+
+  moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
+  state = counts.shard * pb * (1 + moments)
+  step_sync = plan.grad_sync == "step" and plan.microbatches > 1
+  accumulator = (counts.stage * 4 * XLA_STEP_SUM["scan"] if step_sync
+                 else counts.shard * pb if plan.microbatches > 1 else 0.0)
+  per_layer, _ = _layer_kept(c, plan, remat, fused_attention)
+  transient = _layer_kept(c, plan, "none", fused_attention)[0] if remat != "none" else 0.0
+  if plan.pp == 1:
+    params_temp = counts.stage * pb * (XLA_PARAM_TEMPS + (XLA_GATHER_TEMPS if plan.dp > 1 else 0.0)) + accumulator
+    return Memory(state, params_temp, per_layer * layers + transient, XLA_KEPT["logits"] * logits, 0.0)
+  # Pipeline. Working set: one chunk's forward + backward at a time (the last chunk's, whose
+  # backward runs its forward too; with pipeline_recompute every chunk's).
+  chunk_layers = layers // plan.virtual_stages
+  kept_layer = per_layer
+  if remat == "none":
+    per_layer, scores = _layer_kept(c, plan, "none", fused_attention)
+    per_layer = XLA_PIPELINE["layer"] * (per_layer - scores) + XLA_PIPELINE["scores"] * scores
+  activations = per_layer * chunk_layers + transient
+  if not plan.pipeline_recompute:
+    # ... and the non-last chunks' residuals, from each forward to its backward.
+    activations += XLA_PIPELINE["residual"] * (residual_slots(plan) + 1) * chunk_residuals(c, plan, remat,
+                                                                                         fused_attention, kept_layer)
+  message = tokens * c.hidden_dim / plan.tp * c.compute_dtype.itemsize
+  # stash + trash, cotangents + trash
+  stash = XLA_PIPELINE["message"] * (stash_slots(plan) + cotangent_slots(plan) + 2) * message
+  params_temp = counts.stage * pb * (XLA_PIPELINE["params"] + (XLA_PIPELINE["gather"] if plan.dp > 1 else 0.0))
+  params_temp += counts.stage * 4 * XLA_STEP_SUM["pipeline"] if step_sync else 0.0
+  return Memory(state, params_temp, activations, XLA_PIPELINE["logits"] * logits, stash)
+
+
+def chunk_residuals(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
+                    per_layer: float | None = None) -> float:
+  """megajax's pipeline: bytes of one microbatch-chunk's residuals (its vjp's, what the remat
+  policy saves), one residual slot's worth. `c` with the plan's switches applied."""
+  if per_layer is None:
+    per_layer = _layer_kept(c, plan, remat, fused_attention)[0]
+  if remat == "none":     # XLA_KEPT counts what XLA's buffers hold; the vjp keeps more, unfused
+    per_layer *= XLA_RESIDUALS_NONE
+  return per_layer * (c.num_layers // (plan.pp * plan.virtual_stages))
