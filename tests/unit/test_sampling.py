@@ -31,11 +31,15 @@ def _full_forward_logits(params, config, prompt, new):
   return np.asarray(logits[len(prompt) - 1: len(prompt) - 1 + len(new)])
 
 
-BLOCKS = [{"block": "parallel"}, {"block": "serial"}]
+CASES = [  # (the model's block family, the prompts' padding)
+    ({"block": "parallel"}, "left"), ({"block": "parallel"}, "right"), ({"block": "serial"}, "right"),
+    ({"block": "parallel_two_norms"}, "left"),
+    ({"block": "serial", "norm": "rmsnorm", "mlp": "swiglu", "use_bias": False}, "left"),   # Llama / Mistral
+]
 
 
-@pytest.mark.parametrize("fields", BLOCKS, ids=lambda f: "-".join(str(v) for v in f.values()))
-@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("fields, padding", CASES, ids=lambda c: "-".join(str(v) for v in c.values())
+                         if isinstance(c, dict) else c)
 def test_cached_decoding_equals_the_full_forward_at_every_position(tiny_config, fields, padding):
   """Greedy decoding of 20 tokens (5x the window) for prompts of different lengths: each step's
   logits equal the full forward's at that position, so the tokens are identical."""
