@@ -33,3 +33,9 @@ def load_params(directory: str, like=None):
       like = jax.tree.map(lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=device),
                           checkpointer.metadata(path).item_metadata)
     return checkpointer.restore(path, like)
+
+
+def params_metadata(directory: str):
+  """The saved parameters' tree of shapes and dtypes (Orbax metadata), nothing read."""
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.metadata(os.path.abspath(directory)).item_metadata

@@ -1,4 +1,4 @@
-"""Restoring a checkpoint saved on one mesh onto another.
+"""Restoring a checkpoint saved on one mesh onto another; a fresh state from saved parameters.
 
 A checkpoint holds global arrays, so a change of dp or tp alone is Orbax's business: it
 reads each array with the new shardings. What Orbax cannot know is the pipeline layout:
@@ -12,10 +12,14 @@ shardings. The optimizer moments are parameter-shaped trees and convert the same
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from megajax.checkpoint.integrity import CheckpointError
+from megajax.checkpoint.params import load_params, params_metadata
 from megajax.model import init_params
 from megajax.parallel import ParallelStep, pipeline
 from megajax.reference_step import TrainState
@@ -73,3 +77,41 @@ def convert_state(parallel_step: ParallelStep, state: TrainState, layout: dict) 
     return TrainState(state.step, to_run(state.params), _map_param_trees(to_run, state.opt_state, treedef))
 
   return jax.jit(convert, out_shardings=parallel_step.state_shardings)(state)
+
+
+def initial_state(parallel_step: ParallelStep, directory: str) -> TrainState:
+  """A fresh state (step 0, new optimizer moments) from the model parameters `directory` holds
+  (save_params' format: another run's WORKDIR/params, megajax-import-hf's): read spread over the
+  step's mesh, converted under jit to the run's layout (stacked with pp > 1) and shardings.
+  CheckpointError when the directory is unreadable or holds another model's parameters."""
+  expected = jax.eval_shape(lambda: init_params(parallel_step.model, jax.random.key(0)))
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"train.init_params={directory}: no such directory; pass a parameters directory (a run's "
+                          "WORKDIR/params, megajax-import-hf's WORKDIR/hf_import/params)")
+  saved, problem = None, ""
+  try:
+    saved = params_metadata(directory)
+  except (OSError, ValueError, KeyError) as error:
+    problem = f" ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+  if not saved:
+    raise CheckpointError(f"train.init_params={directory}: no saved parameters there{problem}; pass a directory "
+                          "megajax.checkpoint.save_params wrote (a run's WORKDIR/params)")
+  shapes = lambda tree: {jax.tree_util.keystr(path): tuple(leaf.shape)
+                         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  want, have = shapes(expected), shapes(saved)
+  for name in sorted(want.keys() | have.keys()):
+    if want.get(name) != have.get(name):
+      raise CheckpointError(f"train.init_params={directory}: parameter {name} is {have.get(name) or 'missing'} there, "
+                            f"this run's model has {want.get(name) or 'no such parameter'}; the model fields must match")
+  # Without a pipeline the model's pytree is the state's: read straight into the step's shardings.
+  shardings = (parallel_step.state_shardings.params if parallel_step.pipeline is None else
+               jax.tree.map(lambda s: spread_sharding(s.shape, parallel_step.mesh), expected))
+  like = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), expected,
+                      shardings)
+  params = load_params(directory, like)
+
+  def fresh(params):
+    params = parallel_step.from_model_params(params)
+    return TrainState(jnp.zeros((), jnp.int32), params, parallel_step.optimizer.init(params))
+
+  return jax.jit(fresh, out_shardings=parallel_step.state_shardings)(params)

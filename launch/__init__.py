@@ -6,6 +6,8 @@ cluster glue, and the benchmarks.
   trace.py        megajax-trace          report.py     megajax-report
   plan.py         megajax-plan           schedule.py   megajax-schedule
   prepare_data.py megajax-prepare-data
+  export_hf.py    megajax-export-hf      import_hf.py  megajax-import-hf
+  training.py     what megajax-train and megajax-import-hf share: a run from a validated config
   cli.py          what the commands share: one-line failures, flag parsing, joining the job
   cluster.py      jax.distributed: explicit flags, SLURM, Open MPI, Kubernetes
   runtime.py      start-up: XLA / NCCL presets, the persistent compilation cache

@@ -130,6 +130,10 @@ def _train() -> ml_collections.ConfigDict:
   # batches of train.batch_size rows of the eval data (data.eval_path / data.eval_fraction).
   t.eval_every = 0
   t.eval_batches = 8
+  # Fine-tuning: a fresh run (no checkpoint in the workdir yet) starts from these parameters
+  # instead of a random init: a directory megajax.checkpoint.save_params wrote (another run's
+  # WORKDIR/params, megajax-import-hf's WORKDIR/hf_import/params). "": random init.
+  t.init_params = ""
   return t
 
 
@@ -145,6 +149,9 @@ def _check_train(config) -> None:
   # (Whether there is eval data for train.eval_every is data's check: _check_data.)
   check.non_negative_int(config, "train.eval_every")
   check.positive_int(config, "train.eval_batches")
+  # (Whether the directory holds this model's parameters is read when a fresh run starts.)
+  check.require(isinstance(t.init_params, str), "train.init_params", t.init_params, "must be a directory path",
+                "a parameters directory (a run's WORKDIR/params), or '' for a random init")
 
 
 # --- optimizer --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from jax._src import distributed
 import ml_collections
 
 from megajax import data
-from megajax.checkpoint import TrainingCheckpointer, save_params
+from megajax.checkpoint import TrainingCheckpointer, initial_state, save_params
 from megajax.config import validate
 from megajax.model import GPT, ModelConfig, count_params
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
@@ -182,8 +182,8 @@ def _copy_tokenizers(config, workdir: str) -> None:
 
 def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator, heartbeat):
   """(state, its step): the latest readable checkpoint onto this run's mesh, with the data
-  iterator set to the position it saved; else a fresh state, each device initializing only
-  its own shards."""
+  iterator set to the position it saved; else a fresh state: from train.init_params when set
+  (fine-tuning), or each device initializing only its own shards."""
   if heartbeat:
     heartbeat.update(phase="restore")
   restored = checkpointer.restore_latest(parallel_step) if checkpointer else None
@@ -192,6 +192,9 @@ def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator
     iterator.set_state(restored.data_state)
     logging.info("resumed from %s (step %d of %d)", checkpointer.path(restored.step), restored.step,
                  config.train.steps)
+  elif config.train.init_params:
+    state, start_step = initial_state(parallel_step, config.train.init_params), 0
+    logging.info("initialized from the parameters in %s (train.init_params)", config.train.init_params)
   else:
     state, start_step = parallel_step.init_state(jax.random.key(config.train.seed)), 0
   if heartbeat:

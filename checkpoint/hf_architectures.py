@@ -1,0 +1,259 @@
+"""Hugging Face architectures <-> megajax models: which HF class a megajax model is, its
+config.json fields, and every tensor's name and layout. No file is read or written here
+(checkpoint/huggingface.py does that).
+
+  megajax model                                       Hugging Face
+  layernorm + gelu, any block, no window, no GQA      GPTNeoXForCausalLM (gpt_neox)
+  rmsnorm + swiglu, serial, no bias, every layer G    LlamaForCausalLM (llama)
+  rmsnorm + swiglu, serial, no bias, every layer L    MistralForCausalLM (mistral, sliding_window)
+
+Both sides rotate (x[..., :d/2], x[..., d/2:]) by theta^(-2i/d) (HF's rotate_half), scale
+scores by 1/sqrt(head_dim) and attend i - w < j <= i in a window, so a tensor only changes
+its name and its layout: torch's Linear weight is [out, in], megajax's kernel [in, ...];
+GPT-NeoX fuses q, k and v per head ([heads, 3, head_dim] rows). Exact both ways (fp32).
+Anything one side cannot say is refused with one line naming it (HfFormatError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megajax.model import ModelConfig
+
+NEOX, LLAMA, MISTRAL = "gpt_neox", "llama", "mistral"
+ARCHITECTURES = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM"}
+NEOX_GELU = "gelu_new"                                 # what export writes: the tanh approximation
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")         # megajax's nn.gelu(approximate=True), by HF's names
+SILUS = ("silu", "swish")
+# Buffers old transformers versions saved with GPT-NeoX / Llama weights: no parameters.
+BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+
+
+class HfFormatError(ValueError):
+  """A model one side cannot represent, or files that are not what they claim; one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One HF tensor: its name, how it is laid out from megajax leaves (`kind`), the leaves'
+  paths; `zeros` is its shape when megajax has no leaf for it (a bias-free model's biases)."""
+
+  name: str
+  kind: str
+  paths: tuple = ()
+  zeros: tuple | None = None
+
+
+# --- Which architecture, and its config.json.
+
+def architecture(model: ModelConfig) -> str:
+  """The HF model_type of a megajax model; HfFormatError naming the field it cannot carry."""
+  windows = [model.layer_window(layer) for layer in range(model.num_layers)]
+  if model.norm == "layernorm" and model.mlp == "gelu":
+    if any(w is not None for w in windows):
+      raise HfFormatError(f"model.window={model.window} (window_pattern={model.window_pattern!r}): GPT-NeoX has no "
+                          "sliding window; only a model whose every layer is global (model.window=0) exports")
+    if model.num_kv_heads != model.num_heads:
+      raise HfFormatError(f"model.num_kv_heads={model.num_kv_heads}: GPT-NeoX has no grouped KV heads (it needs "
+                          f"num_kv_heads = num_heads = {model.num_heads})")
+    return NEOX
+  if model.norm == "rmsnorm" and model.mlp == "swiglu":
+    if model.block != "serial":
+      raise HfFormatError(f"model.block={model.block}: Llama and Mistral have serial blocks (model.block=serial)")
+    if model.use_bias:
+      raise HfFormatError("model.use_bias=True: Llama and Mistral have no biases (model.use_bias=False)")
+    if all(w is None for w in windows):
+      return LLAMA
+    if all(w is not None for w in windows):
+      return MISTRAL
+    raise HfFormatError(f"model.window_pattern={model.window_pattern!r} mixes local and global layers: Mistral has "
+                        "every layer local (pattern L), Llama every layer global (model.window=0)")
+  raise HfFormatError(f"model.norm={model.norm}, model.mlp={model.mlp}: no Hugging Face architecture megajax writes "
+                      "has it (GPT-NeoX: layernorm + gelu; Llama, Mistral: rmsnorm + swiglu)")
+
+
+def hf_config(arch: str, model: ModelConfig, eos_id: int | None, bos_id: int | None) -> dict:
+  """The config.json of `model` as `arch`: the keys transformers 4.x reads and 5.x's
+  rope_parameters, both."""
+  dtype = np.dtype(model.param_dtype).name
+  config = {
+      "architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": model.vocab_size,
+      "hidden_size": model.hidden_dim, "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
+      "intermediate_size": model.mlp_dim, "max_position_embeddings": model.seq_len,
+      "tie_word_embeddings": model.tie_embeddings, "bos_token_id": bos_id, "eos_token_id": eos_id,
+      "initializer_range": model.init_std, "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype,
+      "dtype": dtype}
+  if arch == NEOX:
+    return {**config, "hidden_act": NEOX_GELU, "layer_norm_eps": model.layernorm_epsilon,
+            "use_parallel_residual": model.block != "serial", "attention_bias": True, "hidden_dropout": 0.0,
+            "rotary_pct": 1.0, "rotary_emb_base": model.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta, "partial_rotary_factor": 1.0}}
+  config.update({"hidden_act": "silu", "rms_norm_eps": model.layernorm_epsilon, "num_key_value_heads": model.num_kv_heads,
+                 "head_dim": model.head_dim, "attention_bias": False, "rope_theta": model.rope_theta,
+                 "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}})
+  if arch == LLAMA:
+    return {**config, "mlp_bias": False, "pretraining_tp": 1}
+  return {**config, "sliding_window": model.window}
+
+
+def _int(hf: dict, key: str, default=None) -> int:
+  value = hf.get(key, default)
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise HfFormatError(f"{key}={value!r}: not a positive integer")
+  return value
+
+
+def _rope(hf: dict, arch: str) -> float:
+  """rope_theta; partial rotary or scaled rope is refused."""
+  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if not isinstance(params, dict) or "full_attention" in params or "sliding_attention" in params:
+    raise HfFormatError(f"rope_parameters={params!r}: megajax has one default rotary embedding for every layer")
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind != "default":
+    raise HfFormatError(f"rope_type={kind!r} (rope scaling): megajax's rotary embedding is the default one")
+  if arch == NEOX:
+    partial = params.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+    theta = params.get("rope_theta", hf.get("rotary_emb_base", hf.get("rope_theta", 10000.0)))
+  else:
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  if partial != 1.0:
+    raise HfFormatError(f"partial_rotary_factor={partial} (rotary_pct): megajax rotates every head dimension (1.0)")
+  return float(theta)
+
+
+def model_fields(hf: dict) -> tuple[str, dict]:
+  """(arch, {megajax model field: value}) from a config.json, before the weights are read.
+  GPT-NeoX's block ("parallel" or "parallel_two_norms") and use_bias depend on the weights
+  (weight_dependent_fields)."""
+  arch = hf.get("model_type")
+  if arch not in ARCHITECTURES:
+    raise HfFormatError(f"model_type={arch!r}: megajax reads gpt_neox (GPTNeoXForCausalLM), llama "
+                        "(LlamaForCausalLM) and mistral (MistralForCausalLM)")
+  heads, hidden = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
+  if hidden % heads:
+    raise HfFormatError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+  fields = {"vocab_size": _int(hf, "vocab_size"), "seq_len": _int(hf, "max_position_embeddings"),
+            "num_layers": _int(hf, "num_hidden_layers"), "hidden_dim": hidden, "num_heads": heads,
+            "mlp_dim": _int(hf, "intermediate_size"), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "rope_theta": _rope(hf, arch), "window": 0, "window_pattern": "L"}
+  act = hf.get("hidden_act")
+  if arch == NEOX:
+    if act not in TANH_GELUS:
+      raise HfFormatError(f"hidden_act={act!r}: megajax's GELU is the tanh approximation ({' or '.join(TANH_GELUS)})")
+    parallel = hf.get("use_parallel_residual", True)
+    return arch, {**fields, "norm": "layernorm", "mlp": "gelu", "num_kv_heads": heads,
+                  "block": "parallel_two_norms" if parallel else "serial", "use_bias": True,
+                  "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5))}
+  if act not in SILUS:
+    raise HfFormatError(f"hidden_act={act!r}: megajax's SwiGLU gates with silu")
+  if hf.get("head_dim") not in (None, hidden // heads):
+    raise HfFormatError(f"head_dim={hf['head_dim']}: megajax's head dim is hidden_size / num_attention_heads = "
+                        f"{hidden // heads}")
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key):
+      raise HfFormatError(f"{key}=true: megajax's rmsnorm + swiglu blocks have no biases")
+  kv_heads = _int(hf, "num_key_value_heads", heads)
+  if heads % kv_heads:
+    raise HfFormatError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+  fields.update(norm="rmsnorm", mlp="swiglu", num_kv_heads=kv_heads, block="serial", use_bias=False,
+                layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)))
+  window = hf.get("sliding_window") if arch == MISTRAL else None
+  if window is not None:
+    fields["window"] = min(_int(hf, "sliding_window"), fields["seq_len"])   # wider than a sequence: the same
+  return arch, fields
+
+
+# --- Tensors.
+
+def tensor_table(arch: str, model: ModelConfig) -> list[Tensor]:
+  """Every tensor of the HF checkpoint of `model`, in the order HF lists them."""
+  if arch == NEOX:
+    table = [Tensor("gpt_neox.embed_in.weight", "copy", (("embedding",),))]
+    for layer in range(model.num_layers):
+      table += _neox_layer(model, layer)
+    table += [Tensor("gpt_neox.final_layer_norm.weight", "copy", (("final_norm", "scale"),)),
+              Tensor("gpt_neox.final_layer_norm.bias", "copy", (("final_norm", "bias"),))]
+    return table + ([] if model.tie_embeddings else [Tensor("embed_out.weight", "linear", (("head",),))])
+  table = [Tensor("model.embed_tokens.weight", "copy", (("embedding",),))]
+  for layer in range(model.num_layers):
+    p, own = f"model.layers.{layer}.", f"layer_{layer}"
+    table += [Tensor(p + "input_layernorm.weight", "copy", ((own, "attention_norm", "scale"),)),
+              *[Tensor(f"{p}self_attn.{x}_proj.weight", "heads_in", ((own, "attention", name, "kernel"),))
+                for x, name in (("q", "query"), ("k", "key"), ("v", "value"))],
+              Tensor(p + "self_attn.o_proj.weight", "heads_out", ((own, "attention", "out", "kernel"),)),
+              Tensor(p + "post_attention_layernorm.weight", "copy", ((own, "mlp_norm", "scale"),)),
+              *[Tensor(f"{p}mlp.{x}_proj.weight", "linear", ((own, "mlp", name, "kernel"),))
+                for x, name in (("gate", "wi_gate"), ("up", "wi_up"), ("down", "wo"))]]
+  table.append(Tensor("model.norm.weight", "copy", (("final_norm", "scale"),)))
+  return table + ([] if model.tie_embeddings else [Tensor("lm_head.weight", "linear", (("head",),))])
+
+
+def _neox_layer(model: ModelConfig, layer: int) -> list[Tensor]:
+  p, own, hidden = f"gpt_neox.layers.{layer}.", f"layer_{layer}", model.hidden_dim
+  norms = ("norm", "norm") if model.block == "parallel" else ("attention_norm", "mlp_norm")
+  table = []
+  for hf_norm, norm in zip(("input_layernorm", "post_attention_layernorm"), norms):
+    table += [Tensor(f"{p}{hf_norm}.{hf}", "copy", ((own, norm, leaf),)) for hf, leaf in (("weight", "scale"),
+                                                                                           ("bias", "bias"))]
+
+  def bias(name: str, kind: str, paths: tuple, shape: tuple) -> Tensor:
+    return Tensor(name, kind, paths) if model.use_bias else Tensor(name, kind, zeros=shape)
+
+  qkv = ("query", "key", "value")
+  return table + [
+      Tensor(p + "attention.query_key_value.weight", "qkv", tuple((own, "attention", x, "kernel") for x in qkv)),
+      bias(p + "attention.query_key_value.bias", "qkv_bias", tuple((own, "attention", x, "bias") for x in qkv),
+           (3 * hidden,)),
+      Tensor(p + "attention.dense.weight", "heads_out", ((own, "attention", "out", "kernel"),)),
+      bias(p + "attention.dense.bias", "copy", ((own, "attention", "out", "bias"),), (hidden,)),
+      Tensor(p + "mlp.dense_h_to_4h.weight", "linear", ((own, "mlp", "wi", "kernel"),)),
+      bias(p + "mlp.dense_h_to_4h.bias", "copy", ((own, "mlp", "wi", "bias"),), (model.mlp_dim,)),
+      Tensor(p + "mlp.dense_4h_to_h.weight", "linear", ((own, "mlp", "wo", "kernel"),)),
+      bias(p + "mlp.dense_4h_to_h.bias", "copy", ((own, "mlp", "wo", "bias"),), (hidden,))]
+
+
+def to_hf(kind: str, arrays: list[np.ndarray]) -> np.ndarray:
+  """megajax leaves -> the HF tensor (torch Linear weights are [out, in])."""
+  a = arrays[0]
+  if kind == "copy":
+    return a
+  if kind == "linear":                                  # [in, out] -> [out, in]
+    return a.T
+  if kind == "heads_in":                                # [hidden, heads, d] -> [heads * d, hidden]
+    return a.reshape(a.shape[0], -1).T
+  if kind == "heads_out":                               # [heads, d, hidden] -> [hidden, heads * d]
+    return a.reshape(-1, a.shape[-1]).T
+  if kind == "qkv":                                     # 3 x [hidden, heads, d] -> [heads * 3 * d, hidden]
+    return np.stack(arrays, axis=2).reshape(a.shape[0], -1).T
+  if kind == "qkv_bias":                                # 3 x [heads, d] -> [heads * 3 * d]
+    return np.stack(arrays, axis=1).reshape(-1)
+  raise AssertionError(kind)
+
+
+def from_hf(kind: str, tensor: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
+  """The HF tensor -> megajax leaves of `shapes` (to_hf's inverse)."""
+  if kind == "copy":
+    return [tensor]
+  if kind == "linear":
+    return [tensor.T]
+  if kind in ("heads_in", "heads_out"):
+    return [tensor.T.reshape(shapes[0])]
+  if kind == "qkv":
+    hidden, heads, d = shapes[0]
+    fused = tensor.T.reshape(hidden, heads, 3, d)
+    return [fused[:, :, i] for i in range(3)]
+  if kind == "qkv_bias":
+    fused = tensor.reshape(shapes[0][0], 3, shapes[0][1])
+    return [fused[:, i] for i in range(3)]
+  raise AssertionError(kind)
+
+
+def hf_shape(kind: str, shapes: list[tuple]) -> tuple:
+  """The HF tensor's shape for megajax leaves of `shapes`."""
+  s = shapes[0]
+  return {"copy": lambda: s, "linear": lambda: s[::-1], "heads_in": lambda: (s[1] * s[2], s[0]),
+          "heads_out": lambda: (s[2], s[0] * s[1]), "qkv": lambda: (3 * s[1] * s[2], s[0]),
+          "qkv_bias": lambda: (3 * s[0] * s[1],)}[kind]()

@@ -1,0 +1,67 @@
+r"""megajax-export-hf: a trained run as a Hugging Face model directory (safetensors).
+
+  megajax-export-hf --workdir=/tmp/run --out=/tmp/run-hf [--max_shard_size=5GB]
+
+Reads the run's config (WORKDIR/config.json), its trained parameters (WORKDIR/params, or the
+latest checkpoint when that is newer) and its tokenizer (WORKDIR/tokenizer/; none: bytes), and
+writes --out (new, or empty; atomically): config.json, model.safetensors (shards and
+model.safetensors.index.json above --max_shard_size), generation_config.json, tokenizer.json
+(or tokenizer.model) and tokenizer_config.json; then prints the files. layernorm + gelu models
+are GPT-NeoX, rmsnorm + swiglu ones Llama (no window) or Mistral (every layer windowed):
+docs/huggingface.md. A model the architecture cannot carry, or any bad input, is one line on
+stderr and exit code 2. One process; the parameters are read onto one device.
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from megajax.checkpoint import CheckpointError, HfFormatError, export_hf
+from megajax.checkpoint.hf_architectures import ARCHITECTURES, architecture
+from megajax.config import ConfigError
+from megajax.launch.cli import QuietLibraries, fail, flags_parser
+from megajax.launch.run_files import run_config, run_params, workdir_tokenizer_file
+from megajax.model import ModelConfig
+
+PROGRAM = "megajax-export-hf"
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (config.json, params/ or checkpoints/).")
+_OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write (new, or empty).")
+_MAX_SHARD_SIZE = flags.DEFINE_string("max_shard_size", "5GB", "Largest safetensors file (5GB, 500MB, bytes): "
+                                      "above it the weights go into numbered shards and an index.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def main(argv):
+  logging.get_absl_handler().addFilter(QuietLibraries())
+  if len(argv) > 1:
+    fail(PROGRAM, "usage error", f"unexpected arguments: {' '.join(argv[1:])}")
+  out = os.path.abspath(_OUT.value)
+  if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+    fail(PROGRAM, "output error", f"{out}: exists and is not an empty directory; pass a new --out")
+  try:
+    config = run_config(_WORKDIR.value)
+    arch = architecture(ModelConfig.from_config(config.model))     # refused before any parameter is read
+    tokenizer = workdir_tokenizer_file(_WORKDIR.value)
+    params, source = run_params(_WORKDIR.value, config)
+    files = export_hf(config, params, out, tokenizer_dir=tokenizer, max_shard_size=_MAX_SHARD_SIZE.value)
+  except ConfigError as error:
+    fail(PROGRAM, "config error", error)
+  except CheckpointError as error:
+    fail(PROGRAM, "missing input", error)
+  except HfFormatError as error:
+    fail(PROGRAM, "cannot export", error)
+  except OSError as error:
+    fail(PROGRAM, "output error", f"{out}: {error}")
+  print(f"wrote {out}: {ARCHITECTURES[arch]} from {source}, tokenizer {tokenizer or 'bytes'}")
+  for name in files:
+    print(f"  {name}  {os.path.getsize(os.path.join(out, name))} bytes")
+
+
+def run():
+  app.run(main, flags_parser=flags_parser(PROGRAM))
+
+
+if __name__ == "__main__":
+  run()
