@@ -9,6 +9,7 @@ window, s without one (the paper's convention, which does not discount the causa
 
 from __future__ import annotations
 
+from megajax.layers import MLP_INPUTS
 from megajax.model import ModelConfig
 
 # bf16 dense tensor-core peaks, TFLOP/s per device.
@@ -29,11 +30,13 @@ def attention_keys_per_query(seq_len: int, window: int | None) -> int:
 
 
 def projection_macs_per_token(config: ModelConfig) -> int:
-  """One layer's weight matmuls per token, in multiply-adds: q, k, v, out, MLP in and out."""
+  """One layer's weight matmuls per token, in multiply-adds: q, k, v, out, the MLP's input
+  projections (GeLU: wi; SwiGLU: wi_gate and wi_up) and its output (wo), each h x mlp_dim."""
   h = config.hidden_dim
   q_dim = config.num_heads * config.head_dim
   kv_dim = config.num_kv_heads * config.head_dim
-  return h * (q_dim + 2 * kv_dim) + q_dim * h + 2 * h * config.mlp_dim
+  mlp_matmuls = len(MLP_INPUTS[config.mlp]) + 1
+  return h * (q_dim + 2 * kv_dim) + q_dim * h + mlp_matmuls * h * config.mlp_dim
 
 
 def forward_flops_per_token(config: ModelConfig) -> float:

@@ -51,6 +51,7 @@ import dataclasses
 import math
 
 from megajax import flops
+from megajax.layers import MLP_INPUTS
 from megajax.model import ModelConfig
 from megajax.parallel.pipeline.tables import dp_pieces
 
@@ -166,8 +167,20 @@ class Plan:
 
 
 def apply_switches(c: ModelConfig, opts: Optimizations) -> ModelConfig:
-  """The model a plan runs: PTB picks the block, SWA keeps the model's window (else full)."""
-  return dataclasses.replace(c, block="parallel" if opts.ptb else "serial", window=c.window if opts.swa else None)
+  """The model a plan runs: PTB picks a parallel block (the model's own if it has one: the
+  two-norm block is one) or else the serial one, SWA keeps the model's window (else full)."""
+  parallel = c.block if c.block != "serial" else "parallel"
+  return dataclasses.replace(c, block=parallel if opts.ptb else "serial", window=c.window if opts.swa else None)
+
+
+def norms_per_layer(c: ModelConfig) -> int:
+  return 1 if c.block == "parallel" else 2
+
+
+def tp_pairs_per_layer(c: ModelConfig) -> int:
+  """The tp all-gather / reduce-scatter pairs of a block's forward: one per column / row
+  matmul group (the serial block's halves; both parallel blocks fuse theirs)."""
+  return 2 if c.block == "serial" else 1
 
 
 # --- Parameters, leaf by leaf (shapes as megajax.model creates them) -------------------------
@@ -176,15 +189,17 @@ def param_leaves(c: ModelConfig):
   """[(name, shape, tp_dim, in_block)]: every parameter of one layer (in_block) and the rest."""
   h, d, q, kv, f = c.hidden_dim, c.head_dim, c.num_heads, c.num_kv_heads, c.mlp_dim
   norms = ("norm",) if c.block == "parallel" else ("attention_norm", "mlp_norm")
-  layer = [(f"{n}.{w}", (h,), None, True) for n in norms for w in ("scale", "bias")]
+  norm_leaves = ("scale", "bias") if c.norm == "layernorm" else ("scale",)   # RMSNorm: no bias
+  mlp_inputs = MLP_INPUTS[c.mlp]                                             # wi; wi_gate, wi_up
+  layer = [(f"{n}.{w}", (h,), None, True) for n in norms for w in norm_leaves]
   layer += [("query.kernel", (h, q, d), 1, True), ("key.kernel", (h, kv, d), 1, True),
-            ("value.kernel", (h, kv, d), 1, True), ("out.kernel", (q, d, h), 0, True),
-            ("wi.kernel", (h, f), 1, True), ("wo.kernel", (f, h), 0, True)]
+            ("value.kernel", (h, kv, d), 1, True), ("out.kernel", (q, d, h), 0, True), ("wo.kernel", (f, h), 0, True)]
+  layer += [(f"{name}.kernel", (h, f), 1, True) for name in mlp_inputs]
   if c.use_bias:
     layer += [("query.bias", (q, d), 0, True), ("key.bias", (kv, d), 0, True), ("value.bias", (kv, d), 0, True),
-              ("out.bias", (h,), None, True), ("wi.bias", (f,), 0, True), ("wo.bias", (h,), None, True)]
-  rest = [("embedding", (c.vocab_size, h), 0, False), ("final_norm.scale", (h,), None, False),
-          ("final_norm.bias", (h,), None, False)]
+              ("out.bias", (h,), None, True), ("wo.bias", (h,), None, True)]
+    layer += [(f"{name}.bias", (f,), 0, True) for name in mlp_inputs]
+  rest = [("embedding", (c.vocab_size, h), 0, False)] + [(f"final_norm.{w}", (h,), None, False) for w in norm_leaves]
   if not c.tie_embeddings:
     rest.append(("head", (h, c.vocab_size), 1, False))
   return layer + rest
@@ -202,7 +217,7 @@ def _zero_shard(shape, dp):
 
 def gathers_in_compute_dtype(name: str, in_block: bool) -> bool:
   """megajax.parallel.sharding.gathers_in_compute_dtype on param_leaves' names: the block's
-  linears (kernels and biases) and the untied head; not the LayerNorms or the embedding."""
+  linears (kernels and biases) and the untied head; not the norms or the embedding."""
   return name == "head" or (in_block and not name.split(".")[0].endswith("norm"))
 
 
@@ -323,16 +338,19 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   t_attention = attention_fwd * (3 + attention_again) / (peak * attention_efficiency)
   recompute = (gemm_fwd * again / (peak * k.gemm_efficiency)
                + attention_fwd * attention_again / (peak * attention_efficiency))
-  norms = 1 if c.block == "parallel" else 2
-  elementwise = tokens * layers * (norms * h / n + c.mlp_dim / n) * cb
+  # The norms on the sequence shard (the two-norm block's on the gathered sequence: every
+  # rank all of it), the MLP's activation over each input projection's output.
+  norm_tokens = 1 if c.block == "parallel_two_norms" else 1 / n
+  mlp_width = len(MLP_INPUTS[c.mlp]) * c.mlp_dim / n
+  elementwise = tokens * layers * (norms_per_layer(c) * h * norm_tokens + mlp_width) * cb
   t_memory = elementwise * ELEMENTWISE_PASSES["fused" if o.fused_ops else "unfused"] / (hw.hbm_gbps * GB * HBM_EFFICIENCY)
 
   # Tensor parallelism: per layer and direction one all-gather + one reduce-scatter per block
   # half (serial: 2 + 2, parallel: 1 + 1); Megatron's sequence parallelism all-gathers the
   # input once more per column-parallel GEMM for its weight gradient. Plus the head's pair.
-  collectives = layers * 4 * norms + 2
+  collectives = layers * 4 * tp_pairs_per_layer(c) + 2
   if not megajax:
-    collectives += layers * norms
+    collectives += layers * tp_pairs_per_layer(c)
   t_tp = collectives * _ring_seconds(tokens * h * cb, n, hw.nvlink_gbps * k.nvlink_efficiency)
   if o.tp_overlap:
     t_tp *= 1 - k.tp_overlap_hidden

@@ -39,7 +39,7 @@ MEMORY_MARGIN = 1.5     # refuse above this multiple of the device's memory (see
 def plan_of(config: ml_collections.ConfigDict) -> Plan:
   """The cost model's Plan for a megajax config (its own block and attention, no switches changed)."""
   c, p, t = config.model, config.parallel, config.train
-  opts = cost_model.Optimizations(ptb=c.block == "parallel", swa=True, fused_ops=c.attention_impl != "xla",
+  opts = cost_model.Optimizations(ptb=c.block != "serial", swa=True, fused_ops=c.attention_impl != "xla",
                                   lamb=config.optimizer.name == "lamb")
   return Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches), t.batch_size, opts,
               "megajax", p.grad_sync, p.pipeline_recompute, p.schedule, p.traversal)

@@ -14,18 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 
+from megajax.layers import MLP_INPUTS
 from megajax.model import ModelConfig
-from megajax.parallel.planner.cost_model import Plan, apply_switches, param_counts
+from megajax.parallel.planner.cost_model import Plan, apply_switches, norms_per_layer, param_counts
 
 # megajax executor's memory, fitted by least squares to XLA's buffer assignment of the real
 # compiled step on CPU (fp32, remat none, xla attention): 21 configs with pp = 1 and 22 with
 # pp = 2-4 (shapes, dp, tp, v, microbatches varied); calibration.MEMORY_CASES checks configs
 # outside those. Elements kept per token per layer, in units of each tensor's width:
-XLA_KEPT = dict(hidden=1.5,      # x [s, h] (LayerNorm input / gathered output), per LayerNorm
+XLA_KEPT = dict(hidden=1.5,      # x [s, h] (norm input / gathered output), per norm
                 qkv=3.2,         # q, k, v and their rotated / attended copies [s, (q + 2 kv) / tp]
                 mlp=3.1,         # MLP input, GeLU output, the concatenated row-parallel input [s, f / tp]
                 scores=2.3,      # fp32 attention scores and probabilities [heads / tp, s, s]
-                logits=2.1)      # fp32 logits and their softmax [s, vocab / tp]
+                logits=2.1,      # fp32 logits and their softmax [s, vocab / tp]
+                # Measured, not fitted with the above: one config (3 layers, h 96) at tp 1, 2 and 4,
+                # beside its GeLU / serial twin (within 5% of XLA as those are):
+                swiglu=5.1,      # SwiGLU in place of mlp: gate and up outputs, silu(gate), the product
+                                 # (a pipeline chunk's vjp residuals hold as many words as GeLU's: mlp)
+                two_norms=1.8)   # the two-norm block beyond its two norms' hidden: both norms' fp32
+                                 # work on the gathered sequence [s, h], times 2 - 1 / tp
 XLA_PARAM_TEMPS = 1.1            # param-sized temporaries (gradients, optimizer) per tp-shard param
 XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps the gradients)
 # ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash buffers),
@@ -111,18 +118,24 @@ def residual_slots(plan: Plan) -> int:
   return min(_warmup_group(plan)[0], plan.microbatches * plan.virtual_stages)
 
 
-def _layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> tuple[float, float]:
-  """megajax: (bytes one layer keeps for its backward per microbatch, of which attention scores)."""
+def _layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
+                vjp_residuals: bool = False) -> tuple[float, float]:
+  """megajax: (bytes one layer keeps for its backward per microbatch, of which attention scores);
+  vjp_residuals: the basis of a pipeline chunk's residuals (chunk_residuals)."""
   n, b, s = plan.tp, plan.micro_batch, c.seq_len
   tokens, cb = b * s, c.compute_dtype.itemsize
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  norms = 1 if c.block == "parallel" else 2
+  norms = norms_per_layer(c)
   if remat == "full":
     return tokens * c.hidden_dim / n * cb, 0.0                             # the block's input
   if remat == "dots":     # projection outputs; attention and elementwise ops are recomputed
-    return tokens * ((q + 2 * kv + c.mlp_dim) / n + c.hidden_dim * (1 + 1 / n) * norms) * cb, 0.0
-  kept = tokens * (XLA_KEPT["hidden"] * c.hidden_dim * norms + XLA_KEPT["qkv"] * (q + 2 * kv) / n
-                   + XLA_KEPT["mlp"] * c.mlp_dim / n) * cb
+    mlp_outputs = len(MLP_INPUTS[c.mlp]) * c.mlp_dim
+    return tokens * ((q + 2 * kv + mlp_outputs) / n + c.hidden_dim * (1 + 1 / n) * norms) * cb, 0.0
+  hidden = XLA_KEPT["hidden"] * norms
+  if c.block == "parallel_two_norms":
+    hidden += XLA_KEPT["two_norms"] * (2 - 1 / n)
+  mlp = XLA_KEPT["swiglu" if c.mlp == "swiglu" and not vjp_residuals else "mlp"]
+  kept = tokens * (hidden * c.hidden_dim + XLA_KEPT["qkv"] * (q + 2 * kv) / n + mlp * c.mlp_dim / n) * cb
   scores = 0.0 if fused_attention else XLA_KEPT["scores"] * b * c.num_heads / n * s * s * 4
   return kept + scores, scores
 
@@ -174,7 +187,6 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   # Pipeline. Working set: one chunk's forward + backward at a time (the last chunk's, whose
   # backward runs its forward too; with pipeline_recompute every chunk's).
   chunk_layers = layers // plan.virtual_stages
-  kept_layer = per_layer
   if remat == "none":
     per_layer, scores = _layer_kept(c, plan, "none", fused_attention)
     per_layer = XLA_PIPELINE["layer"] * (per_layer - scores) + XLA_PIPELINE["scores"] * scores
@@ -182,7 +194,7 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   if not plan.pipeline_recompute:
     # ... and the non-last chunks' residuals, from each forward to its backward.
     activations += XLA_PIPELINE["residual"] * (residual_slots(plan) + 1) * chunk_residuals(c, plan, remat,
-                                                                                         fused_attention, kept_layer)
+                                                                                         fused_attention)
   message = tokens * c.hidden_dim / plan.tp * c.compute_dtype.itemsize
   # stash + trash, cotangents + trash
   stash = XLA_PIPELINE["message"] * (stash_slots(plan) + cotangent_slots(plan) + 2) * message
@@ -191,12 +203,10 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   return Memory(state, params_temp, activations, XLA_PIPELINE["logits"] * logits, stash)
 
 
-def chunk_residuals(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
-                    per_layer: float | None = None) -> float:
+def chunk_residuals(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> float:
   """megajax's pipeline: bytes of one microbatch-chunk's residuals (its vjp's, what the remat
   policy saves), one residual slot's worth. `c` with the plan's switches applied."""
-  if per_layer is None:
-    per_layer = _layer_kept(c, plan, remat, fused_attention)[0]
+  per_layer = _layer_kept(c, plan, remat, fused_attention, vjp_residuals=True)[0]
   if remat == "none":     # XLA_KEPT counts what XLA's buffers hold; the vjp keeps more, unfused
     per_layer *= XLA_RESIDUALS_NONE
   return per_layer * (c.num_layers // (plan.pp * plan.virtual_stages))

@@ -50,6 +50,20 @@ def test_grouped_kv_heads_and_block_type():
   assert flops.training_flops_per_token(serial) == flops.training_flops_per_token(mha)  # same matmuls
 
 
+def test_swiglu_counts_three_mlp_matmuls_and_norms_none():
+  """SwiGLU: wi_gate, wi_up and wo, 3 h f multiply-adds per token and layer against GeLU's
+  2 h f; neither the norm nor the two-norm block changes the matmuls."""
+  gelu = model_config("gpt_125m")
+  swiglu = model_config("gpt_125m", mlp="swiglu")
+  assert flops.projection_macs_per_token(swiglu) - flops.projection_macs_per_token(gelu) == (
+      gelu.hidden_dim * gelu.mlp_dim)
+  per_layer = 3 * 2 * gelu.hidden_dim * gelu.mlp_dim   # forward + backward, 2 FLOPs a multiply-add
+  assert flops.training_flops_per_token(swiglu) - flops.training_flops_per_token(gelu) == pytest.approx(
+      gelu.num_layers * per_layer)
+  neox = model_config("gpt_125m", block="parallel_two_norms", norm="rmsnorm")
+  assert flops.training_flops_per_token(neox) == flops.training_flops_per_token(gelu)
+
+
 def test_peaks_and_mfu():
   assert flops.device_peak_tflops("NVIDIA H200") == 989.0
   assert flops.device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0

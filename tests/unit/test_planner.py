@@ -3,16 +3,19 @@ calibration's fit, the search. (Memory against XLA's compiled step: tests/integr
 megajax-plan: tests/e2e.)"""
 
 import dataclasses
+import itertools
 
 import jax
 import pytest
 
-from megajax.config import SCHEDULE_CHOICES, TRAVERSAL_CHOICES
+from megajax import flops
+from megajax.config import BLOCK_CHOICES, SCHEDULE_CHOICES, TRAVERSAL_CHOICES
 
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.parallel.pipeline import Tables, simulate
 from megajax.parallel.planner import calibration, cost_model, memory, paper, plans
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
+from megajax.parallel.planner.fits import plan_of
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +35,18 @@ def test_memory_counts_dtypes_and_sharding(tiny_config):
 
 
 def test_param_counts_match_the_model(tiny_config):
-  for block in ("parallel", "serial"):
-    tiny_config.model.block = block
+  """Every block family (the plan's PTB switch keeps the model's parallel block), the
+  RMSNorm, bias-free SwiGLU and tied head, or the GPT defaults, as plan_of reads the config."""
+  for block, (norm, mlp, use_bias, tied) in itertools.product(
+      BLOCK_CHOICES, (("layernorm", "gelu", True, False), ("rmsnorm", "swiglu", False, True))):
+    tiny_config.model.update(block=block, norm=norm, mlp=mlp, use_bias=use_bias, tie_embeddings=tied)
     model = GPT(ModelConfig.from_config(tiny_config.model))
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-    plan = Plan(1, 1, 1, 1, 1, 4, cost_model.Optimizations(ptb=block == "parallel"))
-    counts = cost_model.param_counts(cost_model.apply_switches(model.config, plan.opts), plan)
-    assert counts.model == counts.stage == counts.shard == count_params(params)
+    plan = plan_of(tiny_config)
+    switched = cost_model.apply_switches(model.config, plan.opts)
+    assert switched.block == block
+    counts = cost_model.param_counts(switched, plan)
+    assert counts.model == counts.stage == counts.shard == count_params(params), (block, norm, mlp)
 
 
 def test_stash_slots_and_bubble_match_the_schedule(tiny_config):
@@ -88,6 +96,19 @@ def test_pipeline_recompute_costs_a_forward_and_saves_memory(paper_setting):
   # remat none: the rerun's matmuls are all the pipeline's (fused attention's backward recomputes its scores anyway)
   kept, again = cost_model.step_time(c, default, hw, "none"), cost_model.step_time(c, rerun, hw, "none")
   assert again.gemm == pytest.approx(kept.gemm * 4 / 3)
+
+
+def test_block_families_in_the_step_time(paper_setting):
+  """The two-norm block: the parallel block's tp collectives, its norms on the gathered
+  sequence (more memory-bound time); SwiGLU: its third matmul in the GEMM time."""
+  c, hw = paper_setting
+  plan = Plan(32, 1, 8, 1, 1, 512)
+  parallel, two_norms, swiglu = (cost_model.step_time(dataclasses.replace(c, **fields), plan, hw) for fields in (
+      {}, {"block": "parallel_two_norms"}, {"mlp": "swiglu"}))
+  assert two_norms.tp_comm == parallel.tp_comm and two_norms.memory_bound > parallel.memory_bound
+  assert swiglu.gemm / parallel.gemm == pytest.approx(
+      flops.projection_macs_per_token(dataclasses.replace(c, mlp="swiglu")) / flops.projection_macs_per_token(c),
+      rel=0.02)   # the head's matmul too
 
 
 def test_table3_rows_increase_with_the_papers_increments(paper_setting):
