@@ -1,5 +1,5 @@
 """Our Pallas kernels: sliding-window flash attention (forward and backward; a Hopper Mosaic
-GPU forward), fused LayerNorm (+ residual add) and fused bias + GeLU.
+GPU forward), fused LayerNorm and RMSNorm (+ residual add), fused bias + GeLU and SwiGLU.
 
 Each is tested against the XLA code it replaces (interpret mode on CPU) and reached from the
 model through `megajax.layers` (attention: `ATTENTION_IMPLS["pallas"]`).
@@ -8,12 +8,14 @@ model through `megajax.layers` (attention: `ATTENTION_IMPLS["pallas"]`).
   attention_hopper.py  the Hopper forward (TMA ring, wgmma, warp specialization)
   band.py              the band geometry: which KV / query blocks a window (and, for packed rows,
                        the documents) make each program visit
-  layer_norm.py, gelu.py  the fused operators
+  layer_norm.py, gelu.py, swiglu.py  the fused operators
   support.py           what the kernels share: interpret mode on CPU, Triton params, output types
 """
 
 from megajax.layers.kernels.attention import default_backend, pallas_attention
 from megajax.layers.kernels.gelu import fused_bias_gelu
-from megajax.layers.kernels.layer_norm import fused_layer_norm
+from megajax.layers.kernels.layer_norm import fused_layer_norm, fused_rms_norm
+from megajax.layers.kernels.swiglu import fused_swiglu
 
-__all__ = ["default_backend", "fused_bias_gelu", "fused_layer_norm", "pallas_attention"]
+__all__ = ["default_backend", "fused_bias_gelu", "fused_layer_norm", "fused_rms_norm", "fused_swiglu",
+           "pallas_attention"]

@@ -21,10 +21,9 @@ import jax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from megajax.layers.kernels.support import compiler_params, out_struct, row_blocks, use_interpret
+from megajax.layers.kernels.support import column_block, compiler_params, out_struct, row_blocks, use_interpret
 
 DEFAULT_BLOCK_ROWS = 16
-MAX_BLOCK_COLS = 512
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -46,13 +45,6 @@ def _backward_kernel(x_ref, bias_ref, dy_ref, dx_ref, dbias_ref):
   dbias_ref[...] = jnp.sum(du, axis=0)[None, :]
 
 
-def _block_cols(features: int) -> int:
-  for cols in (MAX_BLOCK_COLS, 256, 128):
-    if features % cols == 0:
-      return cols
-  return features
-
-
 def _specs(block_rows, block_cols):
   return (pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
           pl.BlockSpec((block_cols,), lambda i, j: (j,)))
@@ -61,7 +53,7 @@ def _specs(block_rows, block_cols):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _bias_gelu(x, bias, block_rows, interpret):
   rows, features = x.shape
-  cols = _block_cols(features)
+  cols = column_block(features)
   matrix, vector = _specs(block_rows, cols)
   return pl.pallas_call(
       _forward_kernel, grid=(rows // block_rows, features // cols), in_specs=[matrix, vector],
@@ -77,7 +69,7 @@ def _bias_gelu_fwd(x, bias, block_rows, interpret):
 def _bias_gelu_bwd(block_rows, interpret, residuals, dy):
   x, bias = residuals
   rows, features = x.shape
-  cols = _block_cols(features)
+  cols = column_block(features)
   blocks = rows // block_rows
   matrix, vector = _specs(block_rows, cols)
   dx, dbias = pl.pallas_call(

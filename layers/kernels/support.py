@@ -31,6 +31,18 @@ def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", frozenset()))
 
 
+MAX_BLOCK_COLS = 512
+
+
+def column_block(features: int) -> int:
+  """The columns of an elementwise kernel's tile: the largest of 512, 256, 128 dividing the
+  features, else all of them."""
+  for cols in (MAX_BLOCK_COLS, 256, 128):
+    if features % cols == 0:
+      return cols
+  return features
+
+
 def ceil_div(a, b):
   return -(-a // b)
 

@@ -23,8 +23,9 @@ def test_operators_benchmark_runs_side_by_side_on_cpu():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Pallas kernels in interpret mode (times the interpreter: no GPU figure)" in result.stdout
   rows = {tuple(line.split()[:2]) for line in result.stdout.splitlines() if len(line.split()) == 4}
-  assert {(op, impl) for op in ("layer_norm", "add_layer_norm", "bias_gelu") for impl in ("pallas", "xla")} <= rows
-  for op in ("layer_norm", "add_layer_norm", "bias_gelu"):
+  ops = ("layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "bias_gelu", "swiglu")
+  assert {(op, impl) for op in ops for impl in ("pallas", "xla")} <= rows
+  for op in ops:
     assert f"{op}: xla / ours: forward " in result.stdout
 
 

@@ -1,14 +1,14 @@
 """The fused-operator Pallas kernels (interpret mode) against the XLA code they replace: the
-fused LayerNorm (+ residual add) against megajax.layers.layer_norm, the fused bias + GeLU
-against the MLP's GeLU."""
+fused LayerNorm and RMSNorm (+ residual add) against megajax.layers' norms, the fused bias +
+GeLU against the MLP's GeLU, the fused SwiGLU against the MLP's SwiGLU."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
-from megajax.layers import layer_norm
-from megajax.layers.kernels import fused_bias_gelu, fused_layer_norm
+from megajax.layers import NORM_MODULES, swiglu
+from megajax.layers.kernels import fused_bias_gelu, fused_layer_norm, fused_rms_norm, fused_swiglu
 from tests.support.kernels import assert_close
 
 
@@ -16,13 +16,26 @@ from tests.support.kernels import assert_close
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
 def test_matches_the_flax_layer_norm(shape, dtype, with_residual):
+  _check_norm("layernorm", shape, dtype, with_residual)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_matches_the_flax_rms_norm(dtype, with_residual):
+  """The same kernels without the mean and the bias (model.norm=rmsnorm)."""
+  _check_norm("rmsnorm", (3, 7, 64), dtype, with_residual)
+
+
+def _check_norm(kind, shape, dtype, with_residual):
+  """The fused norm's outputs and every gradient against the model's Flax module."""
   keys = jax.random.split(jax.random.key(0), 5)
   x, residual = (jax.random.normal(k, shape, dtype) for k in keys[:2])
   scale = 1 + 0.1 * jax.random.normal(keys[2], shape[-1:])
-  bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
+  bias = 0.1 * jax.random.normal(keys[3], shape[-1:]) if kind == "layernorm" else None
   cotangent = jax.random.normal(keys[4], shape)
-  module = layer_norm(1e-5, dtype, jnp.float32, "norm")
-  reference = lambda z, scale, bias: module.apply({"params": {"scale": scale, "bias": bias}}, z)
+  module = NORM_MODULES[kind](1e-5, dtype, jnp.float32, "norm")
+  weights = lambda scale, bias: {"scale": scale} if bias is None else {"scale": scale, "bias": bias}
+  reference = lambda z, scale, bias: module.apply({"params": weights(scale, bias)}, z)
 
   def loss(norm, x, residual, scale, bias):   # through y, and through z (the residual stream) when fused
     if not with_residual:
@@ -30,7 +43,11 @@ def test_matches_the_flax_layer_norm(shape, dtype, with_residual):
     z, y = norm(x, scale, bias, residual)
     return jnp.sum((y.astype(jnp.float32) + z.astype(jnp.float32)) * cotangent)
 
-  ours = lambda x, scale, bias, residual=None: fused_layer_norm(x, scale, bias, residual, block_rows=8)
+  def ours(x, scale, bias, residual=None):
+    if kind == "rmsnorm":
+      return fused_rms_norm(x, scale, residual, block_rows=8)
+    return fused_layer_norm(x, scale, bias, residual, block_rows=8)
+
   plain = lambda x, scale, bias, residual=None: (
       reference(x, scale, bias) if residual is None else (x + residual, reference(x + residual, scale, bias)))
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -39,7 +56,9 @@ def test_matches_the_flax_layer_norm(shape, dtype, with_residual):
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_close(got, want, tol)
   grads = jax.grad(loss, argnums=(1, 2, 3, 4))
-  for got, want in zip(grads(ours, x, residual, scale, bias), grads(plain, x, residual, scale, bias)):
+  got, want = grads(ours, x, residual, scale, bias), grads(plain, x, residual, scale, bias)
+  assert len(jax.tree.leaves(got)) == len(jax.tree.leaves(want)) == (3 if bias is None else 4)
+  for got, want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert_close(got, want, tol)
 
 
@@ -60,4 +79,23 @@ def test_matches_xla_gelu(shape, dtype):
   loss = lambda f, x, bias: jnp.sum(f(x, bias).astype(jnp.float32) * cotangent)
   grads = jax.grad(loss, argnums=(1, 2))
   for got, want in zip(grads(ours, x, bias), grads(reference, x, bias)):
+    assert_close(got, want, tol)
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 7, 64), jnp.float32), ((3, 7, 64), jnp.bfloat16),
+                                         ((2, 16, 1024), jnp.bfloat16)],
+                         ids=["padded_rows-fp32", "padded_rows-bf16", "tiled_columns-bf16"])
+def test_matches_xla_swiglu(shape, dtype):
+  """fused_swiglu against the model's SwiGLU (megajax.layers.swiglu): output, d_gate, d_up."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  gate, up = (2 * jax.random.normal(k, shape, dtype) for k in keys[:2])
+  cotangent = jax.random.normal(keys[2], shape)
+  ours = lambda gate, up: fused_swiglu(gate, up, block_rows=8)
+  got, want = ours(gate, up), swiglu(gate, up)
+  assert got.dtype == want.dtype and got.shape == want.shape
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  assert_close(got, want, tol)
+  loss = lambda f, gate, up: jnp.sum(f(gate, up).astype(jnp.float32) * cotangent)
+  grads = jax.grad(loss, argnums=(1, 2))
+  for got, want in zip(grads(ours, gate, up), grads(swiglu, gate, up)):
     assert_close(got, want, tol)
