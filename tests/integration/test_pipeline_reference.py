@@ -88,11 +88,12 @@ def test_serial_block_remat_and_tied_embeddings_through_the_pipeline(recompute):
 
 
 def test_block_families_through_the_pipeline():
-  """GPT-NeoX's two-norm parallel block with RMSNorm and SwiGLU (gate and up beside q, k, v in
-  the fused column matmul) on a pp2-tp2 1F1B pipeline: the block's input gathered chunk by
-  chunk inside the stages' branches (no ring there), both norms after the gather."""
+  """GPT-NeoX's two-norm parallel block with RMSNorm, SwiGLU (gate and up beside q, k, v in the
+  fused column matmul) and a tied head on a pp2-tp2 1F1B pipeline: the block's input gathered
+  chunk by chunk inside the stages' branches (no ring there), both norms after the gather."""
   config = pipeline_config((1, 2, 2), "1f1b", microbatches=4, layers=2, rows=8)
-  overrides = (("num_layers", 2), ("block", "parallel_two_norms"), ("norm", "rmsnorm"), ("mlp", "swiglu"))
+  overrides = (("num_layers", 2), ("block", "parallel_two_norms"), ("norm", "rmsnorm"), ("mlp", "swiglu"),
+               ("tie_embeddings", True))
   for field, value in overrides:
     config.model[field] = value
   assert_matches_reference(config, overrides, reference_microbatches=1, param_leaf_rtol=3e-5)
