@@ -70,3 +70,16 @@ def test_runtime_benchmark_counts_the_pipelines_flops_and_the_dp_sync():
   shards = re.search(r"^step .* the fp32 gradient shards: ([\d.]+) KiB per device", out, re.M).group(1)
   assert float(kib) == float(shards) > 0 and float(count) >= int(buckets)    # every gradient byte once
   assert re.search(r"^residuals +[\d.]+ MiB", out, re.M) and re.search(r"^recompute +[\d.]+ MiB", out, re.M)
+
+
+def test_sample_benchmark_prints_cache_against_recompute():
+  """`python -m megajax.launch.bench sample` (few tokens): tokens/s of the KV cache next to the
+  full recompute for batches 1 and 8, both decoding the same greedy tokens; a local layer's
+  cache the window's size (64 of 16 + 8 positions: all of them), a global layer's every position."""
+  result = run_module(["-m", "megajax.launch.bench", "sample", "--repeats=1", "--new_tokens=8"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)x\s+(\d+)/(\d+)\s+([\d.]+) / ([\d.]+)$", result.stdout, re.M)
+  assert [row[0] for row in rows] == ["1", "8"], result.stdout
+  for batch, _, _, _, same, total, local, global_ in rows:
+    assert same == total == str(8 * int(batch))
+    assert float(local) == float(global_) == int(batch) * 24 * 128 // 2 * 4 * 2 / 1024   # 24 slots: window > length
