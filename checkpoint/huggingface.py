@@ -75,6 +75,7 @@ def export_hf(config: ml_collections.ConfigDict, params, out_dir: str, tokenizer
       with open(os.path.join(temporary, name), "wb") as f:
         f.write(content)
     _write_safetensors(temporary, tensors, limit)
+    _readable_by_all(temporary)
     if os.path.isdir(out):
       os.rmdir(out)
     os.rename(temporary, out)
@@ -82,6 +83,14 @@ def export_hf(config: ml_collections.ConfigDict, params, out_dir: str, tokenizer
     shutil.rmtree(temporary, ignore_errors=True)
     raise
   return sorted(os.listdir(out))
+
+
+def _readable_by_all(directory: str) -> None:
+  """rwxr-xr-x for the directory, rw-r--r-- for its files (mkdtemp and safetensors make them
+  private): a model directory is for others to load."""
+  os.chmod(directory, 0o755)
+  for name in os.listdir(directory):
+    os.chmod(os.path.join(directory, name), 0o644)
 
 
 def parse_size(size: int | str) -> int:

@@ -84,6 +84,8 @@ def test_export_then_import_is_bitwise_and_the_files_compute_megajax_logits(tmp_
   config = _config(**fields)
   params = _params(config)
   assert export_hf(config, params, str(tmp_path / "hf")) == SINGLE_FILE
+  assert {oct(os.stat(path).st_mode & 0o777) for path in [tmp_path / "hf", *(tmp_path / "hf").iterdir()]} \
+      == {"0o755", "0o644"}     # loadable by others, not private like a temporary directory
   hf = _json(tmp_path / "hf" / "config.json")
   assert hf["architectures"] == [hf_class] and hf["torch_dtype"] == "float32" and hf["max_position_embeddings"] == 16
   # The HF config.json decides every model field, whatever the config it is imported into says.
