@@ -1,7 +1,8 @@
 """The transformer's feed-forward network (model.mlp), in two families:
 
-  gelu    wo(gelu(wi(x)))                     GPT, MegaScale: hidden -> mlp_dim -> hidden
-  swiglu  wo(silu(wi_gate(x)) * wi_up(x))     Llama, Mistral: two input projections of mlp_dim
+  gelu        wo(gelu(wi(x)))                 GPT, MegaScale: hidden -> mlp_dim -> hidden, GeLU's tanh form
+  gelu_exact  the same with the erf GeLU      GPT-NeoX / Pythia checkpoints (Hugging Face "gelu")
+  swiglu      wo(silu(wi_gate(x)) * wi_up(x)) Llama, Mistral: two input projections of mlp_dim
 
 A family is its input projections (MLP_INPUTS) and the activation of their outputs
 (MLP_ACTIVATIONS); the 3D step (megajax.parallel.tensor_parallel) reads both, so it computes
@@ -20,14 +21,18 @@ def gelu(h: jax.Array) -> jax.Array:
   return nn.gelu(h, approximate=True)
 
 
+def gelu_exact(h: jax.Array) -> jax.Array:
+  return nn.gelu(h, approximate=False)
+
+
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   return nn.silu(gate) * up
 
 
 # model.mlp -> the names of its input projections (in the order the 3D step fuses them into
 # its column-parallel matmul), and the activation of their outputs (keys: megajax.config.MLP_CHOICES).
-MLP_INPUTS = {"gelu": ("wi",), "swiglu": ("wi_gate", "wi_up")}
-MLP_ACTIVATIONS = {"gelu": gelu, "swiglu": swiglu}
+MLP_INPUTS = {"gelu": ("wi",), "gelu_exact": ("wi",), "swiglu": ("wi_gate", "wi_up")}
+MLP_ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "swiglu": swiglu}
 
 
 class Mlp(nn.Module):

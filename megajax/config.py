@@ -33,7 +33,7 @@ CONFIGS_DIR = os.path.join(REPO, "configs")
 
 BLOCK_CHOICES = ("parallel", "parallel_two_norms", "serial")   # megajax.model.BLOCK_MODULES' keys
 NORM_CHOICES = ("layernorm", "rmsnorm")               # megajax.layers.NORM_MODULES' keys
-MLP_CHOICES = ("gelu", "swiglu")                      # megajax.layers.MLP_INPUTS' (and MLP_ACTIVATIONS') keys
+MLP_CHOICES = ("gelu", "gelu_exact", "swiglu")                      # megajax.layers.MLP_INPUTS' (and MLP_ACTIVATIONS') keys
 ATTENTION_IMPL_CHOICES = ("xla", "pallas", "cudnn")   # megajax.layers.ATTENTION_IMPLS' keys
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none", "full", "dots")              # megajax.model.REMAT_POLICIES' keys, and "none"
@@ -54,7 +54,8 @@ def _model() -> ml_collections.ConfigDict:
   # x + Attn(N1(x)) + MLP(N2(x))) or "serial" (GPT, Llama: z = x + Attn(N1(x)); z + MLP(N2(z))).
   m.block = "parallel"
   m.norm = "layernorm"      # "layernorm" (scale and bias) or "rmsnorm" (Llama: scale only).
-  m.mlp = "gelu"            # "gelu" (wi, wo) or "swiglu" (Llama: wo(silu(wi_gate(x)) * wi_up(x))).
+  m.mlp = "gelu"            # "gelu" (wi, wo; tanh GeLU), "gelu_exact" (erf GeLU: Pythia) or "swiglu"
+                            # (Llama: wo(silu(wi_gate(x)) * wi_up(x))).
   m.attention_impl = "xla"
   m.compute_dtype = "bfloat16"
   m.param_dtype = "float32"

@@ -92,6 +92,8 @@ def _attention(q, k, v, sliding_window=None):
 def _gelu(x, act):
   if act in ("gelu_new", "gelu_pytorch_tanh"):
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+  if act == "gelu":                                   # the erf form (Pythia)
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
   raise ValueError(f"hidden_act {act}")
 
 

@@ -32,6 +32,7 @@ CASES = {
     "neox-parallel": ({"block": "parallel"}, "GPTNeoXForCausalLM"),
     "neox-parallel_two_norms-tied": ({"block": "parallel_two_norms", "tie_embeddings": True}, "GPTNeoXForCausalLM"),
     "neox-serial-no-bias": ({"block": "serial", "use_bias": False}, "GPTNeoXForCausalLM"),
+    "neox-exact-gelu": ({"block": "parallel", "mlp": "gelu_exact"}, "GPTNeoXForCausalLM"),   # Pythia's GeLU
     "llama-gqa": ({**LLAMA, "num_kv_heads": 2, "window_pattern": "G"}, "LlamaForCausalLM"),
     "mistral-window-gqa-tied": ({**LLAMA, "num_kv_heads": 1, "window": 5, "tie_embeddings": True, "rope_theta": 500.0},
                                 "MistralForCausalLM"),
@@ -239,7 +240,7 @@ def _copy(exported, name, tmp_path):
     ("llama", lambda d: _edit_config(d, attention_bias=True), "attention_bias=true"),
     ("neox", lambda d: _edit_config(d, rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.25}),
      "partial_rotary_factor=0.25 (rotary_pct)"),
-    ("neox", lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act='gelu': megajax's GELU is the tanh"),
+    ("neox", lambda d: _edit_config(d, hidden_act="relu"), "hidden_act='relu': megajax's GeLUs are the tanh form"),
     ("neox", lambda d: os.remove(d / "model.safetensors"), "no model.safetensors or model.safetensors.index.json"),
 ])
 def test_import_refuses_in_one_line_naming_it(exported, tmp_path, name, damage, message):

@@ -216,7 +216,7 @@ def test_every_family_names_its_parameters(tiny_config):
     for name in norms[block] | {"final_norm"}:
       leaves = layer.get(name) or params[name]
       assert set(leaves) == ({"scale", "bias"} if norm_kind == "layernorm" else {"scale"}), (norm_kind, leaves)
-    inputs = {"gelu": {"wi"}, "swiglu": {"wi_gate", "wi_up"}}[mlp]
+    inputs = {"gelu": {"wi"}, "gelu_exact": {"wi"}, "swiglu": {"wi_gate", "wi_up"}}[mlp]
     assert set(layer["mlp"]) == inputs | {"wo"}
     for name in inputs:
       assert layer["mlp"][name]["kernel"].shape == (32, 128)
@@ -250,6 +250,16 @@ def test_swiglu_mlp_is_wo_of_silu_gate_times_up():
   gate = linear("wi_gate", x)
   want = linear("wo", gate / (1 + jnp.exp(-gate)) * linear("wi_up", x))
   np.testing.assert_allclose(mlp.apply({"params": params}, x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_families_are_the_tanh_and_the_erf_forms():
+  x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+  for family, activation in (("gelu", lambda h: 0.5 * h * (1 + jnp.tanh(0.7978845608 * (h + 0.044715 * h ** 3)))),
+                             ("gelu_exact", lambda h: 0.5 * h * (1 + jax.scipy.special.erf(h / np.sqrt(2))))):
+    mlp = Mlp(mlp_dim=24, family=family, use_bias=False, dtype=jnp.float32)
+    params = nn.unbox(mlp.init(jax.random.key(1), x)["params"])
+    want = activation(x @ params["wi"]["kernel"]) @ params["wo"]["kernel"]
+    np.testing.assert_allclose(mlp.apply({"params": params}, x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_parallel_two_norms_block_is_x_plus_attn_of_n1_plus_mlp_of_n2(tiny_config):
