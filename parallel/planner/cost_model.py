@@ -2,47 +2,38 @@
 
 For a model (megajax.model.ModelConfig), a plan (dp, pp, tp, virtual stages v, microbatch
 size b, global batch B, which MegaScale optimizations are on, which runtime executes it)
-and a device (HARDWARE), it predicts:
+and a device (hardware.HARDWARE), it predicts:
 
-  memory     bytes per device: the training state (fp32 master params and optimizer
-             moments, ZeRO-sharded over dp), the compute copies and gradients, and the
-             activations the runtime keeps (`memory.memory`, the model's other half, with
-             its constants fitted to XLA's buffer assignment; the parameters leaf by leaf,
-             `param_counts`, are here);
-  time       one step on the slowest pipeline stage: compute (model FLOPs at a GEMM /
-             attention efficiency, recomputation, memory-bound operators), the pipeline
-             bubble (p-1)/(v m), exposed TP / PP / DP communication and per-step
-             overheads (`step_time`), and MFU from megajax.flops (as the trainer counts it).
+  memory     bytes per device (`memory.memory`, the model's other half; the parameters leaf
+             by leaf, `param_counts`, are here);
+  time       one step on the slowest pipeline stage (`step_time`), operation by operation:
+             every GEMM by its shape, attention (FlashAttention-2 or Megatron-LM's unfused
+             kernels), the memory-bound kernels by their bytes, each tensor-, pipeline- and
+             data-parallel collective by its bytes over its link (operations.py, hardware.py:
+             published micro-benchmarks, cited there), the bubble (p-1)/(v m) of a
+             microbatch's time per stage, the optimizer's pass over its shard. Every part
+             scales with the work: no fixed seconds per step. MFU from megajax.flops.
 
 Two runtimes (`Plan.executor`):
-  "megajax"  this repository's step (parallel/step.py): parameters all-gathered over dp,
-             the linears' and head's in the compute dtype (bf16), the embedding and the
-             LayerNorms' in fp32 (sharding.gathers_in_compute_dtype), gradients
-             reduce-scattered over dp in fp32 once per step (`Plan.grad_sync` "step", the
-             default; "microbatch": every microbatch's as they come). Its dp overlap as
-             built: with pp = 1 the gathers one layer ahead in the first microbatch's
-             forward and the reduce-scatters under the backward that makes them; with
-             pp > 1 per chunk, the first chunk's exposed and the others' in pieces over
-             the tick scan's head and tail. With pp > 1 the lockstep executor: by default each non-last microbatch-chunk's
-             forward keeps its vjp residuals (what model.remat saves) in one of
-             `residual_slots` slots until its backward, which reads them (no forward rerun;
-             the last chunk runs forward and backward together); with
-             `Plan.pipeline_recompute` (parallel.pipeline_recompute=True) it stashes only
-             each microbatch-chunk's input and recomputes the chunk's forward in its
-             backward (a forward more per step, less memory). Its memory model is checked
-             against XLA's buffer assignment (calibration.memory_check), both executors.
-  "paper"    Megatron-LM, which MegaScale builds on (the paper's Tables 2 and 3): bf16
-             weights, fp32 gradients reduced once per step, the distributed optimizer,
-             activations of the in-flight microbatches kept per Korthikanti et al. (2022).
+  "megajax"  this repository's step (parallel/step.py): sequence-parallel tensor parallelism
+             with collective matmul, ZeRO gathers of the linears and head in the compute dtype
+             (the embedding and norms in fp32), fp32 gradients reduce-scattered once per step
+             (`Plan.grad_sync` "step"; "microbatch": every microbatch's), its dp overlap as built
+             (one layer ahead with pp = 1, per chunk in the tick scan's head and tail with
+             pp > 1), and the lockstep pipeline executor whose backward reads the residuals each
+             chunk's forward kept (`Plan.pipeline_recompute`: rerun the chunk's forward instead).
+  "paper"    Megatron-LM, on which MegaScale builds (the published runs of
+             published.VALIDATION_SET): with or without sequence parallelism, the distributed
+             optimizer (else a gradient all-reduce after the backward) and the backward's
+             tensor-parallel collectives overlapped with the weight-gradient GEMMs
+             (`Plan.sequence_parallel`, `distributed_optimizer`, `tp_backward_overlap`), plus
+             MegaScale's switches (`Optimizations`, the paper's Table 3).
 
-MFU counts model FLOPs (megajax.flops: forward + backward, recomputation not counted,
-attention over the keys each query's window covers). The paper counts the same way: its
-Megatron-LM rows imply 1.077e12 FLOPs per token (full attention, our count 1.0773e12) and
-its MegaScale rows 1.066e12 (a sliding window of about a thousand keys: 1.0628e12 at
-w = 1024), so SWA lowers the counted FLOPs and raises MFU only through the time it saves.
-Fitted numbers are named constants in two groups: the step-time ones below (to the paper's
-Table 3, one to Table 2) and the megajax memory ones in memory.py (to XLA's buffer assignment).
-No MFU of the paper is an output or an input other than through that fit.
+Fitted numbers: the five fields of `Calibration`, fitted by calibration.fit on
+published.CALIBRATION_SET only (MegaScale's Table 3), never on a row they are validated on
+(`python -m megajax.launch.bench planner` prints the fit, the leave-one-out errors and every
+validation row with its source); and the megajax memory constants in memory.py (to XLA's
+buffer assignment).
 """
 
 from __future__ import annotations
@@ -55,64 +46,38 @@ from megajax.layers import MLP_INPUTS
 from megajax.model import ModelConfig
 from megajax.parallel.pipeline.tables import dp_pieces
 
-GB = 1e9
+from megajax.parallel.planner import hardware, operations
+from megajax.parallel.planner.hardware import GB, HARDWARE, Hardware
+
+__all__ = ["GB", "HARDWARE", "Hardware"]   # re-exported: the planner's callers name them here
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-  name: str
-  peak_tflops: float        # bf16 dense tensor-core peak per GPU
-  memory_gb: float          # HBM per GPU
-  hbm_gbps: float           # HBM bandwidth per GPU, GB/s
-  nvlink_gbps: float        # NVLink bandwidth per GPU per direction, GB/s (tp collectives)
-  nic_gbps: float           # inter-node bandwidth per GPU per direction, GB/s (dp, pp)
-  gpus_per_node: int
-  nodes_per_tor: int = 64   # nodes under one set of top-of-rack switches (MegaScale 3.6)
-
-
-HARDWARE = {
-    # A100 SXM: NVLink 3 600 GB/s both ways; 8 x 200 Gb/s NICs per node = 25 GB/s per GPU.
-    "a100-80g": Hardware("a100-80g", flops.PEAK_BF16_TFLOPS["a100"], 80.0, 2039.0, 300.0, 25.0, 8),
-    # H100 / H200 SXM: NVLink 4 900 GB/s both ways; 8 x 400 Gb/s NICs per node = 50 GB/s per GPU.
-    "h100-80g": Hardware("h100-80g", flops.PEAK_BF16_TFLOPS["h100"], 80.0, 3350.0, 450.0, 50.0, 8),
-    "h200-141g": Hardware("h200-141g", flops.PEAK_BF16_TFLOPS["h200"], 141.0, 4800.0, 450.0, 50.0, 8),
-}
-
-# --- Calibration (the only fitted numbers; all in one place) ---------------------------------
+# --- Calibration (the only fitted step-time numbers; all in one place) ------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """The step-time constants: a plain value, passed to `step_time` (no module state to patch).
+  """The step-time constants no micro-benchmark gives: a plain value, passed to `step_time`.
 
-  `CALIBRATION` holds the least-squares fit (megajax.parallel.planner.calibration.fit,
-  reprinted by `python -m megajax.launch.bench planner`) to the paper's Table 3: 175B on 256
-  A100s, batch 256, the baseline MFU and the eight cumulative rows (the first 8 fields, 9
-  numbers). Table 2 (256 to 12,288 GPUs, Megatron-LM and MegaScale) is then predicted, except
-  for `scale_loss`, which only Table 2 can show (fitted to it with the others fixed).
+  `CALIBRATION` holds the least-squares fit (calibration.fit, reprinted by `python -m
+  megajax.launch.bench planner` with each constant's leave-one-out errors) to
+  published.calibration_set(): MegaScale's Table 3 (175B on 256 A100s, the baseline and eight
+  cumulative switches; each switch's row is what shows its constant). No validation row is in it.
   """
-  gemm_efficiency: float = 0.77        # fraction of peak the transformer's large bf16 matmuls reach
-  attention_efficiency: float = 0.30   # unfused attention (QK^T, masked softmax, PV as separate kernels)
-  flash_attention_efficiency: float = 0.40  # fused attention (FlashAttention-2 / our Pallas kernels)
-  nvlink_efficiency: float = 0.45      # bus bandwidth tp all-gathers / reduce-scatters reach, of NVLink's
-  tp_overlap_hidden: float = 0.40      # share of tp communication collective matmul hides behind the GEMMs
-  p2p_latency_s: float = 0.19e-3       # per blocking pipeline send/recv pair (Megatron's synchronous p2p)
-  step_overhead_off_s: float = 0.72    # per step: data loading, host sync, launch gaps (misc off) ...
-  step_overhead_on_s: float = 0.52     # ... and with MegaScale's misc optimizations on
-  # Fitted to Table 2 with the above fixed (Table 3's 32 nodes sit under one ToR group):
-  scale_loss: float = 0.016            # step time lost per doubling of the job's nodes beyond one ToR
-                                       # group: stragglers and traffic crossing more switch tiers
-
-  def step_overhead_s(self, misc: bool) -> float:
-    return self.step_overhead_on_s if misc else self.step_overhead_off_s
+  gemm_sustained: float = 0.844      # of the micro-benchmark's GEMM rate (hardware.gemm_fraction), what a
+                                     # training run sustains: clocks under sustained power, cuBLAS's tile
+                                     # choices for its shapes, the gaps between its kernels
+  hbm_efficiency: float = 0.898      # fraction of HBM bandwidth the streaming kernels reach
+  tp_overlap_hidden: float = 1.0     # share of tp communication MegaScale's collective matmul hides
+                                     # (the fit sits at its bound: all of it)
+  p2p_latency_s: float = 0.444e-3    # per blocking pipeline transfer (Megatron's synchronous p2p)
+  data_s_per_token: float = 2.28e-6  # exposed data loading per token of a replica's batch, without
+                                     # MegaScale's asynchronous, one-per-node data pipeline (misc)
 
 
 CALIBRATION = Calibration()
 
-# Set from hardware practice, not fitted:
-NET_EFFICIENCY = 0.8             # NCCL bus bandwidth over the inter-node NICs (nccl-tests)
-HBM_EFFICIENCY = 0.8             # achievable fraction of HBM bandwidth for streaming kernels
-ELEMENTWISE_PASSES = {"unfused": 12, "fused": 6}   # HBM passes over a layer's LayerNorm / bias /
-                                 # GeLU / dropout / residual tensors, forward + backward
+# Counted, not fitted:
+OPTIMIZER_BYTES = 28             # per parameter of the shard: read fp32 param, grad, 2 moments; write 3
 MEMORY_RESERVED_GB = 4.0         # CUDA context, NCCL buffers, allocator slack: not for the step
 
 
@@ -150,6 +115,15 @@ class Plan:
   pipeline_recompute: bool = False
   schedule: str = "interleaved_1f1b"
   traversal: str = "depth_first"
+  # The paper runtime's variants (Megatron-LM as each published run used it; megajax always
+  # has the first two): sequence parallelism (else tp all-reduces and norms on every rank), the
+  # distributed optimizer (else a gradient all-reduce after the backward and the whole update on
+  # every dp rank), the backward's tp collectives under the weight-gradient GEMMs.
+  sequence_parallel: bool = True
+  distributed_optimizer: bool = True
+  tp_backward_overlap: bool = True
+  allreduce_grad_bytes: int = 4   # without the distributed optimizer: the all-reduced gradients' bytes
+                                  # (Megatron-LM's fp32 main_grad; fp16 gradients: 2)
 
   @property
   def gpus(self) -> int:
@@ -257,29 +231,29 @@ def usable_bytes(hw: Hardware) -> float:
 class StepTime:
   """Seconds per step on the slowest stage; the parts add up to `total`."""
   gemm: float           # matmul compute, recomputation included
-  attention: float      # attention compute (QK^T, softmax, PV), recomputation included
-  memory_bound: float   # LayerNorm / bias / GeLU / dropout / residual kernels
-  tp_comm: float        # exposed tp all-gathers / reduce-scatters
+  attention: float      # attention core (QK^T, softmax, dropout, PV), recomputation included
+  memory_bound: float   # LayerNorm / bias / activation / dropout / residual kernels
+  tp_comm: float        # exposed tp collectives
   pp_comm: float        # exposed pipeline sends / receives
   bubble: float         # pipeline fill and drain
-  dp_comm: float        # exposed ZeRO reduce-scatter / all-gather over dp
+  dp_comm: float        # exposed gradient reduction and parameter gathers over dp
   optimizer: float      # the optimizer update on the dp shard
-  overhead: float       # per-step fixed costs (data loading, host sync)
-  stragglers: float     # the scale loss of a job beyond one ToR group (Calibration.scale_loss)
-  recompute: float      # of gemm + attention, the part spent recomputing forwards
+  data: float           # exposed data loading (no asynchronous data pipeline)
+  recompute: float      # of gemm + attention + memory_bound, the part spent recomputing forwards
   mfu: float            # model FLOPs / (total x GPUs x peak)
+  recompute_matmul: float = 0.0   # of `recompute`, the GEMMs' and attention's
 
   @property
   def total(self) -> float:
     return (self.gemm + self.attention + self.memory_bound + self.tp_comm + self.pp_comm + self.bubble
-            + self.dp_comm + self.optimizer + self.overhead + self.stragglers)
+            + self.dp_comm + self.optimizer + self.data)
 
   def parts(self) -> dict:
     """The step's parts by kind (seconds); compute is the model's matmul and attention work."""
-    return {"compute": self.gemm + self.attention - self.recompute, "recompute": self.recompute,
-            "memory-bound": self.memory_bound + self.optimizer, "tp-comm": self.tp_comm, "pp-comm": self.pp_comm,
-            "bubble": self.bubble, "dp-comm": self.dp_comm, "overhead": self.overhead,
-            "stragglers": self.stragglers}
+    return {"compute": self.gemm + self.attention - self.recompute_matmul, "recompute": self.recompute,
+            "memory-bound": self.memory_bound - (self.recompute - self.recompute_matmul) + self.optimizer,
+            "tp-comm": self.tp_comm, "pp-comm": self.pp_comm, "bubble": self.bubble, "dp-comm": self.dp_comm,
+            "data": self.data}
 
   @property
   def bottleneck(self) -> str:
@@ -299,14 +273,35 @@ def _pipelined(pieces: int, piece_seconds: float, window: float) -> float:
   return piece_seconds + (pieces - 1) * max(0.0, piece_seconds - window) if pieces else 0.0
 
 
-def _ring_seconds(nbytes: float, group: int, gbps: float) -> float:
-  """One ring all-gather or reduce-scatter of `nbytes` (the full tensor) over `group` devices."""
-  return (group - 1) / group * nbytes / (gbps * GB) if group > 1 else 0.0
+def _mean_layer(c: ModelConfig, plan: Plan, fused_attention: bool, sequence_parallel: bool, hw: Hardware,
+                k: Calibration) -> operations.LayerTimes:
+  """The layer times averaged over the model's window pattern (local and global layers)."""
+  windows = [c.layer_window(i) for i in range(c.num_layers)]
+  times = {w: operations.layer_times(c, plan.micro_batch, plan.tp, fused_attention, sequence_parallel, hw, k, w)
+           for w in set(windows)}
+  fields = [f.name for f in dataclasses.fields(operations.LayerTimes)]
+  return operations.LayerTimes(*(sum(getattr(times[w], f) for w in windows) / len(windows) for f in fields))
 
 
-def scale_loss(plan: Plan, hw: Hardware, calibration: Calibration = CALIBRATION) -> float:
-  nodes = max(1, plan.gpus // hw.gpus_per_node)
-  return calibration.scale_loss * math.log2(nodes / hw.nodes_per_tor) if nodes > hw.nodes_per_tor else 0.0
+def _tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, sequence_parallel: bool, megajax: bool):
+  """(forward, backward) seconds of one layer's tp collectives per microbatch, and the head's
+  (forward, backward): sequence parallelism all-gathers each column-parallel input and
+  reduce-scatters each row-parallel output (Megatron-LM gathers the input once more in the
+  backward for the weight gradient); without it, one all-reduce per row-parallel output and
+  one per column-parallel input's gradient."""
+  n = plan.tp
+  message = plan.micro_batch * c.seq_len * c.hidden_dim * c.compute_dtype.itemsize
+  busbw = hardware.link_busbw(n, hw)
+  one = lambda kind: hardware.collective_seconds(message, n, busbw, kind)
+  pairs = tp_pairs_per_layer(c)
+  if sequence_parallel:
+    forward = pairs * (one("all_gather") + one("reduce_scatter"))
+    backward = forward + (0 if megajax else pairs * one("all_gather"))
+    head = (one("all_gather"), one("reduce_scatter"))
+  else:
+    forward = backward = pairs * one("all_reduce")
+    head = (0.0, one("all_reduce"))
+  return forward, backward, head
 
 
 def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
@@ -317,117 +312,114 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   c = apply_switches(c, plan.opts)
   remat = remat or c.remat
   o, p, v, m, n = plan.opts, plan.pp, plan.virtual_stages, plan.microbatches, plan.tp
-  tokens = plan.micro_batch * c.seq_len
-  layers = c.num_layers // p
-  h, q = c.hidden_dim, c.num_heads * c.head_dim
-  cb = c.compute_dtype.itemsize
-  peak = hw.peak_tflops * 1e12
   megajax = plan.executor == "megajax"
+  sequence_parallel = megajax or plan.sequence_parallel
+  layers = c.num_layers // p
+  cb = c.compute_dtype.itemsize
 
-  # Compute per microbatch on the last stage (its layers and the head), forward FLOPs.
-  gemm_fwd = 2 * tokens * (layers * flops.projection_macs_per_token(c) + h * c.vocab_size) / n
-  keys = sum(flops.attention_keys_per_query(c.seq_len, c.layer_window(i)) for i in range(c.num_layers)) / c.num_layers
-  attention_fwd = 2 * tokens * layers * 2 * keys * q / n
-  # Forwards run again: megajax's pipeline backward with pipeline_recompute reruns its chunk
-  # (by default it reads the residuals its forward kept); remat per policy
-  # (full: everything; dots, like Megatron's selective recompute, and fused attention: attention).
+  # Compute per microbatch on the last stage: its layers and the head. Forwards run again:
+  # megajax's pipeline with pipeline_recompute reruns its chunk, remat full every layer, remat
+  # dots (Megatron-LM's selective recomputation) the unfused attention core; FlashAttention's
+  # backward reruns its own forward inside (operations.attention_times counts it there).
+  layer = _mean_layer(c, plan, o.fused_ops, sequence_parallel, hw, k)
+  head = operations.head_times(c, plan.micro_batch, n, hw, k)
   again = (1 if megajax and p > 1 and plan.pipeline_recompute else 0) + (1 if remat == "full" else 0)
-  attention_again = again + (1 if remat == "dots" or o.fused_ops and again == 0 else 0)
-  attention_efficiency = k.flash_attention_efficiency if o.fused_ops else k.attention_efficiency
-  t_gemm = gemm_fwd * (3 + again) / (peak * k.gemm_efficiency)
-  t_attention = attention_fwd * (3 + attention_again) / (peak * attention_efficiency)
-  recompute = (gemm_fwd * again / (peak * k.gemm_efficiency)
-               + attention_fwd * attention_again / (peak * attention_efficiency))
-  # The norms on the sequence shard (the two-norm block's on the gathered sequence: every
-  # rank all of it), the MLP's activation over each input projection's output.
-  norm_tokens = 1 if c.block == "parallel_two_norms" else 1 / n
-  mlp_width = len(MLP_INPUTS[c.mlp]) * c.mlp_dim / n
-  elementwise = tokens * layers * (norms_per_layer(c) * h * norm_tokens + mlp_width) * cb
-  t_memory = elementwise * ELEMENTWISE_PASSES["fused" if o.fused_ops else "unfused"] / (hw.hbm_gbps * GB * HBM_EFFICIENCY)
+  attention_again = again + (1 if remat == "dots" and not o.fused_ops and again == 0 else 0)
+  t_gemm = layers * (layer.gemm_forward * (1 + again) + layer.gemm_input_grad + layer.gemm_weight_grad) + sum(head)
+  t_attention = layers * (layer.attention_forward * (1 + attention_again) + layer.attention_backward)
+  t_memory = layers * (layer.elementwise_forward * (1 + again) + layer.elementwise_backward)
+  recompute_matmul = layers * (layer.gemm_forward * again + layer.attention_forward * attention_again)
+  recompute = recompute_matmul + layers * layer.elementwise_forward * again
 
-  # Tensor parallelism: per layer and direction one all-gather + one reduce-scatter per block
-  # half (serial: 2 + 2, parallel: 1 + 1); Megatron's sequence parallelism all-gathers the
-  # input once more per column-parallel GEMM for its weight gradient. Plus the head's pair.
-  collectives = layers * 4 * tp_pairs_per_layer(c) + 2
-  if not megajax:
-    collectives += layers * tp_pairs_per_layer(c)
-  t_tp = collectives * _ring_seconds(tokens * h * cb, n, hw.nvlink_gbps * k.nvlink_efficiency)
+  # Tensor parallelism: the forward's collectives (again where the forward reruns), the
+  # backward's (Megatron-LM hides them under the weight-gradient GEMMs where it can), MegaScale's
+  # collective matmul hides a share of what is left (megajax's too: its collective_matmul).
+  tp_forward, tp_backward, tp_head = _tp_seconds(c, plan, hw, sequence_parallel, megajax)
+  forward_comm = layers * tp_forward * (1 + again) + tp_head[0]
+  backward_comm = layers * tp_backward + tp_head[1]
+  if not megajax and plan.tp_backward_overlap:
+    backward_comm = max(0.0, backward_comm - layers * layer.gemm_weight_grad)
+  t_tp = forward_comm + backward_comm
   if o.tp_overlap:
     t_tp *= 1 - k.tp_overlap_hidden
 
-  # Pipeline: per microbatch a stage sends v activations and v gradients (and receives as
-  # many, the other direction of the link), sequence-sharded over tp. Blocking pairs
-  # (Megatron) wait for each transfer; decoupled ones (MegaScale) hide behind the next op.
+  # Pipeline: per microbatch a stage sends v activations and v gradients (receiving as many the
+  # other way), sequence-sharded over tp (Megatron-LM's scatter / gather), over its NIC; blocking
+  # transfers (Megatron-LM) wait each, decoupled ones (MegaScale) hide behind the next chunk.
   t_pp = 0.0
   if p > 1:
-    transfers = 2 * v
-    t_pp = transfers * (tokens * h / n * cb / (hw.nic_gbps * GB * NET_EFFICIENCY) + k.p2p_latency_s)
+    message = plan.micro_batch * c.seq_len * c.hidden_dim / n * cb
+    t_pp = 2 * v * (hardware.COLLECTIVE_LATENCY_S + message / (hw.nic_busbw_gbps * GB) + k.p2p_latency_s)
     if o.pp_overlap:
       t_pp = max(0.0, t_pp - (t_gemm + t_attention) / (2 * v))   # what one chunk's op cannot hide
 
   per_microbatch = t_gemm + t_attention + t_memory + t_tp + t_pp
-  bubble = plan.bubble_fraction * m * per_microbatch if p > 1 else 0.0
-
-  # Data parallelism (ZeRO-2): reduce-scatter of the gradients and all-gather of the
-  # parameters, over the NICs unless the whole dp group sits in one node. megajax
-  # reduce-scatters fp32 gradients once per step (grad_sync="step") or every microbatch's
-  # ("microbatch") and gathers the linears and head in the compute dtype, the embedding and
-  # LayerNorms in the parameter dtype; Megatron reduces fp32 gradients once per step and
-  # gathers bf16 weights.
-  counts = param_counts(c, plan)
-  link = hw.nvlink_gbps * k.nvlink_efficiency if plan.dp * n <= hw.gpus_per_node else hw.nic_gbps * NET_EFFICIENCY
-  pb = c.param_dtype.itemsize
-  if megajax:   # "step" scatters the fp32 sums whatever the parameter dtype
-    scatter_bytes = counts.stage * (pb * m if plan.grad_sync == "microbatch" else 4)
-  else:
-    scatter_bytes = counts.stage * pb
-  if megajax:
-    gather_bytes = counts.compute_gathered * cb + (counts.stage - counts.compute_gathered) * pb
-  else:
-    gather_bytes = counts.stage * cb
-  t_gather, t_scatter = (_ring_seconds(nbytes, plan.dp, link) for nbytes in (gather_bytes, scatter_bytes))
+  bubble = (p - 1) / v * per_microbatch if p > 1 else 0.0
   compute = m * (t_gemm + t_attention + t_memory)
-  t_dp = t_gather + t_scatter
-  if o.dp_overlap and not megajax:   # per chunk, prefetched: the first gather and last scatter stay exposed
-    t_dp = t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute)
-  elif o.dp_overlap:   # megajax: its dp overlap as built
-    forward = (gemm_fwd / (peak * k.gemm_efficiency) + attention_fwd / (peak * attention_efficiency)
-               + t_memory / 3)                                    # one microbatch, the stage's layers
-    backward = t_gemm + t_attention + t_memory - forward           # recomputation included
-    syncs = m if plan.grad_sync == "microbatch" else 1
-    if p == 1:
-      # Each layer's gather issued one layer ahead in the first microbatch's forward
-      # (sharding.layer_ahead_gathers); each layer's reduce-scatter under the backward of the
-      # layers before it (the last microbatch's, or each microbatch's with "microbatch").
-      t_dp = (_pipelined(layers, t_gather / layers, forward / layers)
-              + syncs * _pipelined(layers, t_scatter / (syncs * layers), backward / layers))
-    else:
-      # executor.py: the first chunk's rows and the shared leaves before / after the tick
-      # scan, exposed; the other chunks' rows in pieces, one per head tick (a chunk's forward
-      # each) and, with "step", one per tail tick (a chunk's backward); "microbatch"
-      # reduce-scatters inside the backward slots, exposed.
-      rest = counts.block * (1 - 1 / v)
-      rows = (v - 1) * (layers // v)
-      size, starts = dp_pieces(rows, p)
-      piece = lambda seconds: seconds * rest / counts.stage * size / max(rows, 1)
-      t_dp = (t_gather * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_gather) - forward / v))
-      if plan.grad_sync == "step":
-        t_dp += t_scatter * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_scatter) - backward / v)
-      else:
-        t_dp += t_scatter
+  counts = param_counts(c, plan)
+  t_dp = _dp_seconds(c, plan, hw, counts, compute, layer)
 
-  # Optimizer: a streaming pass over the dp shard (read param, grad, 2 moments; write 3),
-  # LAMB a second pass for its norms; Megatron also writes the bf16 copy.
-  per_param = 28 + (8 if o.lamb else 0) + (0 if megajax else 2)
-  t_optimizer = counts.shard * per_param / (hw.hbm_gbps * GB * HBM_EFFICIENCY)
-  overhead = k.step_overhead_s(o.misc)
+  # Optimizer: a streaming pass over the shard it updates (read param, grad, 2 moments; write
+  # 3), LAMB a second pass for its norms; Megatron-LM also writes the bf16 copy. Without the
+  # distributed optimizer every dp rank updates all of its stage.
+  per_param = OPTIMIZER_BYTES + (8 if o.lamb else 0) + (0 if megajax else 2)
+  updated = counts.shard if megajax or plan.distributed_optimizer else counts.stage
+  t_optimizer = hardware.streaming_seconds(updated * per_param, hw, k.hbm_efficiency)
+  data = 0.0 if megajax or o.misc else k.data_s_per_token * plan.batch * c.seq_len / plan.dp
 
-  total = compute + m * (t_tp + t_pp) + bubble + t_dp + t_optimizer + overhead
-  # A job beyond one ToR group waits longer at every synchronization (more stragglers,
-  # ECMP conflicts on the upper tiers).
-  stragglers = total * scale_loss(plan, hw, k)
-  total += stragglers
+  total = compute + m * (t_tp + t_pp) + bubble + t_dp + t_optimizer + data
   model_flops = flops.training_flops_per_token(c) * plan.batch * c.seq_len
-  mfu = model_flops / (total * plan.gpus * peak)
-  return StepTime(m * t_gemm, m * t_attention, m * t_memory, m * t_tp, m * t_pp, bubble, t_dp, t_optimizer,
-                  overhead, stragglers, m * recompute, mfu)
+  mfu = model_flops / (total * plan.gpus * hw.peak_tflops * 1e12)
+  return StepTime(m * t_gemm, m * t_attention, m * t_memory, m * t_tp, m * t_pp, bubble, t_dp, t_optimizer, data,
+                  m * recompute, mfu, m * recompute_matmul)
+
+
+def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, compute: float,
+                layer: operations.LayerTimes) -> float:
+  """Exposed seconds of the step's data-parallel collectives, over NVLink when the dp group
+  (tp-major rank order: tp x dp consecutive GPUs) sits in one node, else the NICs.
+
+  megajax reduce-scatters fp32 gradients once per step (grad_sync="step") or every
+  microbatch's ("microbatch") and gathers the linears and head in the compute dtype, the
+  embedding and norms in the parameter dtype. Megatron-LM with the distributed optimizer
+  reduce-scatters fp32 gradients and gathers bf16 weights (MegaScale's dp overlap: per chunk,
+  prefetched, the first gather and the last scatter exposed); without it, all-reduces the
+  gradients after the backward, exposed."""
+  if plan.dp == 1:
+    return 0.0
+  o, p, v, m = plan.opts, plan.pp, plan.virtual_stages, plan.microbatches
+  busbw = hardware.link_busbw(plan.tp * plan.dp, hw)
+  ring = lambda nbytes, kind="all_gather": hardware.collective_seconds(nbytes, plan.dp, busbw, kind)
+  cb, pb = c.compute_dtype.itemsize, c.param_dtype.itemsize
+  if plan.executor != "megajax":
+    if not plan.distributed_optimizer:
+      return ring(counts.stage * plan.allreduce_grad_bytes, "all_reduce")
+    t_dp = ring(counts.stage * cb) + ring(counts.stage * 4, "reduce_scatter")
+    return t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute) if o.dp_overlap else t_dp
+  scatter_bytes = counts.stage * (pb * m if plan.grad_sync == "microbatch" else 4)   # "step": the fp32 sums
+  gather_bytes = counts.compute_gathered * cb + (counts.stage - counts.compute_gathered) * pb
+  t_gather, t_scatter = ring(gather_bytes), ring(scatter_bytes, "reduce_scatter")
+  if not o.dp_overlap:
+    return t_gather + t_scatter
+  layers = c.num_layers // p
+  forward = layers * layer.forward                               # one microbatch, the stage's layers
+  backward = compute / m - forward                               # recomputation included
+  syncs = m if plan.grad_sync == "microbatch" else 1
+  if p == 1:
+    # Each layer's gather issued one layer ahead in the first microbatch's forward
+    # (sharding.layer_ahead_gathers); each layer's reduce-scatter under the backward of the
+    # layers before it (the last microbatch's, or each microbatch's with "microbatch").
+    return (_pipelined(layers, t_gather / layers, forward / layers)
+            + syncs * _pipelined(layers, t_scatter / (syncs * layers), backward / layers))
+  # executor.py: the first chunk's rows and the shared leaves before / after the tick scan,
+  # exposed; the other chunks' rows in pieces, one per head tick (a chunk's forward each) and,
+  # with "step", one per tail tick (a chunk's backward); "microbatch" reduce-scatters inside
+  # the backward slots, exposed.
+  rest = counts.block * (1 - 1 / v)
+  rows = (v - 1) * (layers // v)
+  size, starts = dp_pieces(rows, p)
+  piece = lambda seconds: seconds * rest / counts.stage * size / max(rows, 1)
+  t_dp = t_gather * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_gather) - forward / v)
+  if plan.grad_sync == "step":
+    return t_dp + t_scatter * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_scatter) - backward / v)
+  return t_dp + t_scatter

@@ -1,6 +1,6 @@
-"""The cost model and planner: memory and parameter counts, the paper's tables, the
-calibration's fit, the search. (Memory against XLA's compiled step: tests/integration;
-megajax-plan: tests/e2e.)"""
+"""The cost model and planner: memory and parameter counts, the published runs (calibration
+set, validation set, the sources' own metrics), the calibration's fit, the search. (Memory
+against XLA's compiled step: tests/integration; megajax-plan: tests/e2e.)"""
 
 import dataclasses
 import itertools
@@ -13,15 +13,15 @@ from megajax.config import BLOCK_CHOICES, SCHEDULE_CHOICES, TRAVERSAL_CHOICES
 
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.parallel.pipeline import Tables, simulate
-from megajax.parallel.planner import calibration, cost_model, memory, paper, plans
+from megajax.parallel.planner import calibration, cost_model, hardware, memory, plans, published
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
 from megajax.parallel.planner.fits import plan_of
 
 
 @pytest.fixture(scope="module")
 def paper_setting():
-  """The paper's 175B model and its A100s."""
-  return paper.paper_model(), paper.a100()
+  """MegaScale's 175B model and its A100s."""
+  return published.megascale_model(), cost_model.HARDWARE["a100-80g"]
 
 
 def test_memory_counts_dtypes_and_sharding(tiny_config):
@@ -84,18 +84,19 @@ def test_slot_formulas_equal_the_executor_tables(tiny_config, schedule, traversa
 def test_pipeline_recompute_costs_a_forward_and_saves_memory(paper_setting):
   """megajax's pipeline: the default executor keeps residuals (no rerun, more memory); with
   pipeline_recompute it reruns each chunk's forward (a whole forward more per step) and keeps
-  only the inputs. The remat policy's own recompute is there either way."""
+  only the inputs. The remat policy's own recompute is there either way (full: every layer; dots
+  with a fused attention: none, its kernel's backward reruns the scores and is counted there)."""
   c, hw = paper_setting
   plan = Plan(64, 8, 8, 6, 1, 768)
   default, rerun = plan, dataclasses.replace(plan, pipeline_recompute=True)
   for remat in ("dots", "full"):
     kept, again = cost_model.step_time(c, default, hw, remat), cost_model.step_time(c, rerun, hw, remat)
     assert kept.recompute < again.recompute and kept.mfu > again.mfu
-    assert kept.recompute > 0                    # the policy's own
+    assert (kept.recompute > 0) == (remat == "full")      # the policy's own
     assert memory.memory(c, default, remat).total > memory.memory(c, rerun, remat).total
   # remat none: the rerun's matmuls are all the pipeline's (fused attention's backward recomputes its scores anyway)
   kept, again = cost_model.step_time(c, default, hw, "none"), cost_model.step_time(c, rerun, hw, "none")
-  assert again.gemm == pytest.approx(kept.gemm * 4 / 3)
+  assert again.gemm == pytest.approx(kept.gemm * 4 / 3, rel=0.05)   # dX and dW GEMMs: other shapes
 
 
 def test_block_families_in_the_step_time(paper_setting):
@@ -108,34 +109,88 @@ def test_block_families_in_the_step_time(paper_setting):
   assert two_norms.tp_comm == parallel.tp_comm and two_norms.memory_bound > parallel.memory_bound
   assert swiglu.gemm / parallel.gemm == pytest.approx(
       flops.projection_macs_per_token(dataclasses.replace(c, mlp="swiglu")) / flops.projection_macs_per_token(c),
-      rel=0.02)   # the head's matmul too
+      rel=0.05)   # the head's matmul too, and each GEMM shape's wave quantization
 
 
-def test_table3_rows_increase_with_the_papers_increments(paper_setting):
-  rows = paper.table3(*paper_setting)
-  for (ours, theirs), row in zip(paper.table3_increments(rows), rows[1:]):
-    print(f"{row.name:24} predicted {row.predicted:.1f}% (+{ours:.1f}), paper {row.published:.1f}% (+{theirs:.1f})")
-    assert ours > 0, row.name
-    assert abs(ours - theirs) <= paper.TABLE3_INCREMENT_TOLERANCE, row.name
-  assert abs(rows[0].error) <= paper.TABLE2_TOLERANCE
+def test_table3_rows_increase_with_each_switch():
+  """The calibration set, predicted with CALIBRATION: every MegaScale switch raises the MFU."""
+  rows = [published.predict(run) for run in published.megascale_table3()]
+  for before, after in zip(rows, rows[1:]):
+    print(f"{after.run.where:40} predicted {after.predicted:.1f}% (paper {after.run.published:.1f}%)")
+    assert after.predicted > before.predicted, after.run.where
 
 
-def test_table2_within_five_points(paper_setting):
-  for megatron, megascale in paper.table2(*paper_setting):
-    for row in (megatron, megascale):
-      assert abs(row.error) <= paper.TABLE2_TOLERANCE, (row.plan, row.predicted, row.published)
-    assert megascale.predicted > megatron.predicted
-
-
-def test_calibration_constants_are_the_least_squares_fit(paper_setting):
+def test_calibration_constants_are_the_least_squares_fit():
   """CALIBRATION holds the fit `python -m megajax.launch.bench planner` reprints (rounded), not
   hand-set values; the fit is a new value, and the module's is untouched by it."""
   before = dataclasses.replace(CALIBRATION)
-  fitted = calibration.fit(*paper_setting)
+  fitted = calibration.fit()
   for field in dataclasses.fields(fitted):
     value, held = getattr(fitted, field.name), getattr(CALIBRATION, field.name)
-    assert held == pytest.approx(value, rel=0.06, abs=2e-5), field.name
+    assert held == pytest.approx(value, rel=0.06, abs=1e-9), field.name
   assert CALIBRATION == before and cost_model.CALIBRATION is CALIBRATION
+
+
+def test_no_constant_is_fitted_to_a_row_it_is_validated_on():
+  """The calibration set is MegaScale's Table 3 (with Table 2's row of the same plan), the
+  validation set everything else; no validation run has a calibration run's model, plan and
+  recomputation, and the fit reads only the calibration set."""
+  calibration_runs, validation_runs = published.calibration_set(), published.validation_set()
+  assert calibration_runs and validation_runs
+  assert {run.where for run in calibration_runs} == {run.where for run in published.megascale_table3()} | {
+      "Table 2, 256 GPUs, MegaScale"}
+  keys = lambda runs: {(run.model, run.plan, run.remat) for run in runs}
+  assert not keys(calibration_runs) & keys(validation_runs)
+  assert {run.source for run in published.all_runs()} == set(published.SOURCES)
+  assert calibration.fit(calibration_runs) == calibration.fit()            # what it reads by default
+
+
+def test_published_metrics_follow_the_sources_formulas():
+  """Korthikanti et al.: MFU = 72 B s L h^2 (1 + s/6h + V/12hL) / (t x GPUs x 312 TFLOP/s) (their
+  530B row: 37.83 s -> 56.0%); Narayanan et al.: TFLOP/s with the recomputed forward (their 1T row:
+  163 TFLOP/s on 3072 GPUs is 502 PFLOP/s)."""
+  run = next(r for r in published.korthikanti() if r.where.startswith("Table 5, 530B") and "present" in r.where)
+  assert published._mfu_of_seconds(run, 37.83) == pytest.approx(56.0, abs=0.1)
+  one_t = next(r for r in published.narayanan() if "1008.0B" in r.where)
+  seconds = published.model_flops(one_t) / (163e12 * 3072)
+  assert published.model_flops(one_t) / seconds / 1e15 == pytest.approx(502.0, rel=0.01)
+  assert 100 < seconds < 106            # about 103 s an iteration
+
+
+def test_validation_rows_meet_the_goal_but_the_known_misses():
+  """Every validation row within +-3 MFU points or +-6% TFLOP/s, but those published.KNOWN_MISSES
+  names with the reason; a known miss that starts to pass is taken off that list."""
+  for row in calibration.validate_published():
+    print(f"{row.run.where:64} published {row.run.published:6.1f} predicted {row.predicted:6.1f} ({row.error:+.1f})")
+    assert row.within_goal != (row.run.where in published.KNOWN_MISSES), row.run.where
+
+
+def test_leave_one_out_errors_for_every_calibration_row():
+  """Each calibration row predicted by the fit to the others (bench planner prints them)."""
+  rows = calibration.leave_one_out()
+  assert [run.where for run, _, _ in rows] == [run.where for run in published.calibration_set()]
+  assert any(held_out != full for _, full, held_out in rows)     # refitted, not the full fit reused
+  for run, full, held_out in rows:
+    print(f"{run.where:40} {full:+.1f} held out {held_out:+.1f}")
+
+
+def test_step_time_scales_with_the_work():
+  """No fixed seconds per step: twice the batch on the same plan is twice the step, less only the
+  optimizer's pass and the pipeline's bubble, which do not grow with it."""
+  run = next(r for r in published.korthikanti() if r.where.startswith("Table 5, 22B") and "present" in r.where)
+  hw = cost_model.HARDWARE["a100-80g"]
+  one = cost_model.step_time(run.model, run.plan, hw, run.remat)
+  two = cost_model.step_time(run.model, dataclasses.replace(run.plan, batch=2 * run.plan.batch), hw, run.remat)
+  assert two.total - two.optimizer == pytest.approx(2 * (one.total - one.optimizer), rel=1e-6)
+  assert one.total < 1.5                     # the 22B step of 1.10 s is not swamped by overheads
+
+
+def test_gemm_model_is_the_measured_rate_at_the_measured_shape():
+  hw = hardware.HARDWARE["a100-80g"]
+  m, n = hardware.MEASURED_GEMM_SHAPE
+  seconds = hardware.gemm_seconds(m, n, 5120, hw, 1.0)
+  assert 2 * m * n * 5120 / seconds / 1e12 == pytest.approx(271.2, rel=1e-6)
+  assert hardware.wave_efficiency(2048, 4608, 108) == pytest.approx(288 / 324)   # 288 tiles in 3 waves
 
 
 def test_search_returns_even_plans_that_fit(paper_setting):

@@ -1,0 +1,259 @@
+"""Published training runs the cost model is checked against, each with its source.
+
+A `Run` is a published A100 training run with enough detail to predict it: the model, the
+GPUs, the parallel layout, the batch, the runtime, and the published MFU (percent) or
+per-GPU TFLOP/s (the source's own FLOP count). `predict` runs the cost model on it and
+converts the predicted step time to the same metric by the source's own formula.
+
+  calibration_set() MegaScale's Table 3 (and Table 2's 256-GPU MegaScale row, the same plan
+                    as Table 3's last): what calibration.fit fits cost_model.Calibration to.
+  validation_set()  every other row: MegaScale's Table 2, Korthikanti et al. 2022 (Table 5,
+                    section 6.3), Narayanan et al. 2021 (Tables 1 and 2). Never fitted to.
+
+What a source does not state is assumed and said in the row (`assumed`): MegaScale's
+microbatch size; Narayanan et al.'s microbatch size and chunks per stage for Table 1 (the
+interleaved schedule is stated); Korthikanti et al.'s chunks for 1T (3 are stated for 175B
+and 530B) and tp x pp of Narayanan et al.'s Table 2 (model-parallel size 96: 8 x 12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megajax import flops
+from megajax.config import CONFIGS_DIR, default_config, load_config
+from megajax.model import ModelConfig
+from megajax.parallel.planner import cost_model
+from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Calibration, Plan
+from megajax.parallel.planner.plans import Candidate, evaluate
+
+SOURCES = {
+    "MegaScale": "Jiang et al. 2024, MegaScale: Scaling Large Language Model Training to More Than 10,000 "
+                 "GPUs (NSDI '24), Tables 2 and 3, section 6.1",
+    "Korthikanti": "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models "
+                   "(MLSys '23, arXiv 2205.05198), Tables 3 and 5, section 6.3",
+    "Narayanan": "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using "
+                 "Megatron-LM (SC '21, arXiv 2104.04473), Tables 1 and 2",
+}
+PEAK_TFLOPS = 312.0                  # A100 bf16 / fp16 dense: every source's MFU denominator
+MFU_GOAL_POINTS, TFLOPS_GOAL_PERCENT = 3.0, 6.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  source: str            # a SOURCES key
+  where: str             # table / section and row
+  model: ModelConfig
+  plan: Plan
+  remat: str             # none / dots (Megatron-LM's selective recomputation) / full
+  metric: str            # "mfu" (percent) or "tflops" (per GPU, hardware FLOPs with recomputation)
+  published: float
+  assumed: str = ""      # what the source does not state
+  calibration: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  run: Run
+  predicted: float       # in the run's metric
+  candidate: Candidate
+
+  @property
+  def error(self) -> float:
+    """MFU points, or percent of the published TFLOP/s."""
+    if self.run.metric == "mfu":
+      return self.predicted - self.run.published
+    return 100 * (self.predicted / self.run.published - 1)
+
+  @property
+  def within_goal(self) -> bool:
+    return abs(self.error) <= (MFU_GOAL_POINTS if self.run.metric == "mfu" else TFLOPS_GOAL_PERCENT)
+
+
+def megascale_model() -> ModelConfig:
+  """MegaScale's 175B (configs/gpt_175b.py, with its sliding window)."""
+  return ModelConfig.from_config(load_config(os.path.join(CONFIGS_DIR, "gpt_175b.py")).model)
+
+
+def megatron_gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
+  """A Megatron-LM GPT of the papers: serial block, LayerNorm, GeLU 4h, biases, tied embeddings,
+  vocabulary 51,200, sequence 2048, full causal attention, bf16 compute."""
+  config = default_config()
+  m = config.model
+  m.num_layers, m.hidden_dim, m.num_heads, m.vocab_size, m.seq_len = layers, hidden, heads, 51200, 2048
+  m.block, m.window, m.tie_embeddings, m.compute_dtype = "serial", 0, True, "bfloat16"
+  return ModelConfig.from_config(m)
+
+
+def model_flops(run: Run) -> float:
+  """FLOPs per step by the source's count. MegaScale and Korthikanti et al. (eq. 7): model
+  FLOPs, megajax.flops' count (72 B s L h^2 (1 + s/6h + V/12hL) for their GPT). Narayanan et al.
+  (eq. 3): 96 B s L h^2 (1 + s/6h + V/16Lh), the recomputed forward included."""
+  c = cost_model.apply_switches(run.model, run.plan.opts)
+  tokens = run.plan.batch * c.seq_len
+  if run.metric == "mfu":
+    return flops.training_flops_per_token(c) * tokens
+  h, layers = c.hidden_dim, c.num_layers
+  return 96 * tokens * layers * h * h * (1 + c.seq_len / (6 * h) + c.vocab_size / (16 * layers * h))
+
+
+def predict(run: Run, calibration: Calibration = CALIBRATION) -> Prediction:
+  candidate = evaluate(run.model, run.plan, cost_model.HARDWARE["a100-80g"], run.remat, calibration)
+  rate = model_flops(run) / (candidate.time.total * run.plan.gpus)
+  predicted = 100 * rate / (PEAK_TFLOPS * 1e12) if run.metric == "mfu" else rate / 1e12
+  return Prediction(run, predicted, candidate)
+
+
+# --- MegaScale: 175B (Table 1: tp 8, pp 8; section 6.1: 6 virtual stages), sequence 2048 -----------
+
+_MEGASCALE_ASSUMED = "microbatch 1 (not stated)"
+_SWITCHES = ("ptb", "swa", "tp_overlap", "pp_overlap", "dp_overlap", "fused_ops", "misc", "lamb")
+_TABLE3 = (("baseline", 47.7), ("+PTB", 52.3), ("+SWA", 53.3), ("+TP overlap", 55.5), ("+PP overlap", 58.0),
+           ("+DP overlap", 59.5), ("+efficient operators", 61.2), ("+misc", 62.3), ("+LAMB (batch x3)", 65.3))
+# Table 2 (strong scaling): (GPUs, batch, Megatron-LM MFU, MegaScale MFU).
+_TABLE2 = ((256, 768, 53.0, 65.3), (512, 768, 49.9, 63.5), (768, 768, 46.7, 61.3), (1024, 768, 44.7, 59.0),
+           (3072, 6144, 48.7, 59.1), (6144, 6144, 47.8, 57.3), (8192, 6144, 43.3, 54.9), (12288, 6144, 41.2, 55.2))
+
+
+def _megascale_run(where: str, gpus: int, batch: int, opts, mfu: float, calibration: bool) -> Run:
+  plan = Plan(gpus // 64, 8, 8, 6, 1, batch, opts, "paper")
+  return Run("MegaScale", where, megascale_model(), plan, "dots", "mfu", mfu, _MEGASCALE_ASSUMED, calibration)
+
+
+def megascale_table3() -> list[Run]:
+  """175B on 256 GPUs, batch 256 (768 with LAMB), each switch on in turn: the calibration set."""
+  return [_megascale_run(f"Table 3, {name}", 256, 768 if i == 8 else 256,
+                         dataclasses.replace(MEGATRON, **{k: True for k in _SWITCHES[:i]}), mfu, True)
+          for i, (name, mfu) in enumerate(_TABLE3)]
+
+
+def megascale_table2() -> list[Run]:
+  runs = []
+  for gpus, batch, megatron, megascale in _TABLE2:
+    runs.append(_megascale_run(f"Table 2, {gpus} GPUs, Megatron-LM", gpus, batch, MEGATRON, megatron, False))
+    # The 256-GPU MegaScale row is Table 3's last (batch 768, every switch): in the calibration set.
+    runs.append(_megascale_run(f"Table 2, {gpus} GPUs, MegaScale", gpus, batch, MEGASCALE, megascale, gpus == 256))
+  return runs
+
+
+# --- Korthikanti et al. 2022: Megatron-LM with sequence parallelism and selective recomputation ---
+# Table 3 (tp, pp, GPUs, batch, microbatch), Table 5 (iteration seconds, MFU), section 6.3 (530B
+# on 2240 GPUs: 54.2% present work, 42.1% full recomputation; no overlap of the gradient
+# all-reduce). "Full recompute" is their baseline: tensor parallelism without sequence
+# parallelism, every layer recomputed. Its MFU follows from the published iteration time by
+# their eq. 7 (the MFU column gives only the present work's).
+
+_KORTHIKANTI = (  # name, layers, hidden, heads, pp, GPUs, batch, microbatch, v, (present MFU, full-recompute s)
+    ("22B", 48, 6144, 64, 1, 8, 4, 4, 1, 41.5, 1.42),
+    ("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 51.4, 18.13),
+    ("530B", 105, 20480, 128, 35, 280, 280, 1, 3, 56.0, 49.05),
+    ("1T", 128, 25600, 160, 64, 512, 512, 1, 2, 56.3, 94.42),
+)
+
+
+def _korthikanti_plan(dp, pp, gpus_batch, micro, v, full: bool) -> Plan:
+  return Plan(dp, pp, 8, v, micro, gpus_batch, MEGATRON, "paper", sequence_parallel=not full,
+              distributed_optimizer=False)
+
+
+def korthikanti() -> list[Run]:
+  runs = []
+  for name, layers, hidden, heads, pp, gpus, batch, micro, v, mfu, full_seconds in _KORTHIKANTI:
+    model = megatron_gpt(layers, hidden, heads)
+    assumed = "2 chunks per stage (interleaving not stated for 1T)" if name == "1T" else ""
+    present = Run("Korthikanti", f"Table 5, {name} on {gpus} GPUs, present work", model,
+                  _korthikanti_plan(1, pp, batch, micro, v, False), "dots", "mfu", mfu, assumed)
+    full = dataclasses.replace(present, where=f"Table 5, {name} on {gpus} GPUs, full recompute "
+                               f"({full_seconds} s)", plan=_korthikanti_plan(1, pp, batch, micro, v, True),
+                               remat="full")
+    runs += [present, dataclasses.replace(full, published=round(_mfu_of_seconds(full, full_seconds), 1))]
+  model = megatron_gpt(105, 20480, 128)
+  for full, mfu in ((False, 54.2), (True, 42.1)):
+    runs.append(Run("Korthikanti", f"section 6.3, 530B on 2240 GPUs (dp 8), {'full recompute' if full else 'present work'}",
+                    model, _korthikanti_plan(8, 35, 2240, 1, 3, full), "full" if full else "dots", "mfu", mfu))
+  return runs
+
+
+def _mfu_of_seconds(run: Run, seconds: float) -> float:
+  return 100 * model_flops(run) / (seconds * run.plan.gpus * PEAK_TFLOPS * 1e12)
+
+
+# --- Narayanan et al. 2021: Megatron-LM, tensor parallelism without sequence parallelism, full
+# recomputation, the interleaved schedule (section 5.1), a gradient all-reduce; TFLOP/s per GPU by
+# their eq. 3 (the recomputed forward counted), end to end (data loading, optimizer, logging).
+
+_NARAYANAN_TABLE1 = (  # billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+# Table 2, PTD-P rows: (billions, layers, hidden, heads, tp, pp, batch, GPUs, TFLOP/s per GPU), microbatch 1.
+_NARAYANAN_TABLE2 = (
+    (174.6, 96, 12288, 96, 8, 12, 1536, 384, 153), (174.6, 96, 12288, 96, 8, 12, 1536, 768, 149),
+    (174.6, 96, 12288, 96, 8, 12, 1536, 1536, 141), (529.6, 105, 20480, 128, 8, 35, 2240, 560, 171),
+    (529.6, 105, 20480, 128, 8, 35, 2240, 1120, 167), (529.6, 105, 20480, 128, 8, 35, 2240, 2240, 159),
+)
+
+
+def _chunks(layers_per_stage: int) -> int:
+  """The assumed chunks per stage: the smallest split of a stage's layers (1 without pp)."""
+  return next((v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0), 1)
+
+
+def _narayanan_run(where, layers, hidden, heads, tp, pp, gpus, batch, tflops, assumed) -> Run:
+  v = _chunks(layers // pp) if pp > 1 else 1
+  plan = Plan(gpus // (tp * pp), pp, tp, v, 1, batch, MEGATRON, "paper", sequence_parallel=False,
+              distributed_optimizer=False, tp_backward_overlap=False, allreduce_grad_bytes=2)
+  assumed = "; ".join(part for part in (assumed, f"{v} chunks per stage (not stated)" if pp > 1 else "",
+                                        "fp16 gradients all-reduced (mixed precision stated)") if part)
+  return Run("Narayanan", where, megatron_gpt(layers, hidden, heads), plan, "full", "tflops", tflops, assumed)
+
+
+def narayanan() -> list[Run]:
+  runs = [_narayanan_run(f"Table 1, {b}B on {gpus} GPUs", layers, hidden, heads, tp, pp, gpus, batch, tflops,
+                         "microbatch 1 (not stated)")
+          for b, heads, hidden, layers, tp, pp, gpus, batch, tflops in _NARAYANAN_TABLE1]
+  runs += [_narayanan_run(f"Table 2, PTD-P {b}B on {gpus} GPUs", layers, hidden, heads, tp, pp, gpus, batch, tflops,
+                          "tp 8 x pp 12 (model-parallel size 96)" if pp == 12 else "")
+           for b, layers, hidden, heads, tp, pp, batch, gpus, tflops in _NARAYANAN_TABLE2]
+  return runs
+
+
+def all_runs() -> list[Run]:
+  return megascale_table3() + megascale_table2() + korthikanti() + narayanan()
+
+
+def calibration_set() -> list[Run]:
+  return [run for run in all_runs() if run.calibration]
+
+
+def validation_set() -> list[Run]:
+  return [run for run in all_runs() if not run.calibration]
+
+
+# Validation rows outside the goal (+-3 MFU points, +-6% TFLOP/s) with CALIBRATION, and why as far
+# as known; tests/unit/test_planner.py holds this list to the table both ways.
+_SCALE = ("the published MFU falls with scale faster than the model's bubble and dp traffic do: the "
+          "paper's step times exceed ideal strong scaling from 256 GPUs by 0.5-0.9 s at 512-1024 GPUs "
+          "(network congestion and stragglers, its sections 3.6 and 4); no micro-benchmark gives that "
+          "loss, and the former fit of it (scale_loss) was fitted to these very rows")
+KNOWN_MISSES = {
+    "Table 2, 1024 GPUs, Megatron-LM": _SCALE,
+    "Table 2, 1024 GPUs, MegaScale": _SCALE,
+    "Table 2, 3072 GPUs, MegaScale": _SCALE,
+    "Table 2, 6144 GPUs, MegaScale": _SCALE,
+    "Table 2, 8192 GPUs, Megatron-LM": _SCALE,
+    "Table 2, 8192 GPUs, MegaScale": _SCALE,
+    "Table 2, 12288 GPUs, Megatron-LM": _SCALE,
+    "Table 2, 12288 GPUs, MegaScale": _SCALE,
+    "Table 5, 22B on 8 GPUs, present work": (
+        "0.96 s predicted, 1.10 s published: the model's layer is 18.6 ms against the same paper's "
+        "measured 20.3 ms (Table 4, -8%), and 0.13 s outside the layers (embedding, head, loss, "
+        "optimizer) is not accounted for; the full-recompute row of the same run is within 2.2 points"),
+    "Table 1, 7.5B on 128 GPUs": "not explained: its neighbours (3.6B, 18.4B) are within 6%",
+    "Table 1, 76.1B on 1024 GPUs": "its chunks per stage (15 layers: 3 assumed) and microbatch are not stated",
+    "Table 2, PTD-P 529.6B on 2240 GPUs": "just outside (the 560- and 1120-GPU rows of the same model are within)",
+}
