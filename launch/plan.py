@@ -16,8 +16,12 @@ and when that is compute, the largest loss beside it).
                  residuals do not fit but whose rerun does is shown with "; pipeline_recompute":
                  each backward reruns its chunk's forward, parallel.pipeline_recompute=True) or
                  paper (Megatron-LM / MegaScale's runtime, the one the paper measured).
-The best plan's config overrides (megajax-train --config.<field>=...) are printed before its
-step-time breakdown.
+  --explain      dp,pp,tp,v,b: one plan's full accounting instead of the search (memory by part,
+                 one layer's operation times, the step by part, model FLOPs per GPU).
+Each listed plan is followed by its memory and time by part and by what makes #1 faster than
+it; a legend and the modelled runtime (and how the other differs) come first. The best plan's
+config overrides (megajax-train --config.<field>=...) are printed before its step-time
+breakdown.
 The model is megajax.parallel.planner.cost_model (its calibration: `python -m megajax.launch.bench
 planner`). Mistakes in flags or config are one line on stderr and exit code 2.
 """
@@ -28,7 +32,7 @@ from absl import flags
 from megajax.launch import cli
 from megajax.launch.cli import define_config_flag, fail, flags_parser, validated_config
 from megajax.model import ModelConfig
-from megajax.parallel.planner import cost_model, plans
+from megajax.parallel.planner import cost_model, plans, report
 
 PROGRAM = "megajax-plan"
 RUNTIMES = ("megajax", "paper")
@@ -40,6 +44,7 @@ _TOP = flags.DEFINE_integer("top", 5, "Plans to print.")
 _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaScale switch off.")
 _RUNTIME = flags.DEFINE_enum("runtime", "megajax", RUNTIMES, "Whose runtime executes the plan.")
 _REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
+_EXPLAIN = flags.DEFINE_string("explain", "", "dp,pp,tp,v,b: print this plan's full accounting instead of the search.")
 flags.mark_flags_as_required(["config", "gpus"])
 flags.adopt_module_key_flags(cli)     # --config in this command's --help
 
@@ -66,6 +71,9 @@ def main(argv):
   opts = cost_model.MEGATRON if _MEGATRON.value else cost_model.MEGASCALE
   c = ModelConfig.from_config(config.model)
   remat = _REMAT.value or c.remat
+  if _EXPLAIN.value:
+    _explain(c, gpus, batch, hw, opts, remat)
+    return
   best, even = plans.search(c, gpus, batch, hw, opts, _RUNTIME.value, remat)
   if not even:
     _flag_error("batch", batch, f"no (dp, pp, tp, v, microbatch) divides {gpus} GPUs and this batch evenly "
@@ -86,13 +94,34 @@ def main(argv):
   print(f"{PROGRAM}: {params / 1e9:.1f}B parameters ({c.num_layers} layers, hidden {c.hidden_dim}, "
         f"{c.num_heads} heads, seq {c.seq_len}, vocab {c.vocab_size}) on {gpus} {hw.name}, batch {batch}")
   print(f"switches: {switches}; runtime {_RUNTIME.value}; remat {remat}")
+  other = next(r for r in RUNTIMES if r != _RUNTIME.value)
+  print(f"runtime {_RUNTIME.value}: {report.RUNTIMES[_RUNTIME.value]} (--runtime={other}: {report.RUNTIMES[other]})")
+  print(report.LEGEND)
   print(f"{even} plans divide evenly, {len(best)} fit in {hw.memory_gb - cost_model.MEMORY_RESERVED_GB:g} GB")
   print(plans.PLAN_HEADER)
   for i, candidate in enumerate(best[:top], 1):
     print(plans.plan_line(i, candidate))
+    print(f"{'':3}{report.memory_line(candidate)}; {report.time_line(candidate)}")
+    if i > 1:
+      print(f"{'':3}{report.why_first(best[0], candidate)}")
   remat_flag = f" --config.model.remat={remat}" if remat != c.remat else ""
   print(f"overrides: {plans.config_overrides(best[0].plan)}{remat_flag}")
   print(f"best: {plans.describe(best[0].plan)}: {plans.breakdown(best[0].time)}")
+
+
+def _explain(c, gpus, batch, hw, opts, remat) -> None:
+  try:
+    plan = report.parse_explain(_EXPLAIN.value, batch, opts, _RUNTIME.value)
+  except ValueError as error:
+    _flag_error("explain", _EXPLAIN.value, str(error), "see megajax-plan --help")
+  if plan.gpus != gpus:
+    _flag_error("explain", _EXPLAIN.value, f"dp x pp x tp = {plan.gpus}, not --gpus={gpus}",
+                "make the product the GPU count")
+  if plan not in set(plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value, max_micro_batch=batch)):
+    _flag_error("explain", _EXPLAIN.value, "not an even plan (tp within a node dividing heads, MLP, vocabulary and "
+                "sequence; pp x v dividing the layers; with v > 1, m a multiple of pp)",
+                "pick one megajax-plan lists")
+  print("\n".join(report.explain(c, plan, hw, remat)))
 
 
 parse_flags = flags_parser(PROGRAM)

@@ -273,7 +273,7 @@ def _pipelined(pieces: int, piece_seconds: float, window: float) -> float:
   return piece_seconds + (pieces - 1) * max(0.0, piece_seconds - window) if pieces else 0.0
 
 
-def _mean_layer(c: ModelConfig, plan: Plan, fused_attention: bool, sequence_parallel: bool, hw: Hardware,
+def mean_layer(c: ModelConfig, plan: Plan, fused_attention: bool, sequence_parallel: bool, hw: Hardware,
                 k: Calibration) -> operations.LayerTimes:
   """The layer times averaged over the model's window pattern (local and global layers)."""
   windows = [c.layer_window(i) for i in range(c.num_layers)]
@@ -321,7 +321,7 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   # megajax's pipeline with pipeline_recompute reruns its chunk, remat full every layer, remat
   # dots (Megatron-LM's selective recomputation) the unfused attention core; FlashAttention's
   # backward reruns its own forward inside (operations.attention_times counts it there).
-  layer = _mean_layer(c, plan, o.fused_ops, sequence_parallel, hw, k)
+  layer = mean_layer(c, plan, o.fused_ops, sequence_parallel, hw, k)
   head = operations.head_times(c, plan.micro_batch, n, hw, k)
   again = (1 if megajax and p > 1 and plan.pipeline_recompute else 0) + (1 if remat == "full" else 0)
   attention_again = again + (1 if remat == "dots" and not o.fused_ops and again == 0 else 0)

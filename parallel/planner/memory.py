@@ -152,6 +152,19 @@ def _megatron_layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention
   return kept
 
 
+def megatron_microbatches_in_flight(plan: Plan) -> float:
+  """Microbatches whose activations the first stage of Megatron-LM's pipeline holds at once, in
+  units of its own layers' (Korthikanti et al. 2022, section 4.2.3 and appendix B): 1F1B, p
+  (its warm-up forwards and the one in flight); interleaved over v chunks, p (1 + (p-1) / (p v))
+  (2(p-1) + (v-1) p + 1 microbatch-chunks of 1/v of the layers); GPipe, all m."""
+  p, v = plan.pp, plan.virtual_stages
+  if p == 1:
+    return 1
+  if plan.schedule == "gpipe":
+    return plan.microbatches
+  return p if v == 1 else p * (1 + (p - 1) / (p * v))
+
+
 def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None) -> Memory:
   """Per-device bytes of `plan` on the model `c` (the switches applied here). `remat` defaults to
   the model's policy; `fused_attention` (a kernel that never holds the [s, s] scores: Pallas,
@@ -165,10 +178,11 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   layers = c.num_layers // plan.pp
   fused_attention = plan.opts.fused_ops if fused_attention is None else fused_attention
   if plan.executor == "paper":
-    # bf16 weights, fp32 gradients, and the distributed optimizer's fp32 master + 2 moments.
-    state = counts.stage * (2 + 4) + counts.shard * 12
+    # bf16 weights, fp32 gradients, and fp32 master + 2 moments: sharded over dp by the
+    # distributed optimizer, else on every dp rank.
+    state = counts.stage * (2 + 4) + (counts.shard if plan.distributed_optimizer else counts.stage) * 12
     per_layer = _megatron_layer_kept(c, plan, remat, fused_attention)
-    in_flight = plan.pp * (1 + (plan.pp - 1) / (plan.pp * plan.virtual_stages)) if plan.pp > 1 else 1
+    in_flight = megatron_microbatches_in_flight(plan)
     kept = per_layer * layers * in_flight
     if remat == "full":   # one layer's activations are rebuilt during its backward
       kept += _megatron_layer_kept(c, plan, "none", fused_attention)

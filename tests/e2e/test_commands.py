@@ -151,14 +151,32 @@ def test_plan_cli_prints_the_best_plan_with_its_bottleneck():
   print(result.stdout)
   assert result.returncode == 0, result.stderr
   lines = result.stdout.splitlines()
-  header = next(i for i, line in enumerate(lines) if "bottleneck" in line)
+  header = next(i for i, line in enumerate(lines) if line.startswith(" #") and "bottleneck" in line)
   assert lines[header + 1].split()[0] == "1" and "compute" in lines[header + 1]
+  assert lines[header + 2].strip().startswith("memory state ") and "; time compute " in lines[header + 2]
+  assert any(line.strip().startswith("#1 over this: ") for line in lines)        # why #1 beats #2 and #3
+  assert any(line.startswith("legend: ") for line in lines)
+  assert any(line.startswith("runtime megajax: ") and "--runtime=paper" in line for line in lines)
   assert lines[-1].startswith("best: dp=")
+
+
+def test_plan_cli_explains_one_plan():
+  """--explain=dp,pp,tp,v,b: the paper's own 175B plan at 256 GPUs, accounted part by part."""
+  result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", "--gpus=256", "--batch=768",
+                       "--megatron", "--runtime=paper", "--explain=4,8,8,6,1"], timeout=120)
+  print(result.stdout)
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "plan dp=4 pp=8 tp=8 v=6 b=1 m=192 on 256 a100-80g" in out and ": fits" in out
+  for part in ("state", "activations", "gemm", "tp-comm", "bubble", "dp-comm", "TFLOP/s per GPU"):
+    assert part in out, part
 
 
 @pytest.mark.parametrize("flags, flag", [(["--gpus=12288", "--hardware=a200"], "--hardware=a200"),
                                          (["--gpus=12290"], "--gpus=12290"),
-                                         (["--gpus=8", "--batch=64"], "--gpus=8")])
+                                         (["--gpus=8", "--batch=64"], "--gpus=8"),
+                                         (["--gpus=256", "--batch=768", "--explain=8,4,8"], "--explain=8,4,8"),
+                                         (["--gpus=256", "--batch=768", "--explain=8,4,8,5,1"], "--explain=8,4,8,5,1")])
 def test_plan_cli_bad_input_is_one_line_naming_the_flag(flags, flag):
   result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", *flags], timeout=120)
   assert result.returncode == 2

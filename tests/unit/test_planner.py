@@ -13,7 +13,7 @@ from megajax.config import BLOCK_CHOICES, SCHEDULE_CHOICES, TRAVERSAL_CHOICES
 
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.parallel.pipeline import Tables, simulate
-from megajax.parallel.planner import calibration, cost_model, hardware, memory, plans, published
+from megajax.parallel.planner import calibration, cost_model, hardware, memory, plans, published, report
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
 from megajax.parallel.planner.fits import plan_of
 
@@ -245,3 +245,30 @@ def test_megajax_dp_overlap_is_what_its_step_does(paper_setting):
       assert overlapped.dp_comm == serial.dp_comm
     else:
       assert paper_runtime.dp_comm < overlapped.dp_comm < serial.dp_comm, (overlapped, serial)
+
+
+def test_megatron_activations_in_flight_follow_the_published_counts():
+  """Korthikanti et al.: the first stage of 1F1B holds p microbatches (not 2p - 1), interleaved
+  p (1 + (p-1)/(p v)), GPipe all m; their 1T run (tp 8, pp 64, 512 A100 80 GB) fits."""
+  plan = Plan(1, 64, 8, 1, 1, 512, MEGATRON, "paper")
+  assert memory.megatron_microbatches_in_flight(plan) == 64
+  assert memory.megatron_microbatches_in_flight(dataclasses.replace(plan, virtual_stages=2)) == 64 * (1 + 63 / 128)
+  assert memory.megatron_microbatches_in_flight(dataclasses.replace(plan, schedule="gpipe")) == 512
+  one_t = next(r for r in published.korthikanti() if r.where.startswith("Table 5, 1T") and "present" in r.where)
+  x = plans.evaluate(one_t.model, one_t.plan, cost_model.HARDWARE["a100-80g"], one_t.remat)
+  print(f"1T on 512 A100s: {x.memory.total / 1e9:.1f} GB")
+  assert x.fits
+
+
+def test_plans_read_with_their_parts_and_why_the_first_wins(paper_setting):
+  c, hw = paper_setting
+  best, _ = plans.search(c, 256, 768, hw, MEGASCALE, "paper", "dots")
+  for x in best[:3]:
+    assert sum(report.memory_parts(x).values()) == pytest.approx(x.memory.total)
+    assert sum(x.time.parts().values()) == pytest.approx(x.time.total)
+  line = report.why_first(best[0], best[1])
+  assert line.startswith("#1 over this: ") and "step -" in line
+  lines = report.explain(c, best[0].plan, hw, "dots")
+  assert lines[0].startswith(f"plan {plans.describe(best[0].plan)}") and any("TFLOP/s per GPU" in x for x in lines)
+  with pytest.raises(ValueError, match="five positive integers"):
+    report.parse_explain("8,4,8", 768, MEGASCALE, "paper")

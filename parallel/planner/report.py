@@ -1,0 +1,121 @@
+"""Plans a user can read: the legend, each plan's memory and time by part, why the best beats
+the next ones, which runtime is modelled, and one plan's full accounting (`explain`).
+
+megajax-plan prints these (launch/plan.py); they read a Candidate (plans.evaluate) and the
+cost model's parts, nothing else.
+"""
+
+from __future__ import annotations
+
+from megajax import flops
+from megajax.model import ModelConfig
+from megajax.parallel.planner import cost_model, memory, operations
+from megajax.parallel.planner.cost_model import GB, CALIBRATION, Calibration, Hardware, Plan
+from megajax.parallel.planner.plans import Candidate, describe, evaluate
+
+LEGEND = """legend: dp, pp, tp   data-, pipeline- and tensor-parallel degrees (dp x pp x tp = GPUs)
+        v            model chunks per pipeline stage (interleaved 1F1B; 1: plain 1F1B)
+        b            sequences per microbatch per dp rank;  m  microbatches per step per dp rank
+        memory GB    per GPU of the busiest stage;  step s  one training step;  MFU  model FLOPs
+                     (megajax.flops, recomputation not counted) / (step x GPUs x bf16 peak)
+        bubble       idle share of a stage, (pp - 1) / (v m);  bottleneck  the step's largest part
+                     (when that is compute, the largest loss beside it)"""
+
+RUNTIMES = {
+    "megajax": ("this repository's step: sequence-parallel tp with collective matmul, ZeRO gathers "
+                "in bf16 (embedding and norms fp32), one fp32 gradient reduce-scatter per step, dp "
+                "overlap as built (the first chunk's and the shared leaves' collectives exposed), the "
+                "embedding and head on every stage, pipeline backward from kept residuals"),
+    "paper": ("Megatron-LM with MegaScale's switches, the runtime the MegaScale paper measured: the "
+              "first chunk's gather prefetched, the embedding and head on the first and last stages "
+              "only, activations as Korthikanti et al. count them; megajax plans may not fit where "
+              "these do, and expose more dp communication"),
+}
+
+
+def memory_parts(x: Candidate) -> dict:
+  m = x.memory
+  return {"state": m.state, "params+grads": m.params_temp, "activations": m.activations,
+          "temporaries": m.logits + m.pipeline}
+
+
+def memory_line(x: Candidate) -> str:
+  return "memory " + ", ".join(f"{name} {nbytes / GB:.1f}" for name, nbytes in memory_parts(x).items()) + " GB"
+
+
+def time_line(x: Candidate) -> str:
+  return "time " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in x.time.parts().items() if seconds >= 5e-3) + " s"
+
+
+def _fields(plan: Plan) -> dict:
+  return {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "v": plan.virtual_stages, "b": plan.micro_batch,
+          "m": plan.microbatches, "pipeline_recompute": plan.pipeline_recompute}
+
+
+def why_first(best: Candidate, other: Candidate) -> str:
+  """What differs between two plans and which parts of the step make the first faster."""
+  a, b = _fields(best.plan), _fields(other.plan)
+  differs = ", ".join(f"{k} {b[k]} -> {a[k]}" for k in a if a[k] != b[k])
+  deltas = {k: other.time.parts()[k] - best.time.parts()[k] for k in best.time.parts()}
+  gains = sorted(((d, k) for k, d in deltas.items() if abs(d) >= 5e-3), reverse=True)[:3]
+  shown = ", ".join(f"{k} {-d:+.2f} s" for d, k in gains)
+  return (f"#1 over this: {differs}: {shown} (step {best.time.total - other.time.total:+.2f} s, memory "
+          f"{(best.memory.total - other.memory.total) / GB:+.1f} GB)")
+
+
+def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: Calibration = CALIBRATION) -> list[str]:
+  """One plan's full accounting, line by line."""
+  x = evaluate(c, plan, hw, remat, calibration)
+  run = cost_model.apply_switches(c, plan.opts)
+  t, usable = x.time, cost_model.usable_bytes(hw)
+  lines = [f"plan {describe(plan)} on {plan.gpus} {hw.name}, batch {plan.batch}, runtime {plan.executor}, "
+           f"remat {remat}",
+           f"runtime: {RUNTIMES[plan.executor]}",
+           f"memory per GPU (busiest stage): {x.memory.total / GB:.1f} GB of {usable / GB:.0f} usable: "
+           f"{'fits' if x.fits else 'DOES NOT FIT'}"]
+  notes = {"state": "fp32 master + 2 moments (+ bf16 weights and fp32 gradients for paper)",
+           "params+grads": "gathered compute parameters, gradient buffers and sums",
+           "activations": ("what the backward needs: " + (
+               f"{memory.residual_slots(plan)} residual slots of a microbatch-chunk and one chunk's working set"
+               if plan.executor == "megajax" else
+               f"{memory.megatron_microbatches_in_flight(plan):.1f} microbatches of the stage's layers "
+               "in flight (Korthikanti et al.)")),
+           "temporaries": "fp32 logits of a microbatch, pipeline message buffers"}
+  for name, nbytes in memory_parts(x).items():
+    lines.append(f"  {name:14} {nbytes / GB:8.2f} GB   {notes[name]}")
+  k = calibration
+  megajax = plan.executor == "megajax"
+  layer = cost_model.mean_layer(run, plan, plan.opts.fused_ops, megajax or plan.sequence_parallel, hw, k)
+  head = operations.head_times(run, plan.micro_batch, plan.tp, hw, k)
+  layers = run.num_layers // plan.pp
+  lines.append(f"step {t.total:.3f} s, MFU {100 * t.mfu:.1f}%: {plan.microbatches} microbatches x "
+               f"{layers} layers (+ the head) on the last stage")
+  ms = lambda s: f"{1e3 * s:.2f} ms"
+  lines.append(f"  one layer, one microbatch: GEMMs forward {ms(layer.gemm_forward)}, dX {ms(layer.gemm_input_grad)}, "
+               f"dW {ms(layer.gemm_weight_grad)}; attention {ms(layer.attention_forward)} + "
+               f"{ms(layer.attention_backward)}; memory-bound {ms(layer.elementwise_forward)} + "
+               f"{ms(layer.elementwise_backward)}; head {ms(head[0])} + {ms(head[1])}")
+  parts = [("gemm", t.gemm, "matmuls, recomputation included"), ("attention", t.attention, "attention core"),
+           ("memory-bound", t.memory_bound, "norms, activations, dropout, residuals"),
+           ("tp-comm", t.tp_comm, "exposed tensor-parallel collectives"),
+           ("pp-comm", t.pp_comm, "exposed pipeline transfers"),
+           ("bubble", t.bubble, f"(pp - 1) / v = {(plan.pp - 1) / plan.virtual_stages:.2f} microbatches' time"),
+           ("dp-comm", t.dp_comm, "exposed gradient and parameter collectives"),
+           ("optimizer", t.optimizer, "the update's pass over its shard"),
+           ("data", t.data, "exposed data loading"), ("(recompute)", t.recompute, "of the above, forwards rerun")]
+  lines += [f"  {name:14} {seconds:8.3f} s   {note}" for name, seconds, note in parts]
+  model_flops = flops.training_flops_per_token(run) * plan.batch * run.seq_len
+  lines.append(f"model FLOPs per step {model_flops:.4g}: {model_flops / (t.total * plan.gpus) / 1e12:.1f} TFLOP/s "
+               f"per GPU of {hw.peak_tflops:g}")
+  return lines
+
+
+def parse_explain(value: str, batch: int, opts, executor: str) -> Plan:
+  """`dp,pp,tp,v,b` -> a Plan (ValueError naming what is wrong)."""
+  parts = value.split(",")
+  if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    raise ValueError("want five positive integers dp,pp,tp,v,b, e.g. --explain=128,12,8,8,2")
+  dp, pp, tp, v, b = map(int, parts)
+  if batch % (dp * b):
+    raise ValueError(f"dp x b = {dp * b} does not divide the batch {batch}")
+  return Plan(dp, pp, tp, v, b, batch, opts, executor)
