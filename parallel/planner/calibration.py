@@ -97,9 +97,27 @@ MEMORY_CASES = (
 )
 
 
+# The pipeline (default executor: its residual slots hold what the remat policy saves, so the
+# policy shows in XLA's bytes even on CPU) under each remat policy, fp32 and bf16 compute.
+_PIPELINE = {"parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2, "model.num_layers": 4,
+             "model.hidden_dim": 128, "model.num_heads": 8, "model.vocab_size": 512, "train.batch_size": 8,
+             "train.microbatches": 8}
+MEMORY_CASES += tuple(
+    MemoryCase(f"pp=2 tp=2 v=2, {dtype}, remat {remat}", {**_PIPELINE, "model.compute_dtype": dtype,
+                                                          "model.remat": remat})
+    for dtype, remat in (("float32", "dots"), ("float32", "full"), ("bfloat16", "none"), ("bfloat16", "dots"),
+                         ("bfloat16", "full")))
+# Cases outside MEMORY_TOLERANCE, and why as far as known (the integration test holds the list).
+MEMORY_KNOWN_MISSES = {
+    "pp=2 tp=2 v=2, bfloat16, remat full": "-10.4% (6.13 MB, XLA 6.85): not yet explained; the same case in "
+                                          "fp32 is within 8%, bf16 dots and none within 5%",
+}
+
+
 def memory_case_config(case: MemoryCase):
-  """fp32 compute (CPU numbers mean something), remat none (XLA on CPU ignores the policies:
-  its scheduler runs the recomputation early, measured equal to none), plain collectives."""
+  """fp32 compute and remat none unless the case says otherwise (with pp = 1 XLA on CPU runs a
+  policy's recomputation early, measured equal to none; the pipeline's residual slots hold what
+  the policy saves), plain collectives."""
   config = default_config()
   config.model.num_layers, config.model.hidden_dim, config.model.num_heads = 2, 64, 4
   config.model.seq_len, config.model.vocab_size, config.model.window = 64, 256, 0

