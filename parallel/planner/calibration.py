@@ -98,19 +98,19 @@ MEMORY_CASES = (
 
 
 # The pipeline (default executor: its residual slots hold what the remat policy saves, so the
-# policy shows in XLA's bytes even on CPU) under each remat policy, fp32 and bf16 compute.
+# policy shows in XLA's bytes even on CPU) in bf16 under each remat policy (measured too, not
+# kept in CI for its time: fp32 dots +3.9%, fp32 full -7.8%).
 _PIPELINE = {"parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2, "model.num_layers": 4,
              "model.hidden_dim": 128, "model.num_heads": 8, "model.vocab_size": 512, "train.batch_size": 8,
              "train.microbatches": 8}
 MEMORY_CASES += tuple(
     MemoryCase(f"pp=2 tp=2 v=2, {dtype}, remat {remat}", {**_PIPELINE, "model.compute_dtype": dtype,
                                                           "model.remat": remat})
-    for dtype, remat in (("float32", "dots"), ("float32", "full"), ("bfloat16", "none"), ("bfloat16", "dots"),
-                         ("bfloat16", "full")))
+    for dtype, remat in (("bfloat16", "none"), ("bfloat16", "dots"), ("bfloat16", "full")))
 # Cases outside MEMORY_TOLERANCE, and why as far as known (the integration test holds the list).
 MEMORY_KNOWN_MISSES = {
     "pp=2 tp=2 v=2, bfloat16, remat full": "-10.4% (6.13 MB, XLA 6.85): not yet explained; the same case in "
-                                          "fp32 is within 8%, bf16 dots and none within 5%",
+                                          "fp32 is within 8% (-7.8%), bf16 dots and none within 5%",
 }
 
 

@@ -17,9 +17,9 @@ def test_memory_matches_xla_memory_analysis(case):
 
 def test_memory_cases_cover_both_pipeline_executors_every_policy_and_bf16():
   """A pipeline case with the default executor (residual slots) and one with pipeline_recompute;
-  the pipeline under remat none, dots and full in fp32 and in bf16."""
+  the pipeline under remat none, dots and full in bf16 (and none in fp32)."""
   configs = [calibration.memory_case_config(case) for case in calibration.MEMORY_CASES]
   pipelines = [config for config in configs if config.parallel.pp > 1]
   assert {config.parallel.pipeline_recompute for config in pipelines} == {False, True}
   assert {(config.model.compute_dtype, config.model.remat) for config in pipelines} >= {
-      (dtype, remat) for dtype in ("float32", "bfloat16") for remat in ("none", "dots", "full")}
+      ("float32", "none")} | {("bfloat16", remat) for remat in ("none", "dots", "full")}
