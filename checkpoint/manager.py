@@ -374,6 +374,12 @@ class TrainingCheckpointer:
     finally:
       self._manager.close()
 
+  def __enter__(self) -> "TrainingCheckpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def _save_failed(self, error: Exception, failed: int | None, now: int | None) -> CheckpointError:
     """The one line for the save of step `failed` that failed (found after step `now`): where it
     was going, why, the free space, and the checkpoint a relaunch resumes from. Process 0

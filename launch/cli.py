@@ -3,6 +3,7 @@ the bad flag or config field, and joining the job (devices, jax.distributed)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -52,6 +53,16 @@ def fail(program: str, kind: str, message) -> None:
   """`<program>: <kind>: <message>` on stderr, exit code 2 (nothing compiled, nothing to retry)."""
   print(f"{program}: {kind}: {message}", file=sys.stderr)
   sys.exit(2)
+
+
+@contextlib.contextmanager
+def one_line_errors(program: str, kinds: dict):
+  """Inside: an exception of a class in `kinds` ({class: kind}, first match wins, as an except
+  chain would) ends the program with `fail(program, kind, error)`; others pass through."""
+  try:
+    yield
+  except tuple(kinds) as error:
+    fail(program, next(kind for cls, kind in kinds.items() if isinstance(error, cls)), error)
 
 
 def validated_config(program: str, argv: list[str], config_flag):

@@ -84,11 +84,8 @@ def main(argv):
     validate(config)
     parallel_step = build_parallel_step(config, jax.devices()[:math.prod(mesh_shape(config))])
     batches = held_out_batches(config, parallel_step)   # a bad data file fails before any restore
-    checkpointer = TrainingCheckpointer(checkpoints, config)
-    try:
+    with TrainingCheckpointer(checkpoints, config) as checkpointer:
       restored = checkpointer.restore_latest(parallel_step)
-    finally:
-      checkpointer.close()
     if restored is None:
       fail(PROGRAM, "missing input", f"{checkpoints}: no checkpoint to restore")
     results = evaluate(parallel_step.eval_step(), restored.state.params, batches(), parallel_step.put_batch)

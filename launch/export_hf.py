@@ -21,7 +21,7 @@ from absl import logging
 from megajax.checkpoint import CheckpointError, HfFormatError, export_hf
 from megajax.checkpoint.hf_architectures import ARCHITECTURES, architecture
 from megajax.config import ConfigError
-from megajax.launch.cli import QuietLibraries, fail, flags_parser
+from megajax.launch.cli import QuietLibraries, fail, flags_parser, one_line_errors
 from megajax.launch.run_files import run_config, run_params, workdir_tokenizer_file
 from megajax.model import ModelConfig
 
@@ -41,17 +41,13 @@ def main(argv):
   if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
     fail(PROGRAM, "output error", f"{out}: exists and is not an empty directory; pass a new --out")
   try:
-    config = run_config(_WORKDIR.value)
-    arch = architecture(ModelConfig.from_config(config.model))     # refused before any parameter is read
-    tokenizer = workdir_tokenizer_file(_WORKDIR.value)
-    params, source = run_params(_WORKDIR.value, config)
-    files = export_hf(config, params, out, tokenizer_dir=tokenizer, max_shard_size=_MAX_SHARD_SIZE.value)
-  except ConfigError as error:
-    fail(PROGRAM, "config error", error)
-  except CheckpointError as error:
-    fail(PROGRAM, "missing input", error)
-  except HfFormatError as error:
-    fail(PROGRAM, "cannot export", error)
+    with one_line_errors(PROGRAM, {ConfigError: "config error", CheckpointError: "missing input",
+                                   HfFormatError: "cannot export"}):
+      config = run_config(_WORKDIR.value)
+      arch = architecture(ModelConfig.from_config(config.model))     # refused before any parameter is read
+      tokenizer = workdir_tokenizer_file(_WORKDIR.value)
+      params, source = run_params(_WORKDIR.value, config)
+      files = export_hf(config, params, out, tokenizer_dir=tokenizer, max_shard_size=_MAX_SHARD_SIZE.value)
   except OSError as error:
     fail(PROGRAM, "output error", f"{out}: {error}")
   print(f"wrote {out}: {ARCHITECTURES[arch]} from {source}, tokenizer {tokenizer or 'bytes'}")

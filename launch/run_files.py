@@ -64,11 +64,8 @@ def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, s
   one_device.parallel.schedule = "1f1b"
   one_device.train.microbatches = 1
   parallel_step = build_parallel_step(one_device, jax.local_devices()[:1])
-  checkpointer = TrainingCheckpointer(checkpoints, one_device)
-  try:
+  with TrainingCheckpointer(checkpoints, one_device) as checkpointer:
     restored = checkpointer.restore_latest(parallel_step)
-  finally:
-    checkpointer.close()
   if restored is None:
     raise CheckpointError(f"{checkpoints}: no checkpoint to restore")
   return jax.jit(parallel_step.model_params)(restored.state.params), checkpointer.path(restored.step)

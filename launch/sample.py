@@ -21,7 +21,7 @@ from absl import logging
 from megajax.checkpoint import CheckpointError
 from megajax.config import ConfigError
 from megajax.sampling import GenerationError, stream, tp_mesh
-from megajax.launch.cli import QuietLibraries, fail, flags_parser
+from megajax.launch.cli import QuietLibraries, fail, flags_parser, one_line_errors
 from megajax.launch.cluster import request_host_devices
 from megajax.launch.run_files import run_config, run_params, workdir_tokenizer
 from megajax.model import ModelConfig
@@ -87,7 +87,8 @@ def main(argv):
   if _TP.value < 1 or _CHUNK.value < 1:
     fail(PROGRAM, "flag error", f"--tp={_TP.value} --chunk={_CHUNK.value}: both must be >= 1")
   request_host_devices(_TP.value)      # a CPU-only machine: as many host devices, before jax starts
-  try:
+  with one_line_errors(PROGRAM, {ConfigError: "config error", CheckpointError: "checkpoint error",
+                                 TokenizerError: "tokenizer error", GenerationError: "flag error"}):
     config = run_config(_WORKDIR.value)
     tokenizer = workdir_tokenizer(_WORKDIR.value)
     prompts = _prompts(tokenizer, config)
@@ -107,14 +108,6 @@ def main(argv):
           printer.add(_until_eos(new[row], eos))
         else:
           printer.tokens.extend(int(t) for t in _until_eos(new[row], eos))
-  except ConfigError as error:
-    fail(PROGRAM, "config error", error)
-  except CheckpointError as error:
-    fail(PROGRAM, "checkpoint error", error)
-  except TokenizerError as error:
-    fail(PROGRAM, "tokenizer error", error)
-  except GenerationError as error:
-    fail(PROGRAM, "flag error", error)
   if len(prompts) == 1:
     printers[0].end()
     return

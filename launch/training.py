@@ -16,7 +16,7 @@ from absl import logging
 from megajax import trainer
 from megajax.checkpoint import CheckpointError
 from megajax.config import ConfigError
-from megajax.launch.cli import QuietLibraries, fail, join_job
+from megajax.launch.cli import QuietLibraries, fail, join_job, one_line_errors
 from megajax.launch.cluster import TopologyError
 from megajax.launch.runtime import configure_runtime
 from megajax.trainer.workdir import WorkdirError, check_workdir
@@ -81,22 +81,14 @@ def run_training(program: str, config, workdir: str, topology: tuple = (None, No
   except WorkdirError as error:
     fail(program, "workdir error", error)
   configure_runtime(config, workdir)
-  try:
+  with one_line_errors(program, {TopologyError: "topology error", ConfigError: "config error",
+                                 CheckpointError: "checkpoint error", WorkdirError: "workdir error",
+                                 trainer.NonFiniteError: "non-finite error"}):
     join_job(config, *topology)
     if before_train is not None:
       before_train()
     # Data-dependent checks (token file, vocabulary, process count) run before the first compile.
     result = trainer.train(config, workdir)
-  except TopologyError as error:
-    fail(program, "topology error", error)
-  except ConfigError as error:
-    fail(program, "config error", error)
-  except CheckpointError as error:
-    fail(program, "checkpoint error", error)
-  except WorkdirError as error:
-    fail(program, "workdir error", error)
-  except trainer.NonFiniteError as error:
-    fail(program, "non-finite error", error)
   if result.preempted:
     logging.warning("stopped early (preempted); relaunch with the same --workdir to resume")
     sys.exit(143)                       # 128 + SIGTERM: the job did not finish

@@ -28,7 +28,7 @@ def print_measured() -> None:
   hw = hardware.HARDWARE["a100-80g"]
   print("\n== micro-benchmarks (published, cited in parallel/planner/hardware.py; not fitted)")
   print(f"  GEMM: {hardware.MEASURED_GEMM_FRACTION:.1%} of peak at {hardware.MEASURED_GEMM_SHAPE[0]} x "
-        f"{hardware.MEASURED_GEMM_SHAPE[1]} outputs ({hardware.gemm_fraction(hw):.1%} for full waves of "
+        f"{hardware.MEASURED_GEMM_SHAPE[1]} outputs ({hardware.FULL_WAVE_GEMM_FRACTION:.1%} for full waves of "
         f"{hardware.GEMM_TILE[0]} x {hardware.GEMM_TILE[1]} tiles on {hw.sms} SMs)")
   print(f"  FlashAttention-2 forward + backward: {hardware.FLASH_ATTENTION_FRACTION:.0%} of peak")
   print(f"  NCCL bus bandwidth: {hw.nvlink_busbw_gbps:g} GB/s in a node, {hw.nic_busbw_gbps:g} GB/s per GPU "

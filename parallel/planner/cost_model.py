@@ -63,7 +63,7 @@ class Calibration:
   published.calibration_set(): MegaScale's Table 3 (175B on 256 A100s, the baseline and eight
   cumulative switches; each switch's row is what shows its constant). No validation row is in it.
   """
-  gemm_sustained: float = 0.844      # of the micro-benchmark's GEMM rate (hardware.gemm_fraction), what a
+  gemm_sustained: float = 0.844      # of the micro-benchmark's GEMM rate (hardware.FULL_WAVE_GEMM_FRACTION), what a
                                      # training run sustains: clocks under sustained power, cuBLAS's tile
                                      # choices for its shapes, the gaps between its kernels
   hbm_efficiency: float = 0.898      # fraction of HBM bandwidth the streaming kernels reach
@@ -128,6 +128,11 @@ class Plan:
   @property
   def gpus(self) -> int:
     return self.dp * self.pp * self.tp
+
+  @property
+  def splits_sequence(self) -> bool:
+    """Sequence parallelism: megajax's step always, the paper runtime as the run had it."""
+    return self.executor == "megajax" or self.sequence_parallel
 
   @property
   def microbatches(self) -> int:
@@ -273,17 +278,16 @@ def _pipelined(pieces: int, piece_seconds: float, window: float) -> float:
   return piece_seconds + (pieces - 1) * max(0.0, piece_seconds - window) if pieces else 0.0
 
 
-def mean_layer(c: ModelConfig, plan: Plan, fused_attention: bool, sequence_parallel: bool, hw: Hardware,
-                k: Calibration) -> operations.LayerTimes:
+def mean_layer(c: ModelConfig, plan: Plan, hw: Hardware, k: Calibration) -> operations.LayerTimes:
   """The layer times averaged over the model's window pattern (local and global layers)."""
   windows = [c.layer_window(i) for i in range(c.num_layers)]
-  times = {w: operations.layer_times(c, plan.micro_batch, plan.tp, fused_attention, sequence_parallel, hw, k, w)
+  times = {w: operations.layer_times(c, plan.micro_batch, plan.tp, plan.opts.fused_ops, plan.splits_sequence, hw, k, w)
            for w in set(windows)}
   fields = [f.name for f in dataclasses.fields(operations.LayerTimes)]
   return operations.LayerTimes(*(sum(getattr(times[w], f) for w in windows) / len(windows) for f in fields))
 
 
-def _tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, sequence_parallel: bool, megajax: bool):
+def _tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware):
   """(forward, backward) seconds of one layer's tp collectives per microbatch, and the head's
   (forward, backward): sequence parallelism all-gathers each column-parallel input and
   reduce-scatters each row-parallel output (Megatron-LM gathers the input once more in the
@@ -294,9 +298,9 @@ def _tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, sequence_parallel: boo
   busbw = hardware.link_busbw(n, hw)
   one = lambda kind: hardware.collective_seconds(message, n, busbw, kind)
   pairs = tp_pairs_per_layer(c)
-  if sequence_parallel:
+  if plan.splits_sequence:
     forward = pairs * (one("all_gather") + one("reduce_scatter"))
-    backward = forward + (0 if megajax else pairs * one("all_gather"))
+    backward = forward + (0 if plan.executor == "megajax" else pairs * one("all_gather"))
     head = (one("all_gather"), one("reduce_scatter"))
   else:
     forward = backward = pairs * one("all_reduce")
@@ -313,7 +317,6 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   remat = remat or c.remat
   o, p, v, m, n = plan.opts, plan.pp, plan.virtual_stages, plan.microbatches, plan.tp
   megajax = plan.executor == "megajax"
-  sequence_parallel = megajax or plan.sequence_parallel
   layers = c.num_layers // p
   cb = c.compute_dtype.itemsize
 
@@ -321,7 +324,7 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   # megajax's pipeline with pipeline_recompute reruns its chunk, remat full every layer, remat
   # dots (Megatron-LM's selective recomputation) the unfused attention core; FlashAttention's
   # backward reruns its own forward inside (operations.attention_times counts it there).
-  layer = mean_layer(c, plan, o.fused_ops, sequence_parallel, hw, k)
+  layer = mean_layer(c, plan, hw, k)
   head = operations.head_times(c, plan.micro_batch, n, hw, k)
   again = (1 if megajax and p > 1 and plan.pipeline_recompute else 0) + (1 if remat == "full" else 0)
   attention_again = again + (1 if remat == "dots" and not o.fused_ops and again == 0 else 0)
@@ -334,7 +337,7 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   # Tensor parallelism: the forward's collectives (again where the forward reruns), the
   # backward's (Megatron-LM hides them under the weight-gradient GEMMs where it can), MegaScale's
   # collective matmul hides a share of what is left (megajax's too: its collective_matmul).
-  tp_forward, tp_backward, tp_head = _tp_seconds(c, plan, hw, sequence_parallel, megajax)
+  tp_forward, tp_backward, tp_head = _tp_seconds(c, plan, hw)
   forward_comm = layers * tp_forward * (1 + again) + tp_head[0]
   backward_comm = layers * tp_backward + tp_head[1]
   if not megajax and plan.tp_backward_overlap:

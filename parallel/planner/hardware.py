@@ -78,9 +78,9 @@ def wave_efficiency(m: int, n: int, sms: int, batch: int = 1) -> float:
   return tiles / (math.ceil(tiles / sms) * sms)
 
 
-def gemm_fraction(hw: Hardware) -> float:
-  """The fraction of peak a GEMM of full waves reaches (the measured one over its wave efficiency)."""
-  return MEASURED_GEMM_FRACTION / wave_efficiency(*MEASURED_GEMM_SHAPE, HARDWARE["a100-80g"].sms)
+# The fraction of peak a GEMM of full waves reaches: the measured one over its shape's wave
+# efficiency on the A100 it was measured on (applied to every device until a GPU measures its own).
+FULL_WAVE_GEMM_FRACTION = MEASURED_GEMM_FRACTION / wave_efficiency(*MEASURED_GEMM_SHAPE, HARDWARE["a100-80g"].sms)
 
 
 def gemm_seconds(m: int, n: int, k: int, hw: Hardware, hbm_efficiency: float, batch: int = 1,
@@ -88,7 +88,7 @@ def gemm_seconds(m: int, n: int, k: int, hw: Hardware, hbm_efficiency: float, ba
   """`batch` GEMMs [m, k] x [k, n]: tensor-core time at the shape's wave efficiency (times the
   share of the micro-benchmark's rate a run `sustained`), or the time to move its operands and
   result through HBM when that is longer (the roofline)."""
-  rate = hw.peak_tflops * 1e12 * gemm_fraction(hw) * sustained * wave_efficiency(m, n, hw.sms, batch)
+  rate = hw.peak_tflops * 1e12 * FULL_WAVE_GEMM_FRACTION * sustained * wave_efficiency(m, n, hw.sms, batch)
   compute = batch * 2 * m * n * k / rate
   memory = batch * (m * k + k * n + m * n) * itemsize / (hw.hbm_gbps * GB * hbm_efficiency)
   return max(compute, memory)

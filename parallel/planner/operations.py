@@ -47,10 +47,6 @@ class LayerTimes:
   def forward(self) -> float:
     return self.gemm_forward + self.attention_forward + self.elementwise_forward
 
-  @property
-  def backward(self) -> float:
-    return self.gemm_input_grad + self.gemm_weight_grad + self.attention_backward + self.elementwise_backward
-
 
 def linear_shapes(c: ModelConfig, tp: int, fused_block: bool) -> list[tuple[int, int]]:
   """(in, out) of each linear of a layer on one tp rank. The parallel blocks run their two

@@ -20,6 +20,7 @@ for 175B and 530B only: plain 1F1B) and tp x pp of Narayanan et al.'s Table 2 (m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from megajax import flops
@@ -72,8 +73,9 @@ class Prediction:
     return abs(self.error) <= (MFU_GOAL_POINTS if self.run.metric == "mfu" else TFLOPS_GOAL_PERCENT)
 
 
+@functools.cache
 def megascale_model() -> ModelConfig:
-  """MegaScale's 175B (configs/gpt_175b.py, with its sliding window)."""
+  """MegaScale's 175B (configs/gpt_175b.py, with its sliding window): read once, every row shares it."""
   return ModelConfig.from_config(load_config(os.path.join(CONFIGS_DIR, "gpt_175b.py")).model)
 
 
@@ -153,8 +155,8 @@ _KORTHIKANTI = (  # name, layers, hidden, heads, pp, GPUs, batch, microbatch, v,
 )
 
 
-def _korthikanti_plan(dp, pp, gpus_batch, micro, v, full: bool) -> Plan:
-  return Plan(dp, pp, 8, v, micro, gpus_batch, MEGATRON, "paper", sequence_parallel=not full,
+def _korthikanti_plan(dp, pp, batch, micro, v, full: bool) -> Plan:
+  return Plan(dp, pp, 8, v, micro, batch, MEGATRON, "paper", sequence_parallel=not full,
               distributed_optimizer=False)
 
 

@@ -84,8 +84,7 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
   for name, nbytes in memory_parts(x).items():
     lines.append(f"  {name:14} {nbytes / GB:8.2f} GB   {notes[name]}")
   k = calibration
-  megajax = plan.executor == "megajax"
-  layer = cost_model.mean_layer(run, plan, plan.opts.fused_ops, megajax or plan.sequence_parallel, hw, k)
+  layer = cost_model.mean_layer(run, plan, hw, k)
   head = operations.head_times(run, plan.micro_batch, plan.tp, hw, k)
   layers = run.num_layers // plan.pp
   lines.append(f"step {t.total:.3f} s, MFU {100 * t.mfu:.1f}%: {plan.microbatches} microbatches x "

@@ -72,14 +72,7 @@ def test_matches_xla_gelu(shape, dtype):
   cotangent = jax.random.normal(keys[2], shape)
   ours = lambda x, bias: fused_bias_gelu(x, bias, block_rows=8)
   reference = lambda x, bias: nn.gelu(x + bias.astype(x.dtype), approximate=True)
-  got, want = ours(x, bias), reference(x, bias)
-  assert got.dtype == want.dtype and got.shape == want.shape
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
-  assert_close(got, want, tol)
-  loss = lambda f, x, bias: jnp.sum(f(x, bias).astype(jnp.float32) * cotangent)
-  grads = jax.grad(loss, argnums=(1, 2))
-  for got, want in zip(grads(ours, x, bias), grads(reference, x, bias)):
-    assert_close(got, want, tol)
+  _assert_same_output_and_grads(ours, reference, (x, bias), cotangent, dtype)
 
 
 @pytest.mark.parametrize("shape,dtype", [((3, 7, 64), jnp.float32), ((3, 7, 64), jnp.bfloat16),
@@ -91,11 +84,16 @@ def test_matches_xla_swiglu(shape, dtype):
   gate, up = (2 * jax.random.normal(k, shape, dtype) for k in keys[:2])
   cotangent = jax.random.normal(keys[2], shape)
   ours = lambda gate, up: fused_swiglu(gate, up, block_rows=8)
-  got, want = ours(gate, up), swiglu(gate, up)
+  _assert_same_output_and_grads(ours, swiglu, (gate, up), cotangent, dtype)
+
+
+def _assert_same_output_and_grads(ours, reference, args, cotangent, dtype):
+  """Output (dtype, shape, values) and the gradients of both arguments, fp32 or bf16 tolerance."""
+  got, want = ours(*args), reference(*args)
   assert got.dtype == want.dtype and got.shape == want.shape
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   assert_close(got, want, tol)
-  loss = lambda f, gate, up: jnp.sum(f(gate, up).astype(jnp.float32) * cotangent)
+  loss = lambda f, *args: jnp.sum(f(*args).astype(jnp.float32) * cotangent)
   grads = jax.grad(loss, argnums=(1, 2))
-  for got, want in zip(grads(ours, gate, up), grads(swiglu, gate, up)):
+  for got, want in zip(grads(ours, *args), grads(reference, *args)):
     assert_close(got, want, tol)
