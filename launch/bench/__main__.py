@@ -5,7 +5,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench checkpoint [--checkpoint_hidden=1024] [--checkpoint_repeats=5]
   python -m megajax.launch.bench startup
   python -m megajax.launch.bench faults [--trials=20]
-  python -m megajax.launch.bench planner
+  python -m megajax.launch.bench planner [--measure_memory]
   python -m megajax.launch.bench data [--data_batches=50] [--data_steps=20]
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
@@ -34,6 +34,9 @@ _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark
 _WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
 _QUICK = flags.DEFINE_boolean("quick", False,
                               "runtime benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
+_MEASURE_MEMORY = flags.DEFINE_boolean(
+    "measure_memory", False, "planner: first recompile the memory fit set and rewrite "
+    "parallel/planner/memory_measured.py (a few minutes).")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 512, "Tokens the sample benchmark generates per row.")
 
 # name (its module, megajax.launch.bench.<name>, imported only when run) -> what runs it, with
@@ -46,7 +49,7 @@ BENCHMARKS = {
     "startup": lambda bench: bench.startup(),
     "faults": lambda bench: bench.faults(_TRIALS.value),
     "observe": lambda bench: bench.observe(_REPEATS.value),
-    "planner": lambda bench: bench.planner(),
+    "planner": lambda bench: bench.planner(_MEASURE_MEMORY.value),
     "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value),
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),

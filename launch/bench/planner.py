@@ -10,6 +10,9 @@ Prints:
   validation        every published run of published.validation_set() (never fitted to), with
                     its source, what is assumed, predicted vs published and the error; goal:
                     within +-3 MFU points or +-6% TFLOP/s. Calibration rows shown marked "cal".
+  memory fit        memory.XLA_PIPELINE refitted now (memory_fit.fit) on XLA's bytes of the
+                    pipeline fit set (memory_measured.py; --measure_memory recompiles them first
+                    and rewrites it) next to the held values; the fit set's worst errors.
   memory            the cost model's bytes per device against XLA's memory analysis of the
                     real compiled training step on CPU devices, for configs the memory constants
                     were not fitted on; target: within 10%.
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megajax.parallel.planner import calibration, hardware, plans, published
+import os
+
+from megajax.parallel.planner import calibration, hardware, memory, memory_fit, memory_measured, plans, published
 from megajax.parallel.planner.cost_model import CALIBRATION
 
 
@@ -66,6 +71,26 @@ def print_validation() -> bool:
   return ok
 
 
+def print_memory_fit(measure: bool) -> None:
+  measured = memory_measured.MEASURED
+  if measure:
+    measured = memory_fit.measure()
+    path = os.path.join(os.path.dirname(memory_fit.__file__), "memory_measured.py")
+    memory_fit.write_measured(path, measured)
+    print(f"\n(measured {len(measured)} fit cases; wrote {path})")
+  fitted, errors = memory_fit.fit(measured)
+  print(f"\n== memory fit: memory.XLA_PIPELINE refitted now on XLA's bytes of {len(errors)} pipeline configs "
+        "(memory_fit.PIPELINE_FIT_CASES; none of them a memory-check case)")
+  for name, value in fitted.items():
+    print(f"  {name:10} fitted {value:6.3f}   held {memory.XLA_PIPELINE[name]:6.3f}")
+  worst = sorted(errors.items(), key=lambda item: -abs(item[1]))
+  within = sum(abs(e) <= calibration.MEMORY_TOLERANCE for e in errors.values())
+  print(f"fit set: {within} of {len(errors)} within {calibration.MEMORY_TOLERANCE:.0%}; "
+        f"rms {100 * (sum(e * e for e in errors.values()) / len(errors)) ** 0.5:.1f}%; worst:")
+  for name, error in worst[:5]:
+    print(f"  {name:56} {100 * error:+6.1f}%")
+
+
 def print_memory_check() -> bool:
   print("\n== memory: cost model vs XLA's memory analysis of the compiled train step (CPU devices; fp32 and "
         "remat none unless the case says)")
@@ -96,11 +121,12 @@ def print_best_plans(c, hw, gpus=12288, batch=6144, top=5) -> None:
       print(f"best: {plans.breakdown(best[0].time)}")
 
 
-def planner() -> bool:
+def planner(measure_memory: bool = False) -> bool:
   """Everything above; True when every target is met."""
   print_measured()
   print_fit()
   ok = print_validation()
+  print_memory_fit(measure_memory)
   ok &= print_memory_check()
   print_best_plans(published.megascale_model(), hardware.HARDWARE["a100-80g"])
   return ok

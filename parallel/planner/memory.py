@@ -35,31 +35,42 @@ XLA_KEPT = dict(hidden=1.5,      # x [s, h] (norm input / gathered output), per 
                                  # work on the gathered sequence [s, h], times 2 - 1 / tp
 XLA_PARAM_TEMPS = 1.1            # param-sized temporaries (gradients, optimizer) per tp-shard param
 XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps the gradients)
-# ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash buffers),
-# refitted when the executor gained its residual slots (parallel.pipeline_recompute=False):
-# least squares on XLA's bytes of 9 pipeline configs (pp 2-4, dp 1-2, tp 1-2, v 1-3, 1-3 layers
-# per chunk, seq 64-128, b 1-2, m 4-8, both traversals and grad_syncs), each compiled with
-# both executors (18 numbers, 7 constants); calibration.MEMORY_CASES' pipeline config, held out,
-# is within 2% either way, the 18 within 6%:
-XLA_PIPELINE = dict(params=0.85,  # param-sized temporaries per stage param (branch gradient buffers)
-                    gather=1.4,  # extra when dp > 1
-                    layer=0.74,  # of a layer's non-score activations above (XLA fuses the recompute)
-                    scores=2.03,  # of its attention scores (the backward holds more of them)
-                    logits=0.58,  # of the logits
-                    message=3.21,  # buffers per stash / cotangent slot [b, s / tp, h]
-                    residual=1.8)  # buffers per residual slot: the scan's carry and XLA:CPU's per-tick
-                                   # copies. Fitted at 2.21 on the 9 configs while the backward's
-                                   # switch took the whole buffer as operand; since it takes only its
-                                   # slot, set from the one pipeline MEMORY_CASE (12.90 MB): refit pending
+# ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash and residual
+# buffers): the weight of each of pipeline_terms' terms, non-negative least squares (relative
+# error) on XLA's bytes of memory_fit.PIPELINE_FIT_CASES: 72 configs (pp 2-4, dp 1-2, tp 1-2,
+# v 1-2, seq 64-128, b 1-2, h 128-256, 4-8 layers, bf16 and fp32, remat none / dots / full, both
+# executors and grad syncs; measured: memory_measured.py), rms 4.8%, worst 12.3%. The held-out
+# calibration.MEMORY_CASES are within 7%. Empirical weights, not buffer counts: a switch's
+# temporaries are its largest branch's, not the sum, so a term under a larger branch weighs 0
+# (the policy's saved tensors, the logits) and the working set of the branch that fills the
+# residual slots carries the rest (layer). tests/unit/test_planner.py refits them from the data.
+XLA_PIPELINE = dict(params=2.19,     # param-sized temporaries per stage param (branch gradient buffers)
+                    step_sum=0.13,   # grad_sync="step": the fp32 gradient sums, per stage param
+                    gather=0.61,     # dp > 1: per gathered param, in the dtype it is gathered in
+                    layer=5.79,      # remat none: of a chunk's non-score activations (XLA_KEPT)
+                    scores=1.56,     # remat none: of its attention scores
+                    saved=0.0,       # dots / full: of what the policy saves per layer of a chunk
+                    rebuilt=1.48,    # dots / full: of one layer's activations rebuilt in its backward
+                    rerun=1.73,      # pipeline_recompute: of a chunk's activations (XLA_KEPT, any
+                                     # policy: its forward is rerun inside the backward's branch)
+                    residual=1.27,   # per residual slot (+ trash) of a chunk's vjp residuals: the scan's
+                                     # carry and XLA:CPU's per-tick copies
+                    logits=0.0,      # of the logits
+                    message=1.82)    # buffers per stash / cotangent slot [b, s / tp, h]
 # ... and of its residual slots: a chunk's vjp residuals under remat none are
 # XLA_RESIDUALS_NONE x the XLA_KEPT bytes of its layers, measured (the residual buffer's words
-# in the lowered step) on the same 9 configs: 1.38-1.44.
+# in the lowered step) on 9 pipeline configs: 1.38-1.44.
 XLA_RESIDUALS_NONE = 1.41
-# ... and of parallel.grad_sync="step" (m > 1), in fp32 gradients of the device's parameters
-# (its tp shard, its stage), in place of the 1/dp accumulator of "microbatch". Measured, not
-# fitted over many configs: XLA's bytes of the memory check's two dp cases in both modes
-# (pp = 1: the scan's sum and the last microbatch's gradients, run after the scan, live side by side).
-XLA_STEP_SUM = dict(scan=2.1, pipeline=0.9)
+# ... and of parallel.grad_sync="step" (m > 1) with pp = 1, in fp32 gradients of the device's
+# parameters, in place of the 1/dp accumulator of "microbatch". Measured, not fitted over many
+# configs: XLA's bytes of the memory check's two dp cases in both modes (the scan's sum and the
+# last microbatch's gradients, run after the scan, live side by side).
+XLA_STEP_SUM = 2.1
+
+# Which Memory part each pipeline term belongs to.
+PIPELINE_PARTS = dict(params="params_temp", step_sum="params_temp", gather="params_temp",
+                      layer="activations", scores="activations", saved="activations",
+                      rebuilt="activations", rerun="activations", residual="activations", logits="logits", message="pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,34 +201,51 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
 
   moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
   state = counts.shard * pb * (1 + moments)
-  step_sync = plan.grad_sync == "step" and plan.microbatches > 1
-  accumulator = (counts.stage * 4 * XLA_STEP_SUM["scan"] if step_sync
-                 else counts.shard * pb if plan.microbatches > 1 else 0.0)
-  per_layer, _ = _layer_kept(c, plan, remat, fused_attention)
-  transient = _layer_kept(c, plan, "none", fused_attention)[0] if remat != "none" else 0.0
   if plan.pp == 1:
+    step_sync = plan.grad_sync == "step" and plan.microbatches > 1
+    accumulator = (counts.stage * 4 * XLA_STEP_SUM if step_sync
+                   else counts.shard * pb if plan.microbatches > 1 else 0.0)
+    per_layer = _layer_kept(c, plan, remat, fused_attention)[0]
+    transient = _layer_kept(c, plan, "none", fused_attention)[0] if remat != "none" else 0.0
     params_temp = counts.stage * pb * (XLA_PARAM_TEMPS + (XLA_GATHER_TEMPS if plan.dp > 1 else 0.0)) + accumulator
     return Memory(state, params_temp, per_layer * layers + transient, XLA_KEPT["logits"] * logits, 0.0)
-  # Pipeline. Working set: one chunk's forward + backward at a time (the last chunk's, whose
-  # backward runs its forward too; with pipeline_recompute every chunk's).
-  chunk_layers = layers // plan.virtual_stages
-  if remat == "none":
-    per_layer, scores = _layer_kept(c, plan, "none", fused_attention)
-    per_layer = XLA_PIPELINE["layer"] * (per_layer - scores) + XLA_PIPELINE["scores"] * scores
-  activations = per_layer * chunk_layers + transient
+  # Pipeline: its terms, weighted; the stage's weights cast to the compute dtype once per step
+  # (executor.stage_params) and held through the tick scan are counted exactly.
+  parts = dict(params_temp=counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0,
+               activations=0.0, logits=0.0, pipeline=0.0)
+  for term, nbytes in pipeline_terms(c, plan, remat, fused_attention).items():
+    parts[PIPELINE_PARTS[term]] += XLA_PIPELINE[term] * nbytes
+  return Memory(state, **parts)
+
+
+def pipeline_terms(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> dict[str, float]:
+  """megajax's pipeline (pp > 1): the bytes of each term XLA_PIPELINE weighs, unweighted. `c`
+  with the plan's switches applied. Working set: one chunk's forward + backward at a time (the
+  last chunk's, whose backward runs its forward too; with pipeline_recompute every chunk's), the
+  non-last chunks' residuals in their slots, the stash and cotangent messages."""
+  counts = param_counts(c, plan)
+  pb, cb = c.param_dtype.itemsize, c.compute_dtype.itemsize
+  chunk_layers = c.num_layers // (plan.pp * plan.virtual_stages)
+  terms = dict.fromkeys(XLA_PIPELINE, 0.0)
+  terms["params"] = counts.stage * pb
+  if plan.grad_sync == "step" and plan.microbatches > 1:
+    terms["step_sum"] = counts.stage * 4
+  if plan.dp > 1:   # the linears and head gathered in the compute dtype, the rest in the params'
+    terms["gather"] = counts.compute_gathered * cb + (counts.stage - counts.compute_gathered) * pb
+  none_layer, scores = _layer_kept(c, plan, "none", fused_attention)
+  if plan.pipeline_recompute:
+    terms["rerun"] = none_layer * chunk_layers
+  elif remat == "none":
+    terms["layer"], terms["scores"] = (none_layer - scores) * chunk_layers, scores * chunk_layers
+  else:
+    terms["saved"] = _layer_kept(c, plan, remat, fused_attention)[0] * chunk_layers
+    terms["rebuilt"] = none_layer
   if not plan.pipeline_recompute:
-    # ... and the non-last chunks' residuals, from each forward to its backward.
-    activations += XLA_PIPELINE["residual"] * (residual_slots(plan) + 1) * chunk_residuals(c, plan, remat,
-                                                                                         fused_attention)
-  message = tokens * c.hidden_dim / plan.tp * c.compute_dtype.itemsize
-  # stash + trash, cotangents + trash
-  stash = XLA_PIPELINE["message"] * (stash_slots(plan) + cotangent_slots(plan) + 2) * message
-  params_temp = counts.stage * pb * (XLA_PIPELINE["params"] + (XLA_PIPELINE["gather"] if plan.dp > 1 else 0.0))
-  # The stage's weights cast to the compute dtype once per step (executor.stage_params), held
-  # through the tick scan: counted, not fitted (the constants above were fitted in fp32).
-  params_temp += counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0
-  params_temp += counts.stage * 4 * XLA_STEP_SUM["pipeline"] if step_sync else 0.0
-  return Memory(state, params_temp, activations, XLA_PIPELINE["logits"] * logits, stash)
+    terms["residual"] = (residual_slots(plan) + 1) * chunk_residuals(c, plan, remat, fused_attention)
+  terms["logits"] = plan.micro_batch * c.seq_len * c.vocab_size / plan.tp * 4
+  message = plan.micro_batch * c.seq_len * c.hidden_dim / plan.tp * cb
+  terms["message"] = (stash_slots(plan) + cotangent_slots(plan) + 2) * message   # stash + trash, cotangents + trash
+  return terms
 
 
 def chunk_residuals(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> float:

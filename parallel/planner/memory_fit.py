@@ -1,0 +1,100 @@
+"""Where memory.XLA_PIPELINE comes from: the pipeline's memory terms fitted to XLA.
+
+  PIPELINE_FIT_CASES  the fit set: pipeline configs (pp 2-4, dp 1-2, tp 1-2, v 1-2, shapes,
+                      both executors and grad syncs), each in bf16 and fp32 under remat none,
+                      dots and full. None is a calibration.MEMORY_CASES config: those are held out.
+  measure             XLA's bytes of each (calibration.measured_bytes: compiles the real step; a
+                      few minutes on 8 CPU devices). `python -m megajax.launch.bench planner
+                      --measure_memory` writes them to memory_measured.py.
+  fit                 non-negative least squares of the weights of memory.pipeline_terms to
+                      those bytes, in relative error; returns the weights and each case's error.
+
+The measurements are data in the repository (memory_measured.py, with the jax version they were
+taken on); tests/unit/test_planner.py refits XLA_PIPELINE from them in CI and
+tests/integration/test_planner_memory.py checks the held-out MEMORY_CASES against XLA itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+from scipy.optimize import nnls
+
+from megajax.model import ModelConfig
+from megajax.parallel.planner import memory
+from megajax.parallel.planner.calibration import MemoryCase, measured_bytes, memory_case_config
+from megajax.parallel.planner.cost_model import apply_switches
+from megajax.parallel.planner.fits import plan_of
+
+_BASE = {"parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2, "model.num_layers": 4,
+         "model.hidden_dim": 128, "model.num_heads": 8, "model.vocab_size": 512, "train.batch_size": 8,
+         "train.microbatches": 8}
+_SHAPES = {
+    "seq 128": {"model.seq_len": 128},
+    "h 256": {"model.hidden_dim": 256},
+    "8 layers": {"model.num_layers": 8},
+    "vocab 2048": {"model.vocab_size": 2048},
+    "dp 2": {"parallel.dp": 2, "train.batch_size": 16},
+    "tp 1, v 1": {"parallel.tp": 1, "parallel.virtual_stages": 1},
+    "microbatch 2": {"train.batch_size": 16},
+    "pp 4, v 1, 8 layers": {"parallel.pp": 4, "parallel.virtual_stages": 1, "model.num_layers": 8},
+    "grad_sync microbatch": {"parallel.grad_sync": "microbatch"},
+    "pipeline_recompute, h 192": {"parallel.pipeline_recompute": True, "model.hidden_dim": 192},
+    "pipeline_recompute, dp 2, seq 128": {"parallel.pipeline_recompute": True, "parallel.dp": 2,
+                                          "train.batch_size": 16, "model.seq_len": 128},
+    "dp 2, tp 1, 4 microbatches": {"parallel.dp": 2, "parallel.tp": 1, "train.batch_size": 8,
+                                   "train.microbatches": 4},
+}
+PIPELINE_FIT_CASES = tuple(
+    MemoryCase(f"{shape}, {dtype}, remat {remat}", {**_BASE, **overrides, "model.compute_dtype": dtype,
+                                                    "model.remat": remat})
+    for (shape, overrides), dtype, remat in itertools.product(_SHAPES.items(), ("bfloat16", "float32"),
+                                                              ("none", "dots", "full")))
+
+
+def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
+  """(the bytes no weight scales: state and the compute-dtype weight copy, the unweighted terms)."""
+  config = memory_case_config(case)
+  c, plan = ModelConfig.from_config(config.model), plan_of(config)
+  total = memory.memory(c, plan)
+  terms = memory.pipeline_terms(apply_switches(c, plan.opts), plan, c.remat, plan.opts.fused_ops)
+  weighted = sum(memory.XLA_PIPELINE[term] * nbytes for term, nbytes in terms.items())
+  return total.total - weighted, terms
+
+
+def measure(cases=PIPELINE_FIT_CASES) -> dict[str, int]:
+  """{case name: XLA's bytes}, compiling each case's step on this process's devices."""
+  return {case.name: int(measured_bytes(memory_case_config(case))) for case in cases}
+
+
+def fit(measured: dict[str, int], cases=PIPELINE_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
+  """(weights of memory.pipeline_terms, {case: relative error with them}), nnls on the cases'
+  relative errors."""
+  names = list(memory.XLA_PIPELINE)
+  rows, targets, exact = [], [], []
+  for case in cases:
+    fixed, terms = case_terms(case)
+    scale = measured[case.name]
+    rows.append([terms[name] / scale for name in names])
+    targets.append(1 - fixed / scale)
+    exact.append(fixed / scale)
+  rows, targets = np.array(rows), np.array(targets)
+  used = rows.any(axis=0)           # a term no case has stays at its held value
+  weights, _ = nnls(rows[:, used], targets)
+  fitted = dict(memory.XLA_PIPELINE)
+  fitted.update({name: float(w) for name, w in zip(np.array(names)[used], weights)})
+  predicted = rows @ np.array([fitted[name] for name in names]) + np.array(exact)
+  return fitted, {case.name: float(error) for case, error in zip(cases, predicted - 1)}
+
+
+def write_measured(path: str, measured: dict[str, int]) -> None:
+  """memory_measured.py: the measurements as a module (data, with where they came from)."""
+  lines = ['"""XLA\'s bytes per device of memory_fit.PIPELINE_FIT_CASES: generated by',
+           '`python -m megajax.launch.bench planner --measure_memory` (8 CPU devices); do not edit."""',
+           "", f"JAX_VERSION = {jax.__version__!r}", "MEASURED = {"]
+  lines += [f"    {name!r}: {nbytes}," for name, nbytes in measured.items()]
+  lines += ["}", ""]
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
