@@ -156,9 +156,10 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       s_block = pl.run_scoped(scores, plgpu.ACC((BLOCK, BLOCK), jnp.float32)) * score_scale
       plgpu.barrier_arrive(k_consumed.at[slot])
       if masked:
-        row_ids = row_start + lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-        col_ids = kv_block * BLOCK + lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-        row_ids, col_ids = in_layout(row_ids, wgmma_layout), in_layout(col_ids, wgmma_layout)
+        # The layout goes on each iota where it is made: jax 0.10's Mosaic GPU cannot infer
+        # an iota's layout from its uses (0.11's warpgroup lowering can).
+        iota = lambda dim: in_layout(lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), dim), wgmma_layout)
+        row_ids, col_ids = row_start + iota(0), kv_block * BLOCK + iota(1)
         visible = col_ids <= row_ids
         if window is not None:
           visible &= col_ids > row_ids - window

@@ -1,0 +1,60 @@
+"""The Pallas attention kernels lower for CUDA on this CPU machine: jax.export for the `cuda`
+platform runs the Triton and Mosaic GPU lowerings (what the interpreter cannot check: layouts,
+Triton's block ops), on whatever jax line CI installs. A kernel that does not lower on a jax
+version pyproject.toml allows fails here."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from megajax.layers.kernels import attention_hopper as hopper
+from megajax.layers.kernels import pallas_attention
+
+TRITON, MOSAIC = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"
+BLOCK = hopper.BLOCK
+WINDOWS = (None, BLOCK // 2, BLOCK, 3 * BLOCK + 8)     # none, below, equal to and above a block
+
+
+def export_for_cuda(fn, *args) -> str:
+  """The StableHLO module of `fn` exported for CUDA (its kernels' custom calls allowed)."""
+  checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (TRITON, MOSAIC)]
+  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+
+
+def shapes(s, d, documents):
+  """bf16 q [1, s, 4, d], k and v with 2 KV heads (GQA), segment ids or None."""
+  q = jax.ShapeDtypeStruct((1, s, 4, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16)
+  return q, kv, jax.ShapeDtypeStruct((1, s), jnp.int32) if documents else None
+
+
+@pytest.mark.parametrize("d,window,documents", itertools.product((64, 128, 256), WINDOWS, (False, True)))
+def test_hopper_forward_lowers_for_every_head_dim_and_window(d, window, documents):
+  """The Mosaic GPU forward alone, every head dim it takes, windows around its block, with and
+  without packed documents (their starts read per row)."""
+  q, kv, doc_start = shapes(3 * hopper.ROWS_PER_PROGRAM, d, documents)
+
+  def forward(q, k, v, *doc_start):
+    return hopper.hopper_attention_forward(q, k, v, window, doc_start=doc_start[0] if doc_start else None)
+  module = export_for_cuda(forward, q, kv, kv, *([doc_start] if documents else []))
+  assert module.count(MOSAIC) == 1
+
+
+@pytest.mark.parametrize("backend,d,window,documents", [
+    ("triton", 64, None, False), ("triton", 128, BLOCK // 2, True), ("triton", 256, 3 * BLOCK + 8, False),
+    ("mosaic", 64, BLOCK, True), ("mosaic", 128, None, False), ("mosaic", 256, BLOCK // 2, False)])
+def test_attention_forward_and_gradients_lower_for_cuda(backend, d, window, documents):
+  """pallas_attention's forward and dq, dk/dv kernels (the backward is Triton's on both back
+  ends) at an odd length (padded to whole blocks), GQA; every head dim, window and back end
+  covered by some case."""
+  q, kv, segment_ids = shapes(200, d, documents)
+
+  def grads(q, k, v, *segment_ids):
+    attention = lambda q, k, v: pallas_attention(q, k, v, window, segment_ids[0] if segment_ids else None,
+                                                 interpret=False, backend=backend)
+    return jax.grad(lambda *qkv: jnp.sum(attention(*qkv).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  module = export_for_cuda(grads, q, kv, kv, *([segment_ids] if documents else []))
+  assert module.count(MOSAIC) == (backend == "mosaic")
+  assert module.count(TRITON) == 2 + (backend == "triton")     # dq, dk/dv (+ the forward)
