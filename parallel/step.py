@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from megajax.config import ConfigError, uses_document_masking, wants_probes
+from megajax.layers.kernels import lowering_for
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding
@@ -74,17 +75,21 @@ class ParallelStep:
   # (batch, step) -> a scalar the step must compute, on every device (a drill: the straggler's
   # extra work, megajax.trainer.drills); None: nothing.
   extra_work: Callable | None = None
+  # The platform the step is lowered for: the mesh's, or "cuda" for a step exported
+  # (jax.export, platforms=["cuda"]) on a CPU machine: kernels lowered, not interpreted.
+  platform: str = "cpu"
 
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh, probes=None,
-            extra_work: Callable | None = None) -> "ParallelStep":
-    platform, impl = mesh.devices.flat[0].platform, config.model.attention_impl
+            extra_work: Callable | None = None, platform: str | None = None) -> "ParallelStep":
+    platform = platform or mesh.devices.flat[0].platform
+    impl = config.model.attention_impl
     if impl == "pallas" and platform == "cpu":
       raise ConfigError("model.attention_impl", impl,
                         "on CPU the Pallas kernels run in interpret mode, which jax 0.10 cannot trace inside "
                         "the step's shard_map (its kernels see no varying-axes types)",
                         "use model.attention_impl=xla on CPU (pallas is for GPUs)")
-    if impl == "cudnn" and platform != "gpu":
+    if impl == "cudnn" and platform not in ("gpu", "cuda"):
       raise ConfigError("model.attention_impl", impl, f"cuDNN attention needs an NVIDIA GPU, this mesh is {platform}",
                         "use model.attention_impl=xla (or pallas on a GPU)")
     # What observes or drills the step is handed in (this layer imports neither): a config that
@@ -113,7 +118,7 @@ class ParallelStep:
     param_specs = sharding.param_specs(layouts, params_like)
     state_specs = TrainState(step=P(), params=param_specs,
                              opt_state=sharding.optimizer_specs(optimizer, params_like, param_specs))
-    return cls(config, mesh, model, layouts, optimizer, state_specs, tables, probes, extra_work)
+    return cls(config, mesh, model, layouts, optimizer, state_specs, tables, probes, extra_work, platform)
 
   @property
   def overlap(self) -> Overlap:
@@ -184,7 +189,7 @@ class ParallelStep:
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
                                          self.overlap, c.train.z_loss, probes, c.parallel.grad_sync,
-                                         ordered_collectives=self.mesh.devices.flat[0].platform == "cpu")
+                                         ordered_collectives=self.platform == "cpu")
     # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
     loss = jax.named_scope("forward")(
         functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
@@ -192,7 +197,7 @@ class ParallelStep:
     # (sharding.layer_ahead_gathers); the later microbatches use what it gathered.
     sinks = sharding.gathered_zeros(params, self.layouts, self.model.config.compute_dtype)
     first = sharding.first_microbatch_gathering(loss, params, self.layouts, self.model.config.compute_dtype, sinks,
-                                                ordered=self.mesh.devices.flat[0].platform == "cpu")
+                                                ordered=self.platform == "cpu")
     reduce_scatter = functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts)
     if c.parallel.grad_sync == "microbatch":
       # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
@@ -248,11 +253,19 @@ class ParallelStep:
 
   # --- The jitted step.
 
+  def _for_platform(self, fn):
+    """`fn` with the kernels it traces lowered for the step's platform (kernels.lowering_for)."""
+    @functools.wraps(fn)
+    def traced(*args):
+      with lowering_for(self.platform):
+        return fn(*args)
+    return traced
+
   def summed_gradients(self, gradients_fn=None):
     """(params, batch) -> (gradient shards, loss stats), both summed over the batch: the step
     without its optimizer (benchmarks, memory checks). `gradients_fn` replaces the step's
     own (params, batch) -> ... per-device function, e.g. the pipeline baseline."""
-    return jax.jit(jax.shard_map(gradients_fn or self._summed_gradients, mesh=self.mesh,
+    return jax.jit(jax.shard_map(self._for_platform(gradients_fn or self._summed_gradients), mesh=self.mesh,
                                  in_specs=(self.state_specs.params, P(DP)),
                                  out_specs=(self.state_specs.params, P())))
 
@@ -260,7 +273,8 @@ class ParallelStep:
     """(state, batch) -> (state, metrics), the state donated; with_gradients=True also returns
     the step's gradients (mean over the batch's tokens, sharded like the params)."""
     out_specs = (self.state_specs, P()) + ((self.state_specs.params,) if with_gradients else ())
-    mapped = jax.shard_map(functools.partial(self._train_step, with_gradients=with_gradients), mesh=self.mesh,
+    mapped = jax.shard_map(self._for_platform(functools.partial(self._train_step, with_gradients=with_gradients)),
+                           mesh=self.mesh,
                            in_specs=(self.state_specs, P(DP)), out_specs=out_specs)
     return jax.jit(mapped, donate_argnums=0, compiler_options=self.compiler_options)
 
@@ -293,7 +307,7 @@ class ParallelStep:
     """(params, batch) -> {"eval_loss_sum", "eval_tokens"}: the batch's summed cross-entropy and
     its token count, global (every device holds them). Sum over batches, then divide: the
     held-out loss is the mean over every token. Nothing is donated: the state trains on."""
-    mapped = jax.shard_map(self._eval_sums, mesh=self.mesh, in_specs=(self.state_specs.params, P(DP)),
+    mapped = jax.shard_map(self._for_platform(self._eval_sums), mesh=self.mesh, in_specs=(self.state_specs.params, P(DP)),
                            out_specs=P())
     return jax.jit(mapped, compiler_options=self.compiler_options)
 

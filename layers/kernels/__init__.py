@@ -9,13 +9,15 @@ model through `megajax.layers` (attention: `ATTENTION_IMPLS["pallas"]`).
   band.py              the band geometry: which KV / query blocks a window (and, for packed rows,
                        the documents) make each program visit
   layer_norm.py, gelu.py, swiglu.py  the fused operators
-  support.py           what the kernels share: interpret mode on CPU, Triton params, output types
+  support.py           what the kernels share: interpret mode on CPU (lowering_for: traced for
+                       another platform), Triton params, output types
 """
 
 from megajax.layers.kernels.attention import default_backend, pallas_attention
 from megajax.layers.kernels.gelu import fused_bias_gelu
 from megajax.layers.kernels.layer_norm import fused_layer_norm, fused_rms_norm
+from megajax.layers.kernels.support import lowering_for
 from megajax.layers.kernels.swiglu import fused_swiglu
 
 __all__ = ["default_backend", "fused_bias_gelu", "fused_layer_norm", "fused_rms_norm", "fused_swiglu",
-           "pallas_attention"]
+           "lowering_for", "pallas_attention"]

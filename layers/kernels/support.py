@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
 import jax.numpy as jnp
 
+# The platform the kernels are traced for, when it is not this process's default backend: a
+# step exported for "cuda" on a CPU machine (jax.export) lowers them instead of interpreting.
+_LOWERING_PLATFORM = contextvars.ContextVar("lowering_platform", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str | None):
+  """Kernels traced inside are for `platform` ("cpu", "gpu" / "cuda"; None: the default backend)."""
+  token = _LOWERING_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _LOWERING_PLATFORM.reset(token)
+
 
 def use_interpret(interpret: bool | None) -> bool:
-  """None: interpret mode on CPU (the tests), compiled kernels on accelerators."""
-  return jax.default_backend() == "cpu" if interpret is None else interpret
+  """None: interpret mode when traced for CPU (the tests), compiled kernels for accelerators."""
+  if interpret is not None:
+    return interpret
+  return (_LOWERING_PLATFORM.get() or jax.default_backend()) == "cpu"
 
 
 def compiler_params(interpret: bool, num_warps: int, num_stages: int):

@@ -1,7 +1,7 @@
-"""The Pallas attention kernels lower for CUDA on this CPU machine: jax.export for the `cuda`
-platform runs the Triton and Mosaic GPU lowerings (what the interpreter cannot check: layouts,
-Triton's block ops), on whatever jax line CI installs. A kernel that does not lower on a jax
-version pyproject.toml allows fails here."""
+"""The Pallas attention kernels and the 3D step that calls them lower for CUDA on this CPU
+machine: jax.export for the `cuda` platform runs the Triton and Mosaic GPU lowerings (what the
+interpreter cannot check: layouts, Triton's block ops), on whatever jax line CI installs. A
+kernel that does not lower on a jax version pyproject.toml allows fails here."""
 
 import itertools
 
@@ -11,6 +11,8 @@ import pytest
 
 from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.kernels import pallas_attention
+from megajax.model import GPT, ModelConfig
+from megajax.parallel import ParallelStep, make_mesh
 
 TRITON, MOSAIC = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"
 BLOCK = hopper.BLOCK
@@ -58,3 +60,31 @@ def test_attention_forward_and_gradients_lower_for_cuda(backend, d, window, docu
   module = export_for_cuda(grads, q, kv, kv, *([segment_ids] if documents else []))
   assert module.count(MOSAIC) == (backend == "mosaic")
   assert module.count(TRITON) == 2 + (backend == "triton")     # dq, dk/dv (+ the forward)
+
+
+MESHES = {   # (dp, pp, tp, v, microbatches)
+    "1x1x1": (1, 1, 1, 1, 1),
+    "dp2-tp4": (2, 1, 4, 1, 2),
+    "2x2x2 interleaved": (2, 2, 2, 2, 4),
+}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_the_3d_train_step_with_pallas_attention_lowers_for_cuda(tiny_config, mesh):
+  """The whole jitted 3D step (shard_map, ZeRO, tensor/sequence parallelism, the interleaved
+  pipeline) with model.attention_impl=pallas, built on this machine's CPU devices for the
+  "cuda" platform and exported: every layer's attention is the compiled kernels (forward, dq,
+  dk/dv), none interpreted. (cudnn: jax.nn.dot_product_attention asks the installed cuDNN at
+  trace time, so its step exports only on a GPU host.)"""
+  dp, pp, tp, v, microbatches = MESHES[mesh]
+  c = tiny_config
+  c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.virtual_stages = dp, pp, tp, v
+  c.model.num_layers, c.model.hidden_dim, c.model.num_heads = 2 * pp * v, 64, 4
+  c.model.seq_len, c.model.window, c.model.compute_dtype = 80, 24, "bfloat16"
+  c.model.attention_impl = "pallas"
+  c.train.batch_size, c.train.microbatches = 2 * dp * microbatches, microbatches
+  model = GPT(ModelConfig.from_config(c.model))
+  step = ParallelStep.build(c, model, make_mesh(c, jax.devices()[:dp * pp * tp]), platform="cuda")
+  module = export_for_cuda(step.train_step(), *step.abstract_inputs())
+  assert module.count(TRITON) >= 3          # a layer's forward, dq and dk/dv kernels at least
+  assert "interpret" not in module
