@@ -24,9 +24,10 @@ from megajax.model import ModelConfig
 
 NEOX, LLAMA, MISTRAL = "gpt_neox", "llama", "mistral"
 ARCHITECTURES = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM"}
-NEOX_GELU = "gelu_new"                                 # what export writes for model.mlp=gelu: the tanh form
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")         # megajax's nn.gelu(approximate=True), by HF's names
-EXACT_GELU = "gelu"                                    # HF's erf GeLU (Pythia): model.mlp=gelu_exact
+# megajax's GeLUs by HF's hidden_act names: model.mlp=gelu is the tanh form (HF writes it two
+# ways; export writes gelu_new), gelu_exact the erf one (HF's "gelu", Pythia's).
+HF_ACT_OF_MLP = {"gelu": "gelu_new", "gelu_exact": "gelu"}
+MLP_OF_HF_ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
 SILUS = ("silu", "swish")
 # Buffers old transformers versions saved with GPT-NeoX / Llama weights: no parameters.
 BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
@@ -52,7 +53,7 @@ class Tensor:
 def architecture(model: ModelConfig) -> str:
   """The HF model_type of a megajax model; HfFormatError naming the field it cannot carry."""
   windows = [model.layer_window(layer) for layer in range(model.num_layers)]
-  if model.norm == "layernorm" and model.mlp in ("gelu", "gelu_exact"):
+  if model.norm == "layernorm" and model.mlp in HF_ACT_OF_MLP:
     if any(w is not None for w in windows):
       raise HfFormatError(f"model.window={model.window} (window_pattern={model.window_pattern!r}): GPT-NeoX has no "
                           "sliding window; only a model whose every layer is global (model.window=0) exports")
@@ -87,7 +88,7 @@ def hf_config(arch: str, model: ModelConfig, eos_id: int | None, bos_id: int | N
       "initializer_range": model.init_std, "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype,
       "dtype": dtype}
   if arch == NEOX:
-    return {**config, "hidden_act": EXACT_GELU if model.mlp == "gelu_exact" else NEOX_GELU, "layer_norm_eps": model.layernorm_epsilon,
+    return {**config, "hidden_act": HF_ACT_OF_MLP[model.mlp], "layer_norm_eps": model.layernorm_epsilon,
             "use_parallel_residual": model.block != "serial", "attention_bias": True, "hidden_dropout": 0.0,
             "rotary_pct": 1.0, "rotary_emb_base": model.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta, "partial_rotary_factor": 1.0}}
@@ -142,11 +143,12 @@ def model_fields(hf: dict) -> tuple[str, dict]:
             "rope_theta": _rope(hf, arch), "window": 0, "window_pattern": "L"}
   act = hf.get("hidden_act")
   if arch == NEOX:
-    if act not in (*TANH_GELUS, EXACT_GELU):
-      raise HfFormatError(f"hidden_act={act!r}: megajax's GeLUs are the tanh form ({' or '.join(TANH_GELUS)}) and "
-                          f"the exact one ({EXACT_GELU})")
+    if act not in MLP_OF_HF_ACT:
+      tanh = " or ".join(name for name, mlp in MLP_OF_HF_ACT.items() if mlp == "gelu")
+      raise HfFormatError(f"hidden_act={act!r}: megajax's GeLUs are the tanh form ({tanh}) and "
+                          f"the exact one ({HF_ACT_OF_MLP['gelu_exact']})")
     parallel = hf.get("use_parallel_residual", True)
-    return arch, {**fields, "norm": "layernorm", "mlp": "gelu_exact" if act == EXACT_GELU else "gelu",
+    return arch, {**fields, "norm": "layernorm", "mlp": MLP_OF_HF_ACT[act],
                   "num_kv_heads": heads,
                   "block": "parallel_two_norms" if parallel else "serial", "use_bias": True,
                   "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5))}

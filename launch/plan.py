@@ -35,7 +35,7 @@ from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model, plans, report
 
 PROGRAM = "megajax-plan"
-RUNTIMES = ("megajax", "paper")
+RUNTIMES = tuple(report.RUNTIMES)
 _CONFIG = define_config_flag()
 _GPUS = flags.DEFINE_integer("gpus", None, "Devices in the job.")
 _HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Device type (megajax.parallel.planner.cost_model.HARDWARE).")
@@ -117,7 +117,7 @@ def _explain(c, gpus, batch, hw, opts, remat) -> None:
   if plan.gpus != gpus:
     _flag_error("explain", _EXPLAIN.value, f"dp x pp x tp = {plan.gpus}, not --gpus={gpus}",
                 "make the product the GPU count")
-  if plan not in set(plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value, max_micro_batch=batch)):
+  if plan not in plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value, max_micro_batch=batch):
     _flag_error("explain", _EXPLAIN.value, "not an even plan (tp within a node dividing heads, MLP, vocabulary and "
                 "sequence; pp x v dividing the layers; with v > 1, m a multiple of pp)",
                 "pick one megajax-plan lists")

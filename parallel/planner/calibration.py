@@ -76,8 +76,9 @@ class MemoryCase:
 
 # The pipeline (default executor: its residual slots hold what the remat policy saves, so the
 # policy shows in XLA's bytes even on CPU) in bf16 under each remat policy (measured too, not
-# kept in CI for its time: fp32 dots +5.9%, fp32 full +2.7%).
-_PIPELINE = {"parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2, "model.num_layers": 4,
+# kept in CI for its time: fp32 dots +5.9%, fp32 full +2.7%). memory_fit's fit set varies it
+# one field at a time.
+PIPELINE_BASE = {"parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2, "model.num_layers": 4,
              "model.hidden_dim": 128, "model.num_heads": 8, "model.vocab_size": 512, "train.batch_size": 8,
              "train.microbatches": 8}
 # Held out: none of these configs was among those XLA_KEPT, the param temps and XLA_PIPELINE
@@ -101,7 +102,7 @@ MEMORY_CASES = (
                                                         "train.microbatches": 8,
                                                         "parallel.pipeline_recompute": True}),
 ) + tuple(
-    MemoryCase(f"pp=2 tp=2 v=2, {dtype}, remat {remat}", {**_PIPELINE, "model.compute_dtype": dtype,
+    MemoryCase(f"pp=2 tp=2 v=2, {dtype}, remat {remat}", {**PIPELINE_BASE, "model.compute_dtype": dtype,
                                                           "model.remat": remat})
     for dtype, remat in (("bfloat16", "none"), ("bfloat16", "dots"), ("bfloat16", "full")))
 

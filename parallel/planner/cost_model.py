@@ -23,14 +23,14 @@ Two runtimes (`Plan.executor`):
              pp > 1), and the lockstep pipeline executor whose backward reads the residuals each
              chunk's forward kept (`Plan.pipeline_recompute`: rerun the chunk's forward instead).
   "paper"    Megatron-LM, on which MegaScale builds (the published runs of
-             published.VALIDATION_SET): with or without sequence parallelism, the distributed
+             published.validation_set()): with or without sequence parallelism, the distributed
              optimizer (else a gradient all-reduce after the backward) and the backward's
              tensor-parallel collectives overlapped with the weight-gradient GEMMs
              (`Plan.sequence_parallel`, `distributed_optimizer`, `tp_backward_overlap`), plus
              MegaScale's switches (`Optimizations`, the paper's Table 3).
 
 Fitted numbers: the five fields of `Calibration`, fitted by calibration.fit on
-published.CALIBRATION_SET only (MegaScale's Table 3), never on a row they are validated on
+published.calibration_set() only (MegaScale's Table 3), never on a row they are validated on
 (`python -m megajax.launch.bench planner` prints the fit, the leave-one-out errors and every
 validation row with its source); and the megajax memory constants in memory.py (to XLA's
 buffer assignment).
@@ -152,16 +152,6 @@ def apply_switches(c: ModelConfig, opts: Optimizations) -> ModelConfig:
   return dataclasses.replace(c, block=parallel if opts.ptb else "serial", window=c.window if opts.swa else None)
 
 
-def norms_per_layer(c: ModelConfig) -> int:
-  return 1 if c.block == "parallel" else 2
-
-
-def tp_pairs_per_layer(c: ModelConfig) -> int:
-  """The tp all-gather / reduce-scatter pairs of a block's forward: one per column / row
-  matmul group (the serial block's halves; both parallel blocks fuse theirs)."""
-  return 2 if c.block == "serial" else 1
-
-
 # --- Parameters, leaf by leaf (shapes as megajax.model creates them) -------------------------
 
 def param_leaves(c: ModelConfig):
@@ -208,6 +198,11 @@ class ParamCounts:
   compute_gathered: int = 0   # of `stage`, those megajax gathers in the compute dtype
   block: int = 0              # of `stage`, the blocks' (its layers')
 
+  def gathered_bytes(self, compute_itemsize: int, param_itemsize: int) -> int:
+    """The bytes of megajax's ZeRO gather of the stage: the linears and head in the compute
+    dtype, the rest in the parameters'."""
+    return self.compute_gathered * compute_itemsize + (self.stage - self.compute_gathered) * param_itemsize
+
 
 def param_counts(c: ModelConfig, plan: Plan) -> ParamCounts:
   layers = c.num_layers // plan.pp
@@ -246,7 +241,7 @@ class StepTime:
   data: float           # exposed data loading (no asynchronous data pipeline)
   recompute: float      # of gemm + attention + memory_bound, the part spent recomputing forwards
   mfu: float            # model FLOPs / (total x GPUs x peak)
-  recompute_matmul: float = 0.0   # of `recompute`, the GEMMs' and attention's
+  recompute_matmul: float # of `recompute`, the GEMMs' and attention's
 
   @property
   def total(self) -> float:
@@ -297,7 +292,7 @@ def _tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware):
   message = plan.micro_batch * c.seq_len * c.hidden_dim * c.compute_dtype.itemsize
   busbw = hardware.link_busbw(n, hw)
   one = lambda kind: hardware.collective_seconds(message, n, busbw, kind)
-  pairs = tp_pairs_per_layer(c)
+  pairs = operations.tp_pairs_per_layer(c)
   if plan.splits_sequence:
     forward = pairs * (one("all_gather") + one("reduce_scatter"))
     backward = forward + (0 if plan.executor == "megajax" else pairs * one("all_gather"))
@@ -357,7 +352,7 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
       t_pp = max(0.0, t_pp - (t_gemm + t_attention) / (2 * v))   # what one chunk's op cannot hide
 
   per_microbatch = t_gemm + t_attention + t_memory + t_tp + t_pp
-  bubble = (p - 1) / v * per_microbatch if p > 1 else 0.0
+  bubble = plan.bubble_fraction * m * per_microbatch
   compute = m * (t_gemm + t_attention + t_memory)
   counts = param_counts(c, plan)
   t_dp = _dp_seconds(c, plan, hw, counts, compute, layer)
@@ -400,7 +395,7 @@ def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, c
     t_dp = ring(counts.stage * cb) + ring(counts.stage * 4, "reduce_scatter")
     return t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute) if o.dp_overlap else t_dp
   scatter_bytes = counts.stage * (pb * m if plan.grad_sync == "microbatch" else 4)   # "step": the fp32 sums
-  gather_bytes = counts.compute_gathered * cb + (counts.stage - counts.compute_gathered) * pb
+  gather_bytes = counts.gathered_bytes(cb, pb)
   t_gather, t_scatter = ring(gather_bytes), ring(scatter_bytes, "reduce_scatter")
   if not o.dp_overlap:
     return t_gather + t_scatter

@@ -2,7 +2,7 @@
 
 Every number here is a datasheet figure or a published measurement, cited where it is set;
 none is fitted to a training run (the few the cost model fits live in cost_model.Calibration,
-fitted on calibration.CALIBRATION_SET, apart from the validation runs). Per-operation times
+fitted on published.calibration_set(), apart from the validation runs). Per-operation times
 scale with the work: a GEMM by its shape (tile and wave quantization, roofline), a collective
 by its bytes (latency + bytes / bus bandwidth), a streaming kernel by the bytes it moves.
 
@@ -57,7 +57,6 @@ class Hardware:
   nic_busbw_gbps: float     # NCCL bus bandwidth between nodes per GPU, GB/s (measured, above)
   gpus_per_node: int
   sms: int                  # streaming multiprocessors (tile waves)
-  nodes_per_tor: int = 64   # nodes under one set of top-of-rack switches (MegaScale 3.6)
 
 
 # H100 / H200 SXM: NVLink 4 is 450 GB/s per direction (A100: 300), NICs 8 x 400 Gb/s (A100: 200):
@@ -90,8 +89,7 @@ def gemm_seconds(m: int, n: int, k: int, hw: Hardware, hbm_efficiency: float, ba
   result through HBM when that is longer (the roofline)."""
   rate = hw.peak_tflops * 1e12 * FULL_WAVE_GEMM_FRACTION * sustained * wave_efficiency(m, n, hw.sms, batch)
   compute = batch * 2 * m * n * k / rate
-  memory = batch * (m * k + k * n + m * n) * itemsize / (hw.hbm_gbps * GB * hbm_efficiency)
-  return max(compute, memory)
+  return max(compute, streaming_seconds(batch * (m * k + k * n + m * n) * itemsize, hw, hbm_efficiency))
 
 
 def streaming_seconds(nbytes: float, hw: Hardware, hbm_efficiency: float) -> float:

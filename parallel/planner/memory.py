@@ -16,7 +16,8 @@ import dataclasses
 
 from megajax.layers import MLP_INPUTS
 from megajax.model import ModelConfig
-from megajax.parallel.planner.cost_model import Plan, apply_switches, norms_per_layer, param_counts
+from megajax.parallel.planner.cost_model import ParamCounts, Plan, apply_switches, param_counts
+from megajax.parallel.planner.operations import norms_per_layer
 
 # megajax executor's memory, fitted by least squares to XLA's buffer assignment of the real
 # compiled step on CPU (fp32, remat none, xla attention): 21 configs with pp = 1 and 22 with
@@ -69,8 +70,8 @@ XLA_STEP_SUM = 2.1
 
 # Which Memory part each pipeline term belongs to.
 PIPELINE_PARTS = dict(params="params_temp", step_sum="params_temp", gather="params_temp",
-                      layer="activations", scores="activations", saved="activations",
-                      rebuilt="activations", rerun="activations", residual="activations", logits="logits", message="pipeline")
+                      layer="activations", scores="activations", saved="activations", rebuilt="activations",
+                      rerun="activations", residual="activations", logits="logits", message="pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,17 +214,18 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   # (executor.stage_params) and held through the tick scan are counted exactly.
   parts = dict(params_temp=counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0,
                activations=0.0, logits=0.0, pipeline=0.0)
-  for term, nbytes in pipeline_terms(c, plan, remat, fused_attention).items():
+  for term, nbytes in pipeline_terms(c, plan, counts, remat, fused_attention).items():
     parts[PIPELINE_PARTS[term]] += XLA_PIPELINE[term] * nbytes
   return Memory(state, **parts)
 
 
-def pipeline_terms(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool) -> dict[str, float]:
+def pipeline_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str,
+                   fused_attention: bool) -> dict[str, float]:
   """megajax's pipeline (pp > 1): the bytes of each term XLA_PIPELINE weighs, unweighted. `c`
-  with the plan's switches applied. Working set: one chunk's forward + backward at a time (the
-  last chunk's, whose backward runs its forward too; with pipeline_recompute every chunk's), the
-  non-last chunks' residuals in their slots, the stash and cotangent messages."""
-  counts = param_counts(c, plan)
+  with the plan's switches applied, `counts` its param_counts. Working set: one chunk's
+  forward + backward at a time (the last chunk's, whose backward runs its forward too; with
+  pipeline_recompute every chunk's), the non-last chunks' residuals in their slots, the stash
+  and cotangent messages."""
   pb, cb = c.param_dtype.itemsize, c.compute_dtype.itemsize
   chunk_layers = c.num_layers // (plan.pp * plan.virtual_stages)
   terms = dict.fromkeys(XLA_PIPELINE, 0.0)
@@ -231,7 +233,7 @@ def pipeline_terms(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool
   if plan.grad_sync == "step" and plan.microbatches > 1:
     terms["step_sum"] = counts.stage * 4
   if plan.dp > 1:   # the linears and head gathered in the compute dtype, the rest in the params'
-    terms["gather"] = counts.compute_gathered * cb + (counts.stage - counts.compute_gathered) * pb
+    terms["gather"] = counts.gathered_bytes(cb, pb)
   none_layer, scores = _layer_kept(c, plan, "none", fused_attention)
   if plan.pipeline_recompute:
     terms["rerun"] = none_layer * chunk_layers

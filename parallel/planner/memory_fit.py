@@ -24,13 +24,11 @@ from scipy.optimize import nnls
 
 from megajax.model import ModelConfig
 from megajax.parallel.planner import memory
-from megajax.parallel.planner.calibration import MemoryCase, measured_bytes, memory_case_config
-from megajax.parallel.planner.cost_model import apply_switches
+from megajax.parallel.planner.calibration import PIPELINE_BASE, MemoryCase, measured_bytes, memory_case_config
+from megajax.parallel.planner.cost_model import apply_switches, param_counts
 from megajax.parallel.planner.fits import plan_of
 
-_BASE = {"parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2, "model.num_layers": 4,
-         "model.hidden_dim": 128, "model.num_heads": 8, "model.vocab_size": 512, "train.batch_size": 8,
-         "train.microbatches": 8}
+# calibration.PIPELINE_BASE (itself held out) with one or two fields changed:
 _SHAPES = {
     "seq 128": {"model.seq_len": 128},
     "h 256": {"model.hidden_dim": 256},
@@ -48,7 +46,7 @@ _SHAPES = {
                                    "train.microbatches": 4},
 }
 PIPELINE_FIT_CASES = tuple(
-    MemoryCase(f"{shape}, {dtype}, remat {remat}", {**_BASE, **overrides, "model.compute_dtype": dtype,
+    MemoryCase(f"{shape}, {dtype}, remat {remat}", {**PIPELINE_BASE, **overrides, "model.compute_dtype": dtype,
                                                     "model.remat": remat})
     for (shape, overrides), dtype, remat in itertools.product(_SHAPES.items(), ("bfloat16", "float32"),
                                                               ("none", "dots", "full")))
@@ -59,7 +57,8 @@ def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
   config = memory_case_config(case)
   c, plan = ModelConfig.from_config(config.model), plan_of(config)
   total = memory.memory(c, plan)
-  terms = memory.pipeline_terms(apply_switches(c, plan.opts), plan, c.remat, plan.opts.fused_ops)
+  switched = apply_switches(c, plan.opts)
+  terms = memory.pipeline_terms(switched, plan, param_counts(switched, plan), c.remat, plan.opts.fused_ops)
   weighted = sum(memory.XLA_PIPELINE[term] * nbytes for term, nbytes in terms.items())
   return total.total - weighted, terms
 
@@ -73,20 +72,19 @@ def fit(measured: dict[str, int], cases=PIPELINE_FIT_CASES) -> tuple[dict[str, f
   """(weights of memory.pipeline_terms, {case: relative error with them}), nnls on the cases'
   relative errors."""
   names = list(memory.XLA_PIPELINE)
-  rows, targets, exact = [], [], []
+  rows, targets = [], []
   for case in cases:
     fixed, terms = case_terms(case)
     scale = measured[case.name]
     rows.append([terms[name] / scale for name in names])
     targets.append(1 - fixed / scale)
-    exact.append(fixed / scale)
   rows, targets = np.array(rows), np.array(targets)
   used = rows.any(axis=0)           # a term no case has stays at its held value
   weights, _ = nnls(rows[:, used], targets)
   fitted = dict(memory.XLA_PIPELINE)
   fitted.update({name: float(w) for name, w in zip(np.array(names)[used], weights)})
-  predicted = rows @ np.array([fitted[name] for name in names]) + np.array(exact)
-  return fitted, {case.name: float(error) for case, error in zip(cases, predicted - 1)}
+  errors = rows @ np.array([fitted[name] for name in names]) - targets
+  return fitted, {case.name: float(error) for case, error in zip(cases, errors)}
 
 
 def write_measured(path: str, measured: dict[str, int]) -> None:

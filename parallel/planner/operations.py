@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megajax import flops
 from megajax.layers import MLP_INPUTS
 from megajax.model import ModelConfig
 from megajax.parallel.planner import hardware
@@ -48,13 +49,23 @@ class LayerTimes:
     return self.gemm_forward + self.attention_forward + self.elementwise_forward
 
 
-def linear_shapes(c: ModelConfig, tp: int, fused_block: bool) -> list[tuple[int, int]]:
+def norms_per_layer(c: ModelConfig) -> int:
+  return 1 if c.block == "parallel" else 2
+
+
+def tp_pairs_per_layer(c: ModelConfig) -> int:
+  """The tp all-gather / reduce-scatter pairs of a block's forward: one per column / row
+  matmul group (the serial block's halves; both parallel blocks fuse theirs)."""
+  return 2 if c.block == "serial" else 1
+
+
+def linear_shapes(c: ModelConfig, tp: int) -> list[tuple[int, int]]:
   """(in, out) of each linear of a layer on one tp rank. The parallel blocks run their two
   column-parallel linears as one GEMM (q, k, v and the MLP's inputs) and their two
   row-parallel ones as one (attention out and the MLP's output)."""
   h, q, kv, f = c.hidden_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.mlp_dim
   mlp_in = len(MLP_INPUTS[c.mlp]) * f
-  if fused_block:
+  if c.block != "serial":
     return [(h, (q + 2 * kv + mlp_in) // tp), ((q + f) // tp, h)]
   return [(h, (q + 2 * kv) // tp), (q // tp, h), (h, mlp_in // tp), (f // tp, h)]
 
@@ -69,24 +80,18 @@ def gemm_times(shapes, tokens: int, hw: Hardware, k, itemsize: int) -> tuple[flo
   return forward, input_grad, weight_grad
 
 
-def executed_keys(seq_len: int, window: int | None, fused: bool) -> float:
-  """Keys per query an attention kernel computes: FlashAttention skips the blocks the causal
-  (or windowed) mask empties; the unfused kernels compute the whole [s, s] square (or, with a
-  window, its band)."""
-  keys = seq_len if window is None else min(window, seq_len)
-  return keys / 2 if fused and window is None else keys
-
-
 def attention_times(c: ModelConfig, micro_batch: int, tp: int, window: int | None, fused: bool, hw: Hardware,
                     k) -> tuple[float, float]:
   """(forward, backward) seconds of one layer's attention core (QK^T, softmax, dropout, PV)."""
   heads = micro_batch * c.num_heads // tp
   s, d, cb = c.seq_len, c.head_dim, c.compute_dtype.itemsize
-  keys = executed_keys(s, window, fused)
+  # Keys per query a kernel computes: the unfused kernels the whole [s, s] square (or, with a
+  # window, its band); FlashAttention skips the blocks the causal mask empties.
+  keys = flops.attention_keys_per_query(s, window)
   if fused:   # FlashAttention-2: FLOPs 4 s keys d per head forward, backward 2.5x (its convention)
+    keys = keys / 2 if window is None else keys
     forward = 4 * heads * s * keys * d / (hw.peak_tflops * 1e12 * hardware.FLASH_ATTENTION_FRACTION)
     return forward, 2.5 * forward
-  keys = int(keys)
   scores = heads * s * keys
   gemm = lambda m, n, depth: hardware.gemm_seconds(m, n, depth, hw, k.hbm_efficiency, batch=heads, itemsize=cb,
                                                    sustained=k.gemm_sustained)
@@ -103,7 +108,7 @@ def elementwise_times(c: ModelConfig, tokens: int, tp: int, norm_tokens: float, 
   """(forward, backward) seconds of a layer's norms, residual branches and MLP activation:
   the norms and branches over `norm_tokens` rows of [h] (a sequence shard with sequence
   parallelism), the activation over the MLP's tp shard."""
-  norms = 1 if c.block == "parallel" else 2
+  norms = norms_per_layer(c)
   per_row = c.hidden_dim * c.compute_dtype.itemsize / 2           # the byte counts are bf16's
   activation = ACTIVATION_BYTES[c.mlp]
   times = []
@@ -118,7 +123,7 @@ def layer_times(c: ModelConfig, micro_batch: int, tp: int, fused_attention: bool
                 hw: Hardware, k, window: int | None) -> LayerTimes:
   """One layer (attention over `window` keys, None: causal over the sequence)."""
   tokens = micro_batch * c.seq_len
-  shapes = linear_shapes(c, tp, c.block != "serial")
+  shapes = linear_shapes(c, tp)
   forward, input_grad, weight_grad = gemm_times(shapes, tokens, hw, k, c.compute_dtype.itemsize)
   attention = attention_times(c, micro_batch, tp, window, fused_attention, hw, k)
   # The two-norm block's norms run on the gathered sequence (megajax); the others' on a shard.

@@ -38,7 +38,7 @@ SOURCES = {
     "Narayanan": "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using "
                  "Megatron-LM (SC '21, arXiv 2104.04473), Tables 1 and 2",
 }
-PEAK_TFLOPS = 312.0                  # A100 bf16 / fp16 dense: every source's MFU denominator
+PEAK_TFLOPS = flops.PEAK_BF16_TFLOPS["a100"]   # A100 bf16 / fp16 dense: every source's MFU denominator
 MFU_GOAL_POINTS, TFLOPS_GOAL_PERCENT = 3.0, 6.0
 
 

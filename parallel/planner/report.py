@@ -56,7 +56,8 @@ def why_first(best: Candidate, other: Candidate) -> str:
   """What differs between two plans and which parts of the step make the first faster."""
   a, b = _fields(best.plan), _fields(other.plan)
   differs = ", ".join(f"{k} {b[k]} -> {a[k]}" for k in a if a[k] != b[k])
-  deltas = {k: other.time.parts()[k] - best.time.parts()[k] for k in best.time.parts()}
+  theirs, ours = other.time.parts(), best.time.parts()
+  deltas = {k: theirs[k] - ours[k] for k in ours}
   gains = sorted(((d, k) for k, d in deltas.items() if abs(d) >= 5e-3), reverse=True)[:3]
   shown = ", ".join(f"{k} {-d:+.2f} s" for d, k in gains)
   return (f"#1 over this: {differs}: {shown} (step {best.time.total - other.time.total:+.2f} s, memory "

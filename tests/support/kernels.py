@@ -8,6 +8,16 @@ from megajax.layers import xla_attention
 from megajax.layers.kernels import pallas_attention
 
 
+TRITON_CALL, MOSAIC_CALL = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"   # the kernels' custom calls
+
+
+def export_for_cuda(fn, *args) -> str:
+  """The StableHLO module of `fn` exported for CUDA on this machine (the kernels' custom calls
+  allowed): runs the Triton and Mosaic GPU lowerings without a GPU."""
+  checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (TRITON_CALL, MOSAIC_CALL)]
+  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+
+
 def inputs(b, s, heads, kv_heads, d, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(keys[0], (b, s, heads, d), dtype)

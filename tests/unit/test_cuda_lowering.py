@@ -13,16 +13,10 @@ from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.kernels import pallas_attention
 from megajax.model import GPT, ModelConfig
 from megajax.parallel import ParallelStep, make_mesh
+from tests.support.kernels import MOSAIC_CALL as MOSAIC, TRITON_CALL as TRITON, export_for_cuda
 
-TRITON, MOSAIC = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"
 BLOCK = hopper.BLOCK
 WINDOWS = (None, BLOCK // 2, BLOCK, 3 * BLOCK + 8)     # none, below, equal to and above a block
-
-
-def export_for_cuda(fn, *args) -> str:
-  """The StableHLO module of `fn` exported for CUDA (its kernels' custom calls allowed)."""
-  checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (TRITON, MOSAIC)]
-  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 
 def shapes(s, d, documents):

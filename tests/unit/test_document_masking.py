@@ -24,7 +24,7 @@ from megajax.layers.kernels.band import (PADDING_SEGMENT, document_bounds, kv_bl
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep, make_mesh
 from megajax.reference_step import make_loss_sums_fn
-from tests.support.kernels import assert_close, check, inputs
+from tests.support.kernels import TRITON_CALL, assert_close, check, export_for_cuda, inputs
 
 
 def packed(lengths):
@@ -133,11 +133,8 @@ def test_the_triton_kernels_with_documents_lower_for_cuda():
   def grads(q, k, v, segment_ids):
     attention = lambda q, k, v: pallas_attention(q, k, v, 48, segment_ids, interpret=False, backend="triton")
     return jax.grad(lambda *qkv: jnp.sum(attention(*qkv).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
-  triton = "__gpu$xla.gpu.triton"
-  exported = jax.export.export(jax.jit(grads), platforms=["cuda"],
-                               disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])
-  module = exported(q, k, k, segment_ids).mlir_module()
-  assert module.count(triton) == 3                     # forward, dq, dk/dv
+  module = export_for_cuda(grads, q, k, k, segment_ids)
+  assert module.count(TRITON_CALL) == 3                # forward, dq, dk/dv
 
 
 IMPLS = {
