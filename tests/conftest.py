@@ -6,6 +6,12 @@
                       interpreter, training runs restored onto other meshes
   tests/e2e/          processes: the launcher, multi-process jobs, checkpoints across
                       kills, the fault and straggler drills, the command lines, the benchmarks
+  tests/gpu/          the kernels compiled on a GPU and the step on one: run with
+                      MEGAJAX_TESTS_ON=gpu on a GPU host (`python -m megajax.launch.bench gpu`)
+
+The suite is a CPU suite on any host: unless MEGAJAX_TESTS_ON=gpu, JAX (and every process a
+test starts) is pinned to the CPU platform, so a GPU host runs the same 8-device tests.
+With MEGAJAX_TESTS_ON=gpu the tests marked `cpu_only` are skipped, the reason shown.
 """
 
 import os
@@ -16,6 +22,11 @@ import pytest
 # Eight CPU devices in every test process (set before jax starts its backend), so every mesh
 # shape of the 3D step is testable; single-device tests pass devices=jax.devices()[:1].
 TEST_DEVICES = 8
+TESTS_ON = os.environ.get("MEGAJAX_TESTS_ON", "cpu")
+if TESTS_ON not in ("cpu", "gpu"):
+  raise pytest.UsageError(f"MEGAJAX_TESTS_ON={TESTS_ON!r}: use cpu (the default) or gpu")
+if TESTS_ON == "cpu":
+  os.environ["JAX_PLATFORMS"] = "cpu"
 _XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
   os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS} --xla_force_host_platform_device_count={TEST_DEVICES}".strip()
@@ -28,15 +39,27 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "megajax-tests-jax-cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-FOLDERS = ("unit", "integration", "e2e")
+FOLDERS = ("unit", "integration", "e2e", "gpu")
+
+# Where a test can hold: `gpu` tests need a GPU (the kernels compiled for real, tests/gpu);
+# `cpu_only` ones state what only holds on CPU (the interpreter, CPU-only refusals).
+ON_GPU = jax.devices()[0].platform == "gpu"
+NEEDS_GPU = pytest.mark.skip(reason="needs a GPU and MEGAJAX_TESTS_ON=gpu: `python -m megajax.launch.bench gpu "
+                                    "--parts=tests` runs them on one")
+CPU_ONLY = pytest.mark.skip(reason="holds on CPU only (see the test's docstring); this host has a GPU")
 
 
 def pytest_collection_modifyitems(items):
-  """Each test is marked by its folder (`-m unit`, `-m "not e2e"`, ...)."""
+  """Each test is marked by its folder (`-m unit`, `-m "not e2e"`, ...); `gpu` tests are
+  skipped without a GPU and `cpu_only` ones with one, the reason shown."""
   for item in items:
     folder = os.path.basename(os.path.dirname(str(item.fspath)))
     if folder in FOLDERS:
       item.add_marker(getattr(pytest.mark, folder))
+    if "gpu" in item.keywords and not ON_GPU:
+      item.add_marker(NEEDS_GPU)
+    if "cpu_only" in item.keywords and ON_GPU:
+      item.add_marker(CPU_ONLY)
 
 
 @pytest.fixture

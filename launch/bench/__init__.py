@@ -9,6 +9,7 @@ r"""Benchmarks that print ratios measured side by side in one run: `python -m me
   observe      the always-on bookkeeping and a sampled traced step vs a bare step
   planner      the cost model vs the paper's Tables 2 and 3, its refit, memory vs XLA
   train        the MFU suite: a Table-3 style ablation on one device
+  gpu          the GPU check: tests/gpu, the attention table, the MFU rows, megajax-train per attention_impl
 
 One module per benchmark; `__main__` is the dispatcher (the table BENCHMARKS) and holds the
 flags; `timing.median_seconds` is the one timer they share.

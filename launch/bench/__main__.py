@@ -10,15 +10,21 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
   python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
+  python -m megajax.launch.bench gpu --out=DIR [--parts=tests,attention,train,run]
+      [--train_sizes=1.3b:2048] [--run_steps=30]
 """
 
 import importlib
+import os
 import sys
+import tempfile
 
 from absl import app
 from absl import flags
 
+from megajax.config import default_config
 from megajax.launch.cluster import request_host_devices
+from megajax.launch.runtime import configure_runtime
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
@@ -38,6 +44,11 @@ _MEASURE_MEMORY = flags.DEFINE_boolean(
     "measure_memory", False, "planner: first recompile the memory fit set and rewrite "
     "parallel/planner/memory_measured.py (a few minutes).")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 512, "Tokens the sample benchmark generates per row.")
+_OUT = flags.DEFINE_string("out", "gpu_check", "gpu: the folder gpu_check.json and gpu_check.md are written to.")
+_PARTS = flags.DEFINE_string("parts", "tests,attention,train,run", "gpu: the parts to run, comma-separated.")
+_TRAIN_SIZES = flags.DEFINE_string("train_sizes", "1.3b:2048",
+                                   "gpu: the MFU suites of the train part, SIZE:SEQ comma-separated (e.g. 3b:8192).")
+_RUN_STEPS = flags.DEFINE_integer("run_steps", 30, "gpu: steps of each megajax-train run of the run part.")
 
 # name (its module, megajax.launch.bench.<name>, imported only when run) -> what runs it, with
 # the flags it reads.
@@ -54,6 +65,8 @@ BENCHMARKS = {
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
+    "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
+                                         _RUN_STEPS.value),
 }
 
 
@@ -62,6 +75,9 @@ def main(argv):
     print(f"usage: python -m megajax.launch.bench {{{'|'.join(BENCHMARKS)}}}", file=sys.stderr)
     sys.exit(2)
   request_host_devices(8)   # CPU: enough devices for every mesh of the benchmarks (ignored on GPU)
+  # The launcher's start-up settings apply to the benchmarks too: on a GPU the XLA flag preset
+  # (before jax starts its backend) and a compilation cache shared by the benchmark runs.
+  configure_runtime(default_config(), workdir=os.path.join(tempfile.gettempdir(), "megajax-bench"))
   BENCHMARKS[argv[1]](importlib.import_module(f"megajax.launch.bench.{argv[1]}"))
 
 

@@ -9,7 +9,9 @@ ablation, each measured in the same run (median of --repeats steps after a warm-
   + LAMB 4x       LAMB at batch 4B, as 4 accumulated microbatches of B
 Printed per row: step time, tokens/s, model TFLOP/s per device (megajax.flops: the count
 the trainer's MFU uses), MFU against the device's bf16 dense peak (n/a where unknown, e.g.
-CPU), and tokens/s over the baseline's. `--size=tiny` is a CPU-sized model that checks the
+CPU), and tokens/s over the baseline's. Remat is `dots`, or `full` for a row whose memory
+estimate (parallel.planner.fits) is over the GPU's bytes_limit; a row that runs out of
+memory anyway is printed as skipped. `--size=tiny` is a CPU-sized model that checks the
 suite end to end (the tests run it); the 1.3B and 3B rows are for a GPU.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 from megajax.config import default_config, validate
 from megajax.flops import mfu, training_flops_per_token
 from megajax.launch.bench.timing import median_seconds
+from megajax.parallel.planner.fits import device_memory, estimate
 from megajax.trainer import build_parallel_step
 
 SIZES = {   # layers, hidden, heads (head dim 128 for the GPU sizes), batch B per step
@@ -50,6 +53,15 @@ def row_config(size: str, seq: int, window: int, row: int, on_gpu: bool):
   c.train.steps = 10
   validate(c)
   return c
+
+
+def fitted(config):
+  """The config with remat full where dots' saved matmul outputs would not fit the GPU (the
+  memory estimate of parallel.planner.fits over the device's bytes_limit)."""
+  have, _ = device_memory(jax.devices()[:1])
+  if jax.devices()[0].platform == "gpu" and have and estimate(config, "gpu").total > have:
+    config.model.remat = "full"
+  return config
 
 
 class CompiledStep:
@@ -83,28 +95,41 @@ def measure(config, repeats: int) -> dict:
 
 
 def train_suite(size: str, seq: int, window: int, repeats: int) -> list[dict]:
+  """Every row measured; a row the device cannot hold is recorded with XLA's error, not fatal."""
   on_gpu = jax.devices()[0].platform == "gpu"
   results = []
   for row, name in enumerate(ROWS):
-    results.append({"row": name, **measure(row_config(size, seq, window, row, on_gpu), repeats)})
+    config = fitted(row_config(size, seq, window, row, on_gpu))
+    try:
+      results.append({"row": name, "batch": config.train.batch_size, "remat": config.model.remat,
+                      **measure(config, repeats)})
+    except Exception as e:    # XlaRuntimeError RESOURCE_EXHAUSTED (its type moves between jax versions)
+      if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+        raise
+      results.append({"row": name, "batch": config.train.batch_size, "error": str(e).splitlines()[0][:300]})
   return results
 
 
-def train(size: str, seq: int, window: int, repeats: int) -> None:
+def train(size: str, seq: int, window: int, repeats: int) -> list[dict]:
   device = jax.devices()[0]
   window = window or seq // 4
   print(f"MFU suite: {size} model, sequence {seq}, bf16, one {device.device_kind} ({device.platform}); "
-        f"SWA window {window}; median of {repeats} steps")
+        f"SWA window {window}; median of {repeats} steps", flush=True)
   results = train_suite(size, seq, window, repeats)
-  base = results[0]
-  print(f"{'row':14}{'batch':>7}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'x baseline':>12}")
-  for row, r in enumerate(results):
-    batch = SIZES[size]["batch"] * (4 if row >= 4 else 1)
+  measured = [r for r in results if "error" not in r]
+  base = results[0] if "error" not in results[0] else None
+  print(f"{'row':14}{'batch':>7}{'remat':>7}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'x baseline':>12}")
+  for r in results:
+    if "error" in r:
+      print(f"{r['row']:14}{r['batch']:>7}  skipped: {r['error'][:150]}")
+      continue
     mfu_text = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-    print(f"{r['row']:14}{batch:>7}{r['step_s'] * 1e3:>10.1f}{r['tokens_per_sec']:>12.0f}{r['tflops']:>10.3f}"
-          f"{mfu_text:>8}{r['tokens_per_sec'] / base['tokens_per_sec']:>12.3f}")
+    gain = f"{r['tokens_per_sec'] / base['tokens_per_sec']:.3f}" if base else "-"
+    print(f"{r['row']:14}{r['batch']:>7}{r['remat']:>7}{r['step_s'] * 1e3:>10.1f}{r['tokens_per_sec']:>12.0f}{r['tflops']:>10.3f}"
+          f"{mfu_text:>8}{gain:>12}")
   if device.platform != "gpu":
     print("not a GPU: + Pallas ran XLA's attention (the Pallas kernels run only interpreted on CPU) and the "
           "baseline XLA's, not cuDNN's")
-  if results[0]["mfu"] is None:
+  if measured and measured[0]["mfu"] is None:
     print("MFU n/a: no bf16 peak known for this device (GPU figures come only from a GPU run)")
+  return results

@@ -1,11 +1,15 @@
 """Each benchmark runs as a user runs it (python -m megajax.launch.bench NAME), small, on CPU,
 and prints its side-by-side figures."""
 
+import json
 import re
+
+import pytest
 
 from tests.support.processes import run_module
 
 
+@pytest.mark.cpu_only
 def test_attention_benchmark_runs_side_by_side_on_cpu():
   """`python -m megajax.launch.bench attention` on CPU: the reduced grid, said to be interpret mode."""
   result = run_module(["-m", "megajax.launch.bench", "attention", "--repeats=1"], timeout=300)
@@ -83,3 +87,22 @@ def test_sample_benchmark_prints_cache_against_recompute():
   for batch, _, _, _, same, total, local, global_ in rows:
     assert same == total == str(8 * int(batch))
     assert float(local) == float(global_) == int(batch) * 24 * 128 // 2 * 4 * 2 / 1024   # 24 slots: window > length
+
+
+def test_gpu_check_writes_its_report_on_cpu(tmp_path):
+  """`python -m megajax.launch.bench gpu` on a machine without a GPU: the tests part reports
+  tests/gpu skipped with the reason, the train part the tiny suite; both files written."""
+  out = tmp_path / "check"
+  result = run_module(["-m", "megajax.launch.bench", "gpu", f"--out={out}", "--parts=tests,train",
+                       "--train_sizes=tiny:32", "--repeats=1"], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "note: no GPU here (cpu)" in result.stdout
+  report = json.loads((out / "gpu_check.json").read_text())
+  assert report["parts"] == ["tests", "train"] and report["platform"] == "cpu"
+  tests = report["results"]["tests"]
+  assert tests["counts"].get("skipped", 0) >= 30 and "failed" not in tests["counts"], tests
+  assert any("needs a GPU and MEGAJAX_TESTS_ON=gpu" in line for line in tests["lines"])
+  rows = report["results"]["train"]["suites"][0]["rows"]
+  assert [r["row"] for r in rows] == ["baseline", "+ PTB", "+ SWA", "+ Pallas", "+ LAMB 4x"]
+  assert all(r["step_s"] > 0 and r["mfu"] is None for r in rows)
+  assert "## train" in (out / "gpu_check.md").read_text()

@@ -18,6 +18,14 @@ def export_for_cuda(fn, *args) -> str:
   return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 
+def tolerance(dtype) -> float:
+  """Max error over the largest entry: fp32 1e-5 on CPU (the interpreter's dots are exact
+  fp32), 3e-3 on a GPU (Triton's and XLA's default fp32 dots use TF32); 16-bit 2e-2."""
+  if jnp.dtype(dtype) != jnp.float32:
+    return 2e-2
+  return 3e-3 if jax.devices()[0].platform == "gpu" else 1e-5
+
+
 def inputs(b, s, heads, kv_heads, d, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(keys[0], (b, s, heads, d), dtype)
@@ -46,7 +54,7 @@ def check(b, s, heads, kv_heads, d, window, dtype, block=16, seed=0, segment_ids
   ours = value_and_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, block_q=block, block_k=block,
                                                           backend=backend), q, k, v, cotangent)
   reference = value_and_grads(lambda q, k, v: xla_attention(q, k, v, window, segment_ids), q, k, v, cotangent)
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  tol = tolerance(dtype)
   for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
     assert got.shape == want.shape and got.dtype == want.dtype, name
     assert_close(got, want, tol)

@@ -9,7 +9,7 @@ import pytest
 
 from megajax.layers import NORM_MODULES, swiglu
 from megajax.layers.kernels import fused_bias_gelu, fused_layer_norm, fused_rms_norm, fused_swiglu
-from tests.support.kernels import assert_close
+from tests.support.kernels import assert_close, tolerance
 
 
 @pytest.mark.parametrize("shape", [(3, 7, 64), (2, 16, 128)], ids=["padded_rows", "block_rows"])
@@ -50,7 +50,7 @@ def _check_norm(kind, shape, dtype, with_residual):
 
   plain = lambda x, scale, bias, residual=None: (
       reference(x, scale, bias) if residual is None else (x + residual, reference(x + residual, scale, bias)))
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  tol = tolerance(dtype)
   for got, want in zip(jax.tree.leaves(ours(x, scale, bias, residual if with_residual else None)),
                        jax.tree.leaves(plain(x, scale, bias, residual if with_residual else None))):
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -91,7 +91,7 @@ def _assert_same_output_and_grads(ours, reference, args, cotangent, dtype):
   """Output (dtype, shape, values) and the gradients of both arguments, fp32 or bf16 tolerance."""
   got, want = ours(*args), reference(*args)
   assert got.dtype == want.dtype and got.shape == want.shape
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  tol = tolerance(dtype)
   assert_close(got, want, tol)
   loss = lambda f, *args: jnp.sum(f(*args).astype(jnp.float32) * cotangent)
   grads = jax.grad(loss, argnums=(1, 2))

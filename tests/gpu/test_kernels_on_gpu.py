@@ -1,0 +1,137 @@
+"""On a GPU: every Pallas kernel compiled for real (Triton and, on Hopper, Mosaic GPU) and run
+against XLA at `highest` matmul precision; the 3D step on one GPU with each attention_impl.
+
+Marked `gpu` (tests/conftest.py): skipped, with the reason, where JAX sees no GPU. Run by
+`python -m megajax.launch.bench gpu --parts=tests` on the GPU machine (WORKSPACE.md).
+
+Tolerances are the GPU's, not the CPU interpreter's: fp32 kernels use TF32 tensor-core dots
+(Triton's default for an fp32 dot), so fp32 is held to 3e-3 of the largest entry, bf16 to 2e-2.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megajax.launch.bench.train import CompiledStep
+from megajax.layers import cudnn_attention, swiglu, xla_attention
+from megajax.layers.kernels import default_backend, fused_bias_gelu, fused_rms_norm, fused_swiglu, pallas_attention
+from megajax.layers.kernels import attention_hopper as hopper
+from megajax.layers.mlp import gelu
+from tests.support.kernels import assert_close, inputs
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {jnp.float32: 3e-3, jnp.bfloat16: 2e-2}
+
+
+def _on_hopper() -> bool:
+  return hopper.is_hopper(jax.devices()[0])
+
+
+def _reference_grads(fn, q, k, v, cotangent):
+  """fn's output and (dq, dk, dv) in fp32 at highest precision from the same (rounded) inputs."""
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
+  with jax.default_matmul_precision("highest"):
+    return (jax.jit(fn)(*up), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*up))
+
+
+def _ours_grads(fn, q, k, v, cotangent):
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
+  return (jax.jit(fn)(q, k, v), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+
+
+def _check_attention(backend, d, window, s=333, dtype=jnp.bfloat16, documents=False, heads=4, kv_heads=2):
+  q, k, v, cotangent = inputs(2, s, heads, kv_heads, d, dtype, seed=d + (window or 0))
+  segment_ids = None
+  if documents:   # three packed documents per row, different cut points per row
+    positions = jnp.arange(s)[None]
+    segment_ids = (positions >= jnp.array([[s // 3], [s // 5]])).astype(jnp.int32) + (
+        positions >= jnp.array([[2 * s // 3], [s // 2]]))
+  ours = _ours_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, backend=backend),
+                     q, k, v, cotangent)
+  want = _reference_grads(lambda q, k, v: xla_attention(q, k, v, window, segment_ids), q, k, v, cotangent)
+  for name, got, ref in zip(("out", "dq", "dk", "dv"), ours, want):
+    assert got.shape == ref.shape and got.dtype == dtype, name
+    assert np.all(np.isfinite(np.asarray(got, np.float32))), name
+    assert_close(got, ref, TOLERANCE[dtype])
+
+
+# Windows below, equal to and above the 64-row block, and none; an odd length; GQA.
+WINDOWS = [32, 64, 200, None]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_triton_kernels_forward_and_backward(d, window):
+  _check_attention("triton", d, window)
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_hopper_forward_with_the_triton_backward(d, window):
+  if not _on_hopper():
+    pytest.skip(f"the Mosaic GPU forward needs Hopper; this is {jax.devices()[0].device_kind}")
+  _check_attention("mosaic", d, window)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_packed_documents(backend):
+  if backend == "mosaic" and not _on_hopper():
+    pytest.skip(f"the Mosaic GPU forward needs Hopper; this is {jax.devices()[0].device_kind}")
+  _check_attention(backend, 128, 100, s=517, documents=True)
+
+
+def test_triton_kernels_in_fp32():
+  _check_attention("triton", 64, 64, dtype=jnp.float32)
+
+
+def test_dispatch_picks_mosaic_on_hopper_only():
+  want = "mosaic" if _on_hopper() else "triton"
+  assert default_backend(jnp.bfloat16, 128) == want
+  assert default_backend(jnp.float32, 128) == "triton"
+
+
+@pytest.mark.parametrize("window", [64, None], ids=lambda w: f"w{w}")
+def test_cudnn_comparator_matches_xla(window):
+  q, k, v, cotangent = inputs(2, 256, 4, 4, 128, jnp.bfloat16)
+  ours = _ours_grads(lambda q, k, v: cudnn_attention(q, k, v, window), q, k, v, cotangent)
+  want = _reference_grads(lambda q, k, v: xla_attention(q, k, v, window), q, k, v, cotangent)
+  for got, ref in zip(ours, want):
+    assert_close(got, ref, TOLERANCE[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_fused_operators(dtype):
+  keys = jax.random.split(jax.random.key(0), 4)
+  x, up = (jax.random.normal(k, (4, 300, 512), dtype) for k in keys[:2])
+  bias = 0.1 * jax.random.normal(keys[2], (512,), dtype)
+  scale = 1 + 0.1 * jax.random.normal(keys[3], (512,))
+
+  def reference_rms(x, scale):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * scale).astype(x.dtype)
+
+  pairs = [(jax.jit(fused_bias_gelu)(x, bias), gelu(x + bias)),
+           (jax.jit(fused_swiglu)(x, up), swiglu(x, up)),
+           (jax.jit(fused_rms_norm)(x, scale), reference_rms(x, scale))]
+  for got, want in pairs:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, 2e-5 if dtype == jnp.float32 else 2e-2)   # no dots: exact fp32 either way
+
+
+def test_the_3d_step_on_one_gpu_agrees_across_attention_impls(tiny_config):
+  """The jitted shard_map step on a 1x1x1 GPU mesh, bf16, 3 steps with each attention_impl:
+  the losses agree (the kernels reach the step compiled, not interpreted)."""
+  c = tiny_config
+  c.model.hidden_dim, c.model.num_heads, c.model.seq_len, c.model.vocab_size = 256, 2, 512, 512
+  c.model.window, c.model.compute_dtype = 128, "bfloat16"
+  losses = {}
+  for impl in ("xla", "pallas", "cudnn"):
+    c.model.attention_impl = impl
+    step = CompiledStep(c, jax.devices()[:1])
+    losses[impl] = [float(step.run()["loss"]) for _ in range(3)]
+  assert all(np.isfinite(losses["xla"])), losses
+  for impl in ("pallas", "cudnn"):
+    np.testing.assert_allclose(losses[impl], losses["xla"], rtol=2e-2, err_msg=str(losses))
