@@ -9,7 +9,8 @@ pallas'. Then time(32k) / time(8k) per impl at fixed w (linear in s: 4; the goal
 
 On a GPU: s in {2k, 8k, 32k} at w = 1k, head dim 128, bf16, 16 heads, 32 sequences (2^20
 tokens: one batch for every s, so the ratios show the growth in s). Rows: pallas (on Hopper
-the Mosaic GPU forward + the Triton backward), triton (the portable kernels both ways),
+the Mosaic GPU forward + the Triton backward), hopper-bwd (Hopper: the Mosaic GPU forward and
+the opt-in Mosaic GPU backward), triton (the portable kernels both ways),
 cudnn (jax.nn.dot_product_attention, local window), xla. A row whose memory would not fit
 the device (xla materializes fp32 scores b·h·s², about 137 GB at s=8k) is skipped with the
 bytes it would need; one that runs out of memory anyway is skipped with XLA's message.
@@ -53,7 +54,8 @@ def grid(on_gpu: bool) -> dict:
 
 def impls(on_gpu: bool, backend: str) -> dict:
   rows = {"pallas": pallas_attention}
-  if backend == "mosaic":    # Hopper: the portable kernels side by side with the Hopper forward
+  if backend == "mosaic":    # Hopper: the opt-in Hopper backward, and the portable kernels both ways
+    rows["hopper-bwd"] = functools.partial(pallas_attention, backward="mosaic")
     rows["triton"] = functools.partial(pallas_attention, backend="triton")
   if on_gpu:
     rows["cudnn"] = cudnn_attention
@@ -149,14 +151,14 @@ def _cell(value, fmt):
 
 
 def table(result: dict) -> list[str]:
-  lines = [f"{'s':>6} {'w':>6} {'impl':>7} {'fwd ms':>10} {'fwd+bwd ms':>11} {'fwd TF/s':>9} "
+  lines = [f"{'s':>6} {'w':>6} {'impl':>10} {'fwd ms':>10} {'fwd+bwd ms':>11} {'fwd TF/s':>9} "
            f"{'f+b TF/s':>9} {'vs pallas':>10}"]
   skipped = []
   for row in result["rows"]:
     base = _ms(result["rows"], row["s"], row["window"], "pallas")
     both = row["fwd+bwd ms"]
     ratio = f"{both / base:.2f}x" if both and base else "-"
-    lines.append(f"{row['s']:>6} {str(row['window']):>6} {row['impl']:>7} {_cell(row['fwd ms'], '.3f'):>10} "
+    lines.append(f"{row['s']:>6} {str(row['window']):>6} {row['impl']:>10} {_cell(row['fwd ms'], '.3f'):>10} "
                  f"{_cell(both, '.3f'):>11} {_cell(row['fwd TFLOP/s'], '.1f'):>9} "
                  f"{_cell(row['fwd+bwd TFLOP/s'], '.1f'):>9} {ratio:>10}")
     for pass_ in ("fwd", "fwd+bwd"):

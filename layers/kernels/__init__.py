@@ -1,11 +1,12 @@
 """Our Pallas kernels: sliding-window flash attention (forward and backward; a Hopper Mosaic
-GPU forward), fused LayerNorm and RMSNorm (+ residual add), fused bias + GeLU and SwiGLU.
+GPU forward and an opt-in Hopper backward), fused LayerNorm and RMSNorm (+ residual add), fused bias + GeLU and SwiGLU.
 
 Each is tested against the XLA code it replaces (interpret mode on CPU) and reached from the
 model through `megajax.layers` (attention: `ATTENTION_IMPLS["pallas"]`).
 
   attention.py         the portable (Triton) forward, dq and dk/dv kernels, custom_vjp, dispatch
   attention_hopper.py  the Hopper forward (TMA ring, wgmma, warp specialization)
+  attention_hopper_backward.py  the Hopper backward, dq and dk/dv (opt-in: backward="mosaic")
   band.py              the band geometry: which KV / query blocks a window (and, for packed rows,
                        the documents) make each program visit
   layer_norm.py, gelu.py, swiglu.py  the fused operators

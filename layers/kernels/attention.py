@@ -32,7 +32,9 @@ positions are one more document (`band.PADDING_SEGMENT`), which no real token se
 Back ends (`backend`): "triton", these kernels lowered through Triton (requested explicitly
 with Triton compiler params); "mosaic", the Hopper forward (`attention_hopper`: TMA,
 wgmma, warp specialization) with these backward kernels. None picks "mosaic" on H100/H200
-for bf16/fp16, "triton" otherwise. On CPU both run in interpret mode (the tests).
+for bf16/fp16, "triton" otherwise. `backward="mosaic"` opts into the Hopper backward
+(`attention_hopper_backward`), not the default until a GPU measures it faster. On CPU all
+run in interpret mode (the tests).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.kernels.band import (DEFAULT_BLOCK, PADDING_SEGMENT, document_bounds, kv_block_ranges,
                                          padded_length, q_block_ranges)
 from megajax.layers.kernels.attention_hopper import hopper_attention_forward
+from megajax.layers.kernels.attention_hopper_backward import hopper_attention_backward
 from megajax.layers.kernels.support import compiler_params, out_struct, use_interpret
 
 # A large finite negative for masked scores: exp() of it vanishes without inf - inf = nan.
@@ -275,19 +278,22 @@ def _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, int
 
 # --- The op.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, documents, window, block_q, block_k, interpret, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _attention(q, k, v, documents, window, block_q, block_k, interpret, backend, backward):
   return _forward(q, k, v, documents, window, block_q, block_k, interpret, backend)[0]
 
 
-def _attention_fwd(q, k, v, documents, window, block_q, block_k, interpret, backend):
+def _attention_fwd(q, k, v, documents, window, block_q, block_k, interpret, backend, backward):
   out, lse = _forward(q, k, v, documents, window, block_q, block_k, interpret, backend)
   return out, (q, k, v, documents, out, lse)
 
 
-def _attention_bwd(window, block_q, block_k, interpret, backend, residuals, d_out):
+def _attention_bwd(window, block_q, block_k, interpret, backend, backward, residuals, d_out):
   q, k, v, documents, out, lse = residuals
-  dq, dk, dv = _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, interpret)
+  if backward == "mosaic":
+    dq, dk, dv = hopper_attention_backward(q, k, v, out, lse, d_out, window, interpret=interpret)
+  else:
+    dq, dk, dv = _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, interpret)
   return dq, dk, dv, None                       # None: the integer documents have no cotangent
 
 
@@ -305,13 +311,16 @@ def default_backend(dtype, head_dim: int) -> str:
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
                      segment_ids: jax.Array | None = None, block_q: int = DEFAULT_BLOCK,
                      block_k: int = DEFAULT_BLOCK, interpret: bool | None = None,
-                     backend: str | None = None) -> jax.Array:
+                     backend: str | None = None, backward: str = "triton") -> jax.Array:
   """Sliding-window causal attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] -> [b, s, h, d].
 
   segment_ids: int32[b, s], non-decreasing along each row (packed documents): a query sees
   only keys of its own segment. None: one document per row.
   interpret=None runs the kernels in interpret mode on CPU and lowers them on GPU.
   backend: "triton" | "mosaic" | None (by device kind and dtype, `default_backend`).
+  backward: "triton" (the portable kernels; the default until a GPU measures the other
+  faster) | "mosaic" (the Hopper backward, `attention_hopper_backward`: bf16/fp16, head dim
+  64/128/256; packed documents keep the portable backward).
   """
   b, s, heads, d = q.shape
   if heads % k.shape[2]:
@@ -322,11 +331,20 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
   if backend == "mosaic" and not hopper.supports(q.dtype, d):
     raise ValueError(f"backend='mosaic' takes bf16/fp16 and head dim 64/128/256, got {q.dtype}, {d}: "
                      "use backend='triton'")
+  if backward not in BACKENDS:
+    raise ValueError(f"backward={backward!r}: use one of {BACKENDS}")
+  if backward == "mosaic" and not hopper.supports(q.dtype, d):
+    raise ValueError(f"backward='mosaic' takes bf16/fp16 and head dim 64/128/256, got {q.dtype}, {d}: "
+                     "use backward='triton'")
+  if segment_ids is not None:
+    backward = "triton"                      # the Hopper backward takes no documents
   interpret = use_interpret(interpret)
   block_q, block_k = min(block_q, padded_length(s, 8, 8)), min(block_k, padded_length(s, 8, 8))
   padded = padded_length(s, block_q, block_k)
   if backend == "mosaic":                    # whole 128-row programs, and whole backward blocks
     padded = padded_length(s, block_q, block_k, hopper.ROWS_PER_PROGRAM)
+  elif backward == "mosaic":                 # whole 64-row blocks
+    padded = padded_length(s, block_q, block_k, hopper.BLOCK)
   if padded != s:
     pad = [(0, 0), (0, padded - s), (0, 0), (0, 0)]
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
@@ -335,5 +353,5 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, padded - s)],
                           constant_values=PADDING_SEGMENT)
     documents = (segment_ids, *document_bounds(segment_ids))
-  out = _attention(q, k, v, documents, window, block_q, block_k, interpret, backend)
+  out = _attention(q, k, v, documents, window, block_q, block_k, interpret, backend, backward)
   return out[:, :s]

@@ -85,10 +85,12 @@ def _plgpu():
 
 
 def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
-                             doc_start: jax.Array | None = None, slots: int = 2, interpret: bool = False):
+                             doc_start: jax.Array | None = None, slots: int = 2, interpret: bool = False,
+                             detect_races: bool = False):
   """q: [b, s, h, d], k, v: [b, s, kv_h, d], s a multiple of 128 -> (out [b, s, h, d],
   lse [b, h, s] fp32, natural log, softmax scale 1/sqrt(d) included). doc_start: packed
-  documents, int32[b, s] (`band.document_bounds`), or None."""
+  documents, int32[b, s] (`band.document_bounds`), or None. detect_races: the interpreter's
+  race detector (tests)."""
   plgpu = _plgpu()
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
@@ -265,7 +267,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
 
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    interpret_params = InterpretGPUParams()
+    interpret_params = InterpretGPUParams(detect_races=detect_races)
   else:
     interpret_params = False
   k_t = jnp.transpose(k, (0, 2, 3, 1))                                # [b, kv_h, d, s]

@@ -42,14 +42,15 @@ def _ours_grads(fn, q, k, v, cotangent):
   return (jax.jit(fn)(q, k, v), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
 
 
-def _check_attention(backend, d, window, s=333, dtype=jnp.bfloat16, documents=False, heads=4, kv_heads=2):
+def _check_attention(backend, d, window, s=333, dtype=jnp.bfloat16, documents=False, heads=4, kv_heads=2,
+                     backward="triton"):
   q, k, v, cotangent = inputs(2, s, heads, kv_heads, d, dtype, seed=d + (window or 0))
   segment_ids = None
   if documents:   # three packed documents per row, different cut points per row
     positions = jnp.arange(s)[None]
     segment_ids = (positions >= jnp.array([[s // 3], [s // 5]])).astype(jnp.int32) + (
         positions >= jnp.array([[2 * s // 3], [s // 2]]))
-  ours = _ours_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, backend=backend),
+  ours = _ours_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, backend=backend, backward=backward),
                      q, k, v, cotangent)
   want = _reference_grads(lambda q, k, v: xla_attention(q, k, v, window, segment_ids), q, k, v, cotangent)
   for name, got, ref in zip(("out", "dq", "dk", "dv"), ours, want):
@@ -74,6 +75,15 @@ def test_hopper_forward_with_the_triton_backward(d, window):
   if not _on_hopper():
     pytest.skip(f"the Mosaic GPU forward needs Hopper; this is {jax.devices()[0].device_kind}")
   _check_attention("mosaic", d, window)
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_hopper_backward(d, window):
+  """The opt-in Mosaic GPU backward (backward="mosaic") behind the Hopper forward."""
+  if not _on_hopper():
+    pytest.skip(f"the Mosaic GPU kernels need Hopper; this is {jax.devices()[0].device_kind}")
+  _check_attention("mosaic", d, window, backward="mosaic")
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic"])

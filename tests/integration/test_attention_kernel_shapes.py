@@ -8,17 +8,20 @@ Then the Hopper (Mosaic GPU) forward in Pallas's GPU interpreter, which simulate
 warpgroups, shared memory, TMA copies and mbarriers (it fails on a barrier phase a warpgroup
 never observed), so those tests check the kernel's synchronization as well as its values,
 with and without packed documents; its backward is the portable kernels', reading the Hopper
-forward's logsumexp.
+forward's logsumexp. Then the opt-in Hopper backward (dq, dk/dv) the same way, and both
+Hopper kernels under the interpreter's race detector.
 """
 
 import hypothesis
 from hypothesis import strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from megajax.layers import xla_attention
 from megajax.layers.kernels import attention_hopper as hopper
+from megajax.layers.kernels import attention_hopper_backward as hopper_backward
 from megajax.layers.kernels import pallas_attention
 from megajax.layers.kernels.attention import _forward
 from tests.support.kernels import assert_close, check, inputs, value_and_grads
@@ -78,6 +81,37 @@ def test_hopper_logsumexp_is_the_portable_kernels():
   _, lse_hopper = hopper.hopper_attention_forward(q, k, v, 80, interpret=True)
   _, lse_portable = _forward(q, k, v, None, 80, 64, 64, True, "triton")
   assert_close(lse_hopper, lse_portable, 1e-2)
+
+
+# --- The Hopper backward (opt-in: backward="mosaic").
+
+@pytest.mark.parametrize("s,heads,kv_heads,d,window", [
+    (200, 2, 1, 64, 16),       # padded to 256, window below a block, GQA
+    (256, 2, 2, 128, 64),      # window equal to a block
+    (192, 4, 2, 256, None),    # causal, one-slot ring (head dim 256), GQA
+])
+def test_hopper_backward_matches_xla(s, heads, kv_heads, d, window):
+  """dq, dk, dv from the Mosaic GPU backward kernels in the GPU interpreter, behind the
+  portable forward (whose logsumexp it reads, as the Hopper forward's)."""
+  q, k, v, cotangent = inputs(1, s, heads, kv_heads, d, jnp.bfloat16)
+  ours = value_and_grads(lambda q, k, v: pallas_attention(q, k, v, window, backward="mosaic"), q, k, v, cotangent)
+  reference = value_and_grads(lambda q, k, v: xla_attention(q, k, v, window), q, k, v, cotangent)
+  for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    assert_close(got, want, 2e-2)
+
+
+def test_hopper_kernels_have_no_races():
+  """The Hopper forward and backward under the interpreter's race detector (TMA copies,
+  wgmma reads and register-to-shared stores checked against the barriers' ordering): a
+  window across block edges, GQA, two programs per head."""
+  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+  q, k, v, cotangent = inputs(1, 256, 2, 1, 64, jnp.bfloat16)
+  out, lse = hopper.hopper_attention_forward(q, k, v, 100, interpret=True, detect_races=True)
+  grads = hopper_backward.hopper_attention_backward(q, k, v, out, lse, cotangent.astype(jnp.bfloat16), 100,
+                                                    interpret=True, detect_races=True)
+  jax.block_until_ready(grads)
+  assert not get_races().races_found
 
 
 @pytest.fixture(autouse=True)

@@ -89,6 +89,14 @@ def test_mosaic_backend_refuses_fp32_with_the_fix():
     pallas_attention(q, k, v, 16, backend="mosaic")
 
 
+def test_mosaic_backward_refuses_fp32_and_unknown_names_with_the_fix():
+  q, k, v, _ = inputs(1, 128, 1, 1, 64, jnp.float32)
+  with pytest.raises(ValueError, match="backward='mosaic' takes bf16/fp16.*use backward='triton'"):
+    pallas_attention(q, k, v, 16, backward="mosaic")
+  with pytest.raises(ValueError, match=r"backward='cuda': use one of \('triton', 'mosaic'\)"):
+    pallas_attention(q, k, v, 16, backward="cuda")
+
+
 def test_registered_in_the_model_and_the_config():
   assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_IMPLS) == {"xla", "pallas", "cudnn"}
 

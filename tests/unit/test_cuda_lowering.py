@@ -56,6 +56,22 @@ def test_attention_forward_and_gradients_lower_for_cuda(backend, d, window, docu
   assert module.count(TRITON) == 2 + (backend == "triton")     # dq, dk/dv (+ the forward)
 
 
+@pytest.mark.parametrize("forward,d,window", [
+    ("mosaic", 64, None), ("mosaic", 128, BLOCK // 2), ("triton", 128, BLOCK), ("mosaic", 256, 3 * BLOCK + 8)])
+def test_hopper_backward_lowers_for_cuda(forward, d, window):
+  """backward="mosaic": the dq and dk/dv Mosaic GPU kernels (two-slot ring at d <= 128, one
+  at 256 for shared memory) at an odd length, GQA, windows around the block, behind either
+  forward."""
+  q, kv, _ = shapes(200, d, False)
+
+  def grads(q, k, v):
+    attention = lambda q, k, v: pallas_attention(q, k, v, window, interpret=False, backend=forward, backward="mosaic")
+    return jax.grad(lambda *qkv: jnp.sum(attention(*qkv).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  module = export_for_cuda(grads, q, kv, kv)
+  assert module.count(MOSAIC) == 2 + (forward == "mosaic")
+  assert module.count(TRITON) == (forward == "triton")
+
+
 MESHES = {   # (dp, pp, tp, v, microbatches)
     "1x1x1": (1, 1, 1, 1, 1),
     "dp2-tp4": (2, 1, 4, 1, 2),

@@ -12,14 +12,14 @@ def test_the_gpu_attention_grid_is_the_issues():
   g = attention.grid(on_gpu=True)
   assert g["lengths"] == (2048, 8192, 32768) and g["windows"] == (1024,)
   assert (g["head_dim"], g["heads"], g["dtype"].__name__) == (128, 16, "bfloat16")
-  assert list(attention.impls(on_gpu=True, backend="mosaic")) == ["pallas", "triton", "cudnn", "xla"]
+  assert list(attention.impls(on_gpu=True, backend="mosaic")) == ["pallas", "hopper-bwd", "triton", "cudnn", "xla"]
   assert list(attention.impls(on_gpu=True, backend="triton")) == ["pallas", "cudnn", "xla"]
 
 
 @pytest.mark.parametrize("s,impl,fits", [
     (2048, "xla", True),       # 32 x 16 x 2k^2 fp32 scores, 4 copies: ~34 GB
     (8192, "xla", False),      # ~137 GB per copy: skipped, not run out of memory
-    (32768, "pallas", True), (32768, "cudnn", True), (32768, "triton", True),
+    (32768, "pallas", True), (32768, "cudnn", True), (32768, "hopper-bwd", True),
 ])
 def test_rows_that_would_not_fit_are_skipped_before_they_run(s, impl, fits):
   g = attention.grid(on_gpu=True)
