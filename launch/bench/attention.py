@@ -10,7 +10,9 @@ pallas'. Then time(32k) / time(8k) per impl at fixed w (linear in s: 4; the goal
 On a GPU: s in {2k, 8k, 32k} at w = 1k, head dim 128, bf16, 16 heads, 32 sequences (2^20
 tokens: one batch for every s, so the ratios show the growth in s). Rows: pallas (on Hopper
 the Mosaic GPU forward + the Triton backward), hopper-bwd (Hopper: the Mosaic GPU forward and
-the opt-in Mosaic GPU backward), triton (the portable kernels both ways),
+the opt-in Mosaic GPU backward), fwd-inplace / fwd-regP / fwd-kT / fwd-sched / fwd-all4 (Hopper:
+the forward's opt-in speed-ups, attention_hopper.ForwardOptions, one at a time and together),
+triton (the portable kernels both ways),
 cudnn (jax.nn.dot_product_attention, local window), xla. A row whose memory would not fit
 the device (xla materializes fp32 scores b·h·s², about 137 GB at s=8k) is skipped with the
 bytes it would need; one that runs out of memory anyway is skipped with XLA's message.
@@ -28,8 +30,12 @@ import psutil
 from megajax.launch.bench.timing import median_seconds
 from megajax.layers import cudnn_attention, xla_attention
 from megajax.layers.kernels.attention import default_backend, pallas_attention
+from megajax.layers.kernels.attention_hopper import ForwardOptions
 
 GB = 1e9
+FORWARD_ROWS = {"fwd-inplace": ForwardOptions(accumulate_in_place=True), "fwd-regP": ForwardOptions(p_in_registers=True),
+                "fwd-kT": ForwardOptions(transpose_k_in_kernel=True), "fwd-sched": ForwardOptions(schedule_barrier=True),
+                "fwd-all4": ForwardOptions(True, True, True, True)}
 # fp32 [b, h, s, s] tensors XLA's attention keeps live: forward scores + probabilities;
 # forward+backward adds the saved probabilities' cotangent and the scores' (counted, not
 # measured: a bound the rows are skipped by, with a margin for the allocator).
@@ -56,6 +62,8 @@ def impls(on_gpu: bool, backend: str) -> dict:
   rows = {"pallas": pallas_attention}
   if backend == "mosaic":    # Hopper: the opt-in Hopper backward, and the portable kernels both ways
     rows["hopper-bwd"] = functools.partial(pallas_attention, backward="mosaic")
+    for name, options in FORWARD_ROWS.items():    # each opt-in forward speed-up, then all four
+      rows[name] = functools.partial(pallas_attention, hopper_forward=options)
     rows["triton"] = functools.partial(pallas_attention, backend="triton")
   if on_gpu:
     rows["cudnn"] = cudnn_attention

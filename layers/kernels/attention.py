@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.kernels.band import (DEFAULT_BLOCK, PADDING_SEGMENT, document_bounds, kv_block_ranges,
                                          padded_length, q_block_ranges)
-from megajax.layers.kernels.attention_hopper import hopper_attention_forward
+from megajax.layers.kernels.attention_hopper import ForwardOptions, hopper_attention_forward
 from megajax.layers.kernels.attention_hopper_backward import hopper_attention_backward
 from megajax.layers.kernels.support import compiler_params, out_struct, use_interpret
 
@@ -125,11 +125,12 @@ def _segment_specs(block: int, s: int):
   return [this_block, pl.BlockSpec((None, s), lambda i, n, h: (n, 0)), this_block]
 
 
-def _forward(q, k, v, documents, window, block_q, block_k, interpret, backend):
-  """documents: None, or (segment_ids, doc_start, doc_end) int32 [b, s] each."""
+def _forward(q, k, v, documents, window, block_q, block_k, interpret, backend, options=ForwardOptions()):
+  """documents: None, or (segment_ids, doc_start, doc_end) int32 [b, s] each. options: the
+  Hopper forward's (`attention_hopper.ForwardOptions`)."""
   if backend == "mosaic":
     doc_start = None if documents is None else documents[1]
-    return hopper_attention_forward(q, k, v, window, doc_start, interpret=interpret)
+    return hopper_attention_forward(q, k, v, window, doc_start, interpret=interpret, options=options)
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
   group = heads // kv_heads
@@ -278,17 +279,17 @@ def _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, int
 
 # --- The op.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _attention(q, k, v, documents, window, block_q, block_k, interpret, backend, backward):
-  return _forward(q, k, v, documents, window, block_q, block_k, interpret, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _attention(q, k, v, documents, window, block_q, block_k, interpret, backend, backward, options):
+  return _forward(q, k, v, documents, window, block_q, block_k, interpret, backend, options)[0]
 
 
-def _attention_fwd(q, k, v, documents, window, block_q, block_k, interpret, backend, backward):
-  out, lse = _forward(q, k, v, documents, window, block_q, block_k, interpret, backend)
+def _attention_fwd(q, k, v, documents, window, block_q, block_k, interpret, backend, backward, options):
+  out, lse = _forward(q, k, v, documents, window, block_q, block_k, interpret, backend, options)
   return out, (q, k, v, documents, out, lse)
 
 
-def _attention_bwd(window, block_q, block_k, interpret, backend, backward, residuals, d_out):
+def _attention_bwd(window, block_q, block_k, interpret, backend, backward, options, residuals, d_out):
   q, k, v, documents, out, lse = residuals
   if backward == "mosaic":
     dq, dk, dv = hopper_attention_backward(q, k, v, out, lse, d_out, window, interpret=interpret)
@@ -311,7 +312,8 @@ def default_backend(dtype, head_dim: int) -> str:
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
                      segment_ids: jax.Array | None = None, block_q: int = DEFAULT_BLOCK,
                      block_k: int = DEFAULT_BLOCK, interpret: bool | None = None,
-                     backend: str | None = None, backward: str = "triton") -> jax.Array:
+                     backend: str | None = None, backward: str = "triton",
+                     hopper_forward: ForwardOptions = ForwardOptions()) -> jax.Array:
   """Sliding-window causal attention. q: [b, s, h, d]; k, v: [b, s, kv_h, d] -> [b, s, h, d].
 
   segment_ids: int32[b, s], non-decreasing along each row (packed documents): a query sees
@@ -321,6 +323,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
   backward: "triton" (the portable kernels; the default until a GPU measures the other
   faster) | "mosaic" (the Hopper backward, `attention_hopper_backward`: bf16/fp16, head dim
   64/128/256; packed documents keep the portable backward).
+  hopper_forward: the Hopper forward's opt-in speed-ups (`attention_hopper.ForwardOptions`).
   """
   b, s, heads, d = q.shape
   if heads % k.shape[2]:
@@ -353,5 +356,5 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, padded - s)],
                           constant_values=PADDING_SEGMENT)
     documents = (segment_ids, *document_bounds(segment_ids))
-  out = _attention(q, k, v, documents, window, block_q, block_k, interpret, backend, backward)
+  out = _attention(q, k, v, documents, window, block_q, block_k, interpret, backend, backward, hopper_forward)
   return out[:, :s]

@@ -30,6 +30,7 @@ sends fp32 to the portable kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -50,6 +51,23 @@ LN_2 = math.log(2.0)
 # Masked scores (already in log2 units): finite, so a row whose first block is all masked
 # gives exp2(0) = 1s that the first visible block's rescale (exp2(MASK - m) = 0) wipes out.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+  """The forward's candidate speed-ups, each opt-in until the GPU check (`bench gpu`, the
+  attention table's rows) measures it faster than what it replaces. jax 0.10's GPU
+  interpreter runs only the last (it has no run_state, register wgmma operands or transposed
+  shared-memory views); all four are checked by lowering in CI."""
+  accumulate_in_place: bool = False    # P.V added into the carried accumulator (ACC.init): one
+                                       # [64, d] fp32 accumulator live, not two (spills at d=256)
+  p_in_registers: bool = False         # P as wgmma's register operand: no shared-memory round trip
+  transpose_k_in_kernel: bool = False  # K tiles as stored, read transposed by wgmma: no XLA transpose
+  schedule_barrier: bool = False       # the two compute warpgroups take turns on the tensor cores
+                                       # (one's softmax under the other's matmuls)
+
+  def interpretable(self) -> bool:
+    return not (self.accumulate_in_place or self.p_in_registers or self.transpose_k_in_kernel)
 
 
 def is_hopper(device: jax.Device) -> bool:
@@ -86,12 +104,15 @@ def _plgpu():
 
 def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
                              doc_start: jax.Array | None = None, slots: int = 2, interpret: bool = False,
-                             detect_races: bool = False):
+                             detect_races: bool = False, options: ForwardOptions = ForwardOptions()):
   """q: [b, s, h, d], k, v: [b, s, kv_h, d], s a multiple of 128 -> (out [b, s, h, d],
   lse [b, h, s] fp32, natural log, softmax scale 1/sqrt(d) included). doc_start: packed
   documents, int32[b, s] (`band.document_bounds`), or None. detect_races: the interpreter's
-  race detector (tests)."""
+  race detector (tests). options: `ForwardOptions` (the defaults: none)."""
   plgpu = _plgpu()
+  if interpret and not options.interpretable():
+    raise ValueError(f"{options}: only schedule_barrier runs in the GPU interpreter; "
+                     "check them by lowering (jax.export for cuda) or on a GPU")
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
   group = heads // kv_heads
@@ -119,7 +140,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     return streamed_kv_blocks(lax.axis_index("q_tile"), window, kv_blocks, doc_start_reader(doc_start_ref))
 
   def compute(q_ref, doc_start_ref, out_ref, lse_ref, q_smem, p_smem, lse_smem, k_smem, v_smem, q_barrier,
-              k_loaded, v_loaded, k_consumed, v_consumed):
+              k_loaded, v_loaded, k_consumed, v_consumed, schedule):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     warpgroup = lax.axis_index("wg")
     q_block = lax.axis_index("q_tile") * COMPUTE_WARPGROUPS + warpgroup
@@ -138,6 +159,13 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     def slot_of(kv_block):
       return lax.rem(kv_block - program_lo, slots)
 
+    def take_turn():
+      """The schedule barrier's rendezvous: the warpgroups alternate, one's softmax while the
+      other's matmuls run (each block: one after issuing Q.K^T, one before P.V)."""
+      if options.schedule_barrier:
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
     def skip(kv_block, carry):
       """A block only the sibling warpgroup sees: take part in the barriers, compute nothing."""
       slot = slot_of(kv_block)
@@ -145,7 +173,14 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       plgpu.barrier_arrive(k_consumed.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_arrive(v_consumed.at[slot])
+      take_turn()
+      take_turn()
       return carry
+
+    def k_operand(slot):
+      if options.transpose_k_in_kernel:
+        return plgpu.transpose_ref(k_smem.at[slot], (1, 0))          # [64, d] read as [d, 64]
+      return k_smem.at[slot]
 
     def attend(kv_block, carry, masked):
       m, l, acc = carry
@@ -153,7 +188,8 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       plgpu.barrier_wait(k_loaded.at[slot])
 
       def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot])               # [64, d] x [d, 64]
+        plgpu.wgmma(acc_ref, q_smem, k_operand(slot))               # [64, d] x [d, 64]
+        take_turn()
         return acc_ref[...]
       s_block = pl.run_scoped(scores, plgpu.ACC((BLOCK, BLOCK), jnp.float32)) * score_scale
       plgpu.barrier_arrive(k_consumed.at[slot])
@@ -172,25 +208,40 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s_block - lax.broadcast_in_dim(m_new, s_block.shape, [0]))
       l = l * alpha + p.sum(axis=1)
-      p_smem[...] = p.astype(dtype)
-      plgpu.commit_smem()                                            # P visible to the tensor cores
+      p16 = p.astype(dtype)
+      if not options.p_in_registers:
+        p_smem[...] = p16
+        plgpu.commit_smem()                                          # P visible to the tensor cores
+      if options.schedule_barrier:
+        plgpu.barrier_arrive(schedule)                               # softmax done
       plgpu.barrier_wait(v_loaded.at[slot])
+      if options.schedule_barrier:
+        plgpu.barrier_wait(schedule)                                 # the sibling's matmuls issued
+      p_operand = p16 if options.p_in_registers else p_smem
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
       def weighted_values(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])               # [64, 64] x [64, d]
+        plgpu.wgmma(acc_ref, p_operand, v_smem.at[slot])            # [64, 64] x [64, d]
         return acc_ref[...]
-      pv = pl.run_scoped(weighted_values, plgpu.ACC((BLOCK, d), jnp.float32))
+      if options.accumulate_in_place:                                # into acc's own registers
+        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_operand, v_smem.at[slot]))(plgpu.ACC.init(acc))
+      else:
+        acc = acc + pl.run_scoped(weighted_values, plgpu.ACC((BLOCK, d), jnp.float32))
       plgpu.barrier_arrive(v_consumed.at[slot])
-      return m_new, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+      return m_new, l, acc
 
     carry = (in_layout(jnp.full((BLOCK,), MASK_VALUE, jnp.float32), row_layout),
              in_layout(jnp.full((BLOCK,), 0.0, jnp.float32), row_layout),
              in_layout(jnp.full((BLOCK, d), 0.0, jnp.float32), wgmma_layout))
+    if options.schedule_barrier:
+      pl.when(warpgroup == 1)(take_turn)                             # warpgroup 0 goes first
     carry = lax.fori_loop(program_lo, lo, skip, carry)
     carry = lax.fori_loop(lo, full_lo, functools.partial(attend, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
     carry = lax.fori_loop(full_hi, hi, functools.partial(attend, masked=True), carry)
     m, l, acc = lax.fori_loop(hi, program_hi, skip, carry)
+    if options.schedule_barrier:
+      pl.when(warpgroup == 0)(take_turn)                             # the sibling's last turn
 
     q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
     lse_smem[...] = (m + jnp.log2(l)) * LN_2
@@ -199,14 +250,15 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(row_start, BLOCK)])
     plgpu.wait_smem_to_gmem(0)
 
-  def memory(k_t_ref, v_ref, doc_start_ref, k_smem, v_smem, k_loaded, v_loaded, k_consumed, v_consumed):
+  def memory(k_in_ref, v_ref, doc_start_ref, k_smem, v_smem, k_loaded, v_loaded, k_consumed, v_consumed):
     batch = lax.axis_index("batch")
     kv_head = lax.div(lax.axis_index("heads"), jnp.array(group, jnp.int32))
     program_lo, program_hi = program_kv_range(doc_start_ref)
 
     def load(kv_block, slot):
       keys = pl.ds(kv_block * BLOCK, BLOCK)
-      plgpu.copy_gmem_to_smem(k_t_ref.at[batch, kv_head, :, keys], k_smem.at[slot], k_loaded.at[slot])
+      k_tile = k_in_ref.at[batch, keys, kv_head] if options.transpose_k_in_kernel else k_in_ref.at[batch, kv_head, :, keys]
+      plgpu.copy_gmem_to_smem(k_tile, k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_loaded.at[slot])
 
     for slot in range(slots):                                        # fill the ring
@@ -231,7 +283,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
   def kernel(q_ref, k_t_ref, v_ref, doc_start_ref, out_ref, lse_ref, buffers, loaded, consumed):
     q_smem, p_smem, lse_smem, k_smem, v_smem = buffers
     q_barriers, k_loaded, v_loaded = loaded
-    k_consumed, v_consumed = consumed
+    k_consumed, v_consumed, schedule = consumed
     warpgroup = lax.axis_index("wg")
 
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
@@ -239,7 +291,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       plgpu.set_max_registers(232, action="increase")
       compute(q_ref, doc_start_ref, out_ref, lse_ref, q_smem.at[warpgroup], p_smem.at[warpgroup],
               lse_smem.at[warpgroup], k_smem, v_smem, q_barriers.at[warpgroup], k_loaded, v_loaded, k_consumed,
-              v_consumed)
+              v_consumed, schedule)
 
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
     def _memory():
@@ -256,12 +308,14 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
         plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK, d), dtype, transforms=swizzled),      # Q, then out
         plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK, BLOCK), dtype, transforms=swizzled),  # P
         plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK), jnp.float32),                         # lse
-        plgpu.SMEM((slots, d, BLOCK), dtype, transforms=swizzled),                   # K^T ring
+        plgpu.SMEM((slots, BLOCK, d) if options.transpose_k_in_kernel else (slots, d, BLOCK), dtype,
+                   transforms=swizzled),                                             # K (or K^T) ring
         plgpu.SMEM((slots, BLOCK, d), dtype, transforms=swizzled),                   # V ring
     )
     loaded = (plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS), plgpu.Barrier(num_barriers=slots),
               plgpu.Barrier(num_barriers=slots))
-    consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),) * 2
+    consumed = (*(plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),) * 2,
+                plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS))              # + the schedule barrier
     pl.run_scoped(lambda *scoped: kernel(q_ref, k_t_ref, v_ref, doc_start_ref, out_ref, lse_ref, *scoped),
                   buffers, loaded, consumed, collective_axes="wg")
 
@@ -270,7 +324,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     interpret_params = InterpretGPUParams(detect_races=detect_races)
   else:
     interpret_params = False
-  k_t = jnp.transpose(k, (0, 2, 3, 1))                                # [b, kv_h, d, s]
+  k_in = k if options.transpose_k_in_kernel else jnp.transpose(k, (0, 2, 3, 1))   # [b, s, kv_h, d] or [b, kv_h, d, s]
   return plgpu.kernel(
       entry,
       out_type=(out_struct(q.shape, dtype, q), out_struct((b, heads, s), jnp.float32, q)),
@@ -280,4 +334,4 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params,
-  )(q, k_t, v, *(() if doc_start is None else (doc_start.astype(jnp.int32),)))
+  )(q, k_in, v, *(() if doc_start is None else (doc_start.astype(jnp.int32),)))

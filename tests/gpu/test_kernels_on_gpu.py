@@ -43,14 +43,15 @@ def _ours_grads(fn, q, k, v, cotangent):
 
 
 def _check_attention(backend, d, window, s=333, dtype=jnp.bfloat16, documents=False, heads=4, kv_heads=2,
-                     backward="triton"):
+                     backward="triton", hopper_forward=hopper.ForwardOptions()):
   q, k, v, cotangent = inputs(2, s, heads, kv_heads, d, dtype, seed=d + (window or 0))
   segment_ids = None
   if documents:   # three packed documents per row, different cut points per row
     positions = jnp.arange(s)[None]
     segment_ids = (positions >= jnp.array([[s // 3], [s // 5]])).astype(jnp.int32) + (
         positions >= jnp.array([[2 * s // 3], [s // 2]]))
-  ours = _ours_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, backend=backend, backward=backward),
+  ours = _ours_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, backend=backend, backward=backward,
+                                                      hopper_forward=hopper_forward),
                      q, k, v, cotangent)
   want = _reference_grads(lambda q, k, v: xla_attention(q, k, v, window, segment_ids), q, k, v, cotangent)
   for name, got, ref in zip(("out", "dq", "dk", "dv"), ours, want):
@@ -84,6 +85,17 @@ def test_hopper_backward(d, window):
   if not _on_hopper():
     pytest.skip(f"the Mosaic GPU kernels need Hopper; this is {jax.devices()[0].device_kind}")
   _check_attention("mosaic", d, window, backward="mosaic")
+
+
+@pytest.mark.parametrize("name", ["accumulate_in_place", "p_in_registers", "transpose_k_in_kernel",
+                                  "schedule_barrier", "all"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_hopper_forward_options(d, name):
+  """Each opt-in speed-up of the Hopper forward (and all four) computes the same attention."""
+  if not _on_hopper():
+    pytest.skip(f"the Mosaic GPU kernels need Hopper; this is {jax.devices()[0].device_kind}")
+  options = hopper.ForwardOptions(True, True, True, True) if name == "all" else hopper.ForwardOptions(**{name: True})
+  _check_attention("mosaic", d, 200, hopper_forward=options)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic"])

@@ -97,6 +97,12 @@ def test_mosaic_backward_refuses_fp32_and_unknown_names_with_the_fix():
     pallas_attention(q, k, v, 16, backward="cuda")
 
 
+def test_hopper_forward_options_the_interpreter_cannot_run_are_refused():
+  q, k, v, _ = inputs(1, 128, 1, 1, 64, jnp.bfloat16)
+  with pytest.raises(ValueError, match="only schedule_barrier runs in the GPU interpreter"):
+    hopper.hopper_attention_forward(q, k, v, 16, interpret=True, options=hopper.ForwardOptions(p_in_registers=True))
+
+
 def test_registered_in_the_model_and_the_config():
   assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_IMPLS) == {"xla", "pallas", "cudnn"}
 

@@ -72,6 +72,26 @@ def test_hopper_backward_lowers_for_cuda(forward, d, window):
   assert module.count(TRITON) == (forward == "triton")
 
 
+FORWARD_OPTIONS = [hopper.ForwardOptions(**{name: True}) for name in (
+    "accumulate_in_place", "p_in_registers", "transpose_k_in_kernel", "schedule_barrier")] + [
+    hopper.ForwardOptions(True, True, True, True)]
+
+
+@pytest.mark.parametrize("options", FORWARD_OPTIONS, ids=["in_place", "p_registers", "k_in_kernel", "schedule",
+                                                          "all"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_forward_options_lower_for_cuda(options, d):
+  """Each opt-in speed-up of the Hopper forward, and all four together (documents too), lower
+  for every head dim: the interpreter cannot run three of them, so lowering is their CI check."""
+  documents = options == FORWARD_OPTIONS[-1]
+  q, kv, doc_start = shapes(3 * hopper.ROWS_PER_PROGRAM, d, documents)
+
+  def forward(q, k, v, *doc_start):
+    return hopper.hopper_attention_forward(q, k, v, BLOCK + 8, doc_start=doc_start[0] if doc_start else None,
+                                           options=options)
+  assert export_for_cuda(forward, q, kv, kv, *([doc_start] if documents else [])).count(MOSAIC) == 1
+
+
 MESHES = {   # (dp, pp, tp, v, microbatches)
     "1x1x1": (1, 1, 1, 1, 1),
     "dp2-tp4": (2, 1, 4, 1, 2),

@@ -12,7 +12,8 @@ def test_the_gpu_attention_grid_is_the_issues():
   g = attention.grid(on_gpu=True)
   assert g["lengths"] == (2048, 8192, 32768) and g["windows"] == (1024,)
   assert (g["head_dim"], g["heads"], g["dtype"].__name__) == (128, 16, "bfloat16")
-  assert list(attention.impls(on_gpu=True, backend="mosaic")) == ["pallas", "hopper-bwd", "triton", "cudnn", "xla"]
+  assert list(attention.impls(on_gpu=True, backend="mosaic")) == ["pallas", "hopper-bwd", "fwd-inplace", "fwd-regP",
+                                                                 "fwd-kT", "fwd-sched", "fwd-all4", "triton", "cudnn", "xla"]
   assert list(attention.impls(on_gpu=True, backend="triton")) == ["pallas", "cudnn", "xla"]
 
 
