@@ -9,12 +9,13 @@ from megajax.layers.kernels import pallas_attention
 
 
 TRITON_CALL, MOSAIC_CALL = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"   # the kernels' custom calls
+CUDNN_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")   # jax.nn.dot_product_attention's
 
 
 def export_for_cuda(fn, *args) -> str:
-  """The StableHLO module of `fn` exported for CUDA on this machine (the kernels' custom calls
-  allowed): runs the Triton and Mosaic GPU lowerings without a GPU."""
-  checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (TRITON_CALL, MOSAIC_CALL)]
+  """The StableHLO module of `fn` exported for CUDA on this machine (the kernels' and cuDNN's
+  custom calls allowed): runs the Triton and Mosaic GPU lowerings without a GPU."""
+  checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (TRITON_CALL, MOSAIC_CALL, *CUDNN_CALLS)]
   return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 

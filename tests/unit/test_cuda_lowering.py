@@ -13,7 +13,7 @@ from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.kernels import pallas_attention
 from megajax.model import GPT, ModelConfig
 from megajax.parallel import ParallelStep, make_mesh
-from tests.support.kernels import MOSAIC_CALL as MOSAIC, TRITON_CALL as TRITON, export_for_cuda
+from tests.support.kernels import CUDNN_CALLS, MOSAIC_CALL as MOSAIC, TRITON_CALL as TRITON, export_for_cuda
 
 BLOCK = hopper.BLOCK
 WINDOWS = (None, BLOCK // 2, BLOCK, 3 * BLOCK + 8)     # none, below, equal to and above a block
@@ -99,22 +99,38 @@ MESHES = {   # (dp, pp, tp, v, microbatches)
 }
 
 
+def answer_cudnn_queries_as_hopper(monkeypatch):
+  """jax.nn.dot_product_attention asks the installed cuDNN and GPU at trace time ("cuDNN is
+  not detected" on CPU): answered as on an H100 with cuDNN 9.10, so the step traces the cuDNN
+  custom calls it would on one (what cuDNN compiles them to is the GPU check's)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention_lowering
+  monkeypatch.setattr(cudnn_attention_lowering, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(cudnn_attention_lowering, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(cudnn_attention_lowering, "is_cuda_compute_capability_equal", lambda capability: False)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cudnn"])
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_the_3d_train_step_with_pallas_attention_lowers_for_cuda(tiny_config, mesh):
+def test_the_3d_train_step_lowers_for_cuda(tiny_config, mesh, impl, monkeypatch):
   """The whole jitted 3D step (shard_map, ZeRO, tensor/sequence parallelism, the interleaved
-  pipeline) with model.attention_impl=pallas, built on this machine's CPU devices for the
-  "cuda" platform and exported: every layer's attention is the compiled kernels (forward, dq,
-  dk/dv), none interpreted. (cudnn: jax.nn.dot_product_attention asks the installed cuDNN at
-  trace time, so its step exports only on a GPU host.)"""
+  pipeline) with model.attention_impl=pallas or cudnn, built on this machine's CPU devices for
+  the "cuda" platform and exported: every layer's attention is the compiled kernels (forward,
+  dq, dk/dv), none interpreted, or cuDNN's fused attention forward and backward."""
   dp, pp, tp, v, microbatches = MESHES[mesh]
   c = tiny_config
   c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.virtual_stages = dp, pp, tp, v
   c.model.num_layers, c.model.hidden_dim, c.model.num_heads = 2 * pp * v, 64, 4
   c.model.seq_len, c.model.window, c.model.compute_dtype = 80, 24, "bfloat16"
-  c.model.attention_impl = "pallas"
+  c.model.attention_impl = impl
   c.train.batch_size, c.train.microbatches = 2 * dp * microbatches, microbatches
+  if impl == "cudnn":
+    answer_cudnn_queries_as_hopper(monkeypatch)
   model = GPT(ModelConfig.from_config(c.model))
   step = ParallelStep.build(c, model, make_mesh(c, jax.devices()[:dp * pp * tp]), platform="cuda")
   module = export_for_cuda(step.train_step(), *step.abstract_inputs())
-  assert module.count(TRITON) >= 3          # a layer's forward, dq and dk/dv kernels at least
+  if impl == "pallas":
+    assert module.count(TRITON) >= 3          # a layer's forward, dq and dk/dv kernels at least
+  else:
+    assert module.count(CUDNN_CALLS[0]) >= 1 and module.count(CUDNN_CALLS[1]) >= 1
+    assert TRITON not in module and MOSAIC not in module
   assert "interpret" not in module
