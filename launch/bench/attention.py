@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import psutil
 
-from megajax.launch.bench.timing import median_seconds
+from megajax.launch.bench.timing import is_out_of_memory, median_seconds
 from megajax.layers import cudnn_attention, xla_attention
 from megajax.layers.kernels.attention import default_backend, pallas_attention
 from megajax.layers.kernels.attention_hopper import ForwardOptions
@@ -91,8 +91,8 @@ def _time_or_skip(fn, q, k, v, repeats):
   """(milliseconds, None) or (None, why): a row that runs out of memory is skipped, not fatal."""
   try:
     return median_seconds(fn, q, k, v, repeats=repeats) * 1e3, None
-  except Exception as e:    # XlaRuntimeError RESOURCE_EXHAUSTED; jax's own error types vary by version
-    if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+  except Exception as e:
+    if not is_out_of_memory(e):
       raise
     return None, "out of memory: " + str(e).splitlines()[0][:120]
 

@@ -6,6 +6,11 @@ import time
 import jax
 
 
+def is_out_of_memory(error: Exception) -> bool:
+  """XLA's allocation failure (RESOURCE_EXHAUSTED; its exception type moves between jax versions)."""
+  return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
+
+
 def median_seconds(fn, *args, repeats: int, warmed: bool = False) -> float:
   """Median wall time of fn(*args) over `repeats` runs, after one untimed run (the compile;
   `warmed`: the caller has run it already)."""

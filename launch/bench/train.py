@@ -22,7 +22,7 @@ import numpy as np
 
 from megajax.config import default_config, validate
 from megajax.flops import mfu, training_flops_per_token
-from megajax.launch.bench.timing import median_seconds
+from megajax.launch.bench.timing import is_out_of_memory, median_seconds
 from megajax.parallel.planner.fits import device_memory, estimate
 from megajax.trainer import build_parallel_step
 
@@ -103,8 +103,8 @@ def train_suite(size: str, seq: int, window: int, repeats: int) -> list[dict]:
     try:
       results.append({"row": name, "batch": config.train.batch_size, "remat": config.model.remat,
                       **measure(config, repeats)})
-    except Exception as e:    # XlaRuntimeError RESOURCE_EXHAUSTED (its type moves between jax versions)
-      if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+    except Exception as e:
+      if not is_out_of_memory(e):
         raise
       results.append({"row": name, "batch": config.train.batch_size, "error": str(e).splitlines()[0][:300]})
   return results

@@ -48,8 +48,8 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
 from megajax.layers.kernels import attention_hopper as hopper
-from megajax.layers.kernels.band import (DEFAULT_BLOCK, PADDING_SEGMENT, document_bounds, kv_block_ranges,
-                                         padded_length, q_block_ranges)
+from megajax.layers.kernels.band import (DEFAULT_BLOCK, PADDING_SEGMENT, band_loop, document_bounds, in_window,
+                                         kv_block_ranges, padded_length, q_block_ranges)
 from megajax.layers.kernels.attention_hopper import ForwardOptions, hopper_attention_forward
 from megajax.layers.kernels.attention_hopper_backward import hopper_attention_backward
 from megajax.layers.kernels.support import compiler_params, out_struct, use_interpret
@@ -59,9 +59,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _visible(rows, cols, window, row_segments=None, col_segments=None):
-  mask = cols[None, :] <= rows[:, None]
-  if window is not None:
-    mask &= cols[None, :] > rows[:, None] - window
+  mask = in_window(rows[:, None], cols[None, :], window)
   if row_segments is not None:
     mask &= row_segments[:, None] == col_segments[None, :]
   return mask
@@ -70,14 +68,6 @@ def _visible(rows, cols, window, row_segments=None, col_segments=None):
 def _dot(a, b, transpose_b=False):
   dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def _band_loop(bounds, step, carry):
-  """Runs step(block, carry, masked) over the partial, full and partial ranges of a band."""
-  lo, full_lo, full_hi, hi = bounds
-  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
 # --- Forward.
@@ -113,7 +103,7 @@ def _forward_kernel(*refs, scale, window, block_q, block_k, kv_blocks, segmented
   d = q.shape[-1]
   carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
            jnp.zeros((block_q, d), jnp.float32))
-  m, l, acc = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks, doc_starts), step, carry)
+  m, l, acc = band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks, doc_starts), step, carry)
   out_ref[...] = (acc / l[:, None]).astype(out_ref.dtype)
   lse_ref[...] = m + jnp.log(l)
 
@@ -187,7 +177,7 @@ def _dq_kernel(*refs, scale, window, block_q, block_k, kv_blocks, segmented):
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = jnp.zeros(q.shape, jnp.float32)
-  dq = _band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks, doc_starts), step, dq)
+  dq = band_loop(kv_block_ranges(q_block, block_q, block_k, window, kv_blocks, doc_starts), step, dq)
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -223,7 +213,7 @@ def _dkdv_kernel(*refs, scale, window, block_q, block_k, q_blocks, group, segmen
       dv = dv + _dot(p.T.astype(do.dtype), do)
       ds = p * (_dot(do, v, transpose_b=True) - delta[:, None])
       return dk + _dot(ds.T.astype(q.dtype), q), dv
-    dk, dv = _band_loop(bounds, step, (dk, dv))
+    dk, dv = band_loop(bounds, step, (dk, dv))
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 

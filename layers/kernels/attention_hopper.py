@@ -31,7 +31,6 @@ sends fp32 to the portable kernel.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -39,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from megajax.layers.kernels.band import kv_block_ranges
+from megajax.layers.kernels.band import band_loop, in_window, kv_block_ranges
 from megajax.layers.kernels.support import out_struct
 
 HOPPER_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "GH200")
@@ -97,9 +96,30 @@ def streamed_kv_blocks(q_tile, window: int | None, kv_blocks: int, doc_start_of=
   return first, last
 
 
-def _plgpu():
+def mosaic_gpu():
   from jax.experimental.pallas import mosaic_gpu as plgpu  # Mosaic GPU loads only when used.
   return plgpu
+
+
+def interpret_params(interpret: bool, detect_races: bool = False):
+  """plgpu.kernel's `interpret`: False (compiled), or the GPU interpreter's parameters."""
+  if not interpret:
+    return False
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams(detect_races=detect_races)
+
+
+def swizzled(plgpu):
+  """The shared-memory transforms of every 16-bit wgmma operand tile (64-wide, 128-byte swizzle)."""
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def tile_positions(row_start, col_start, in_layout, layout):
+  """(row ids, col ids) [BLOCK, BLOCK] of a tile at (row_start, col_start). Each iota gets its
+  layout where it is made: jax 0.10's Mosaic GPU cannot infer an iota's layout from its uses
+  (0.11's warpgroup lowering can)."""
+  iota = lambda dim: in_layout(lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), dim), layout)
+  return row_start + iota(0), col_start + iota(1)
 
 
 def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
@@ -109,7 +129,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
   lse [b, h, s] fp32, natural log, softmax scale 1/sqrt(d) included). doc_start: packed
   documents, int32[b, s] (`band.document_bounds`), or None. detect_races: the interpreter's
   race detector (tests). options: `ForwardOptions` (the defaults: none)."""
-  plgpu = _plgpu()
+  plgpu = mosaic_gpu()
   if interpret and not options.interpretable():
     raise ValueError(f"{options}: only schedule_barrier runs in the GPU interpreter; "
                      "check them by lowering (jax.export for cuda) or on a GPU")
@@ -194,13 +214,8 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       s_block = pl.run_scoped(scores, plgpu.ACC((BLOCK, BLOCK), jnp.float32)) * score_scale
       plgpu.barrier_arrive(k_consumed.at[slot])
       if masked:
-        # The layout goes on each iota where it is made: jax 0.10's Mosaic GPU cannot infer
-        # an iota's layout from its uses (0.11's warpgroup lowering can).
-        iota = lambda dim: in_layout(lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), dim), wgmma_layout)
-        row_ids, col_ids = row_start + iota(0), kv_block * BLOCK + iota(1)
-        visible = col_ids <= row_ids
-        if window is not None:
-          visible &= col_ids > row_ids - window
+        row_ids, col_ids = tile_positions(row_start, kv_block * BLOCK, in_layout, wgmma_layout)
+        visible = in_window(row_ids, col_ids, window)
         if documents:        # same document, given col <= row and non-decreasing segment ids
           visible &= col_ids >= lax.broadcast_in_dim(row_doc_starts, (BLOCK, BLOCK), [0])
         s_block = jnp.where(visible, s_block, MASK_VALUE)
@@ -236,9 +251,7 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     if options.schedule_barrier:
       pl.when(warpgroup == 1)(take_turn)                             # warpgroup 0 goes first
     carry = lax.fori_loop(program_lo, lo, skip, carry)
-    carry = lax.fori_loop(lo, full_lo, functools.partial(attend, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
-    carry = lax.fori_loop(full_hi, hi, functools.partial(attend, masked=True), carry)
+    carry = band_loop((lo, full_lo, full_hi, hi), attend, carry)
     m, l, acc = lax.fori_loop(hi, program_hi, skip, carry)
     if options.schedule_barrier:
       pl.when(warpgroup == 0)(take_turn)                             # the sibling's last turn
@@ -303,14 +316,14 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       q_ref, k_t_ref, v_ref, doc_start_ref, out_ref, lse_ref = refs
     else:
       (q_ref, k_t_ref, v_ref, out_ref, lse_ref), doc_start_ref = refs, None
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiles = swizzled(plgpu)
     buffers = (
-        plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK, d), dtype, transforms=swizzled),      # Q, then out
-        plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK, BLOCK), dtype, transforms=swizzled),  # P
+        plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK, d), dtype, transforms=tiles),      # Q, then out
+        plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK, BLOCK), dtype, transforms=tiles),  # P
         plgpu.SMEM((COMPUTE_WARPGROUPS, BLOCK), jnp.float32),                         # lse
         plgpu.SMEM((slots, BLOCK, d) if options.transpose_k_in_kernel else (slots, d, BLOCK), dtype,
-                   transforms=swizzled),                                             # K (or K^T) ring
-        plgpu.SMEM((slots, BLOCK, d), dtype, transforms=swizzled),                   # V ring
+                   transforms=tiles),                                             # K (or K^T) ring
+        plgpu.SMEM((slots, BLOCK, d), dtype, transforms=tiles),                   # V ring
     )
     loaded = (plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS), plgpu.Barrier(num_barriers=slots),
               plgpu.Barrier(num_barriers=slots))
@@ -319,11 +332,6 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     pl.run_scoped(lambda *scoped: kernel(q_ref, k_t_ref, v_ref, doc_start_ref, out_ref, lse_ref, *scoped),
                   buffers, loaded, consumed, collective_axes="wg")
 
-  if interpret:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    interpret_params = InterpretGPUParams(detect_races=detect_races)
-  else:
-    interpret_params = False
   k_in = k if options.transpose_k_in_kernel else jnp.transpose(k, (0, 2, 3, 1))   # [b, s, kv_h, d] or [b, kv_h, d, s]
   return plgpu.kernel(
       entry,
@@ -333,5 +341,5 @@ def hopper_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: i
       num_threads=COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret_params,
+      interpret=interpret_params(interpret, detect_races),
   )(q, k_in, v, *(() if doc_start is None else (doc_start.astype(jnp.int32),)))

@@ -30,34 +30,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from megajax.layers.kernels.attention_hopper import BLOCK, LOG2_E, supports
-from megajax.layers.kernels.band import kv_block_ranges, q_block_ranges
+from megajax.layers.kernels.attention_hopper import (BLOCK, LOG2_E, interpret_params, mosaic_gpu, supports, swizzled,
+                                                     tile_positions)
+from megajax.layers.kernels.band import band_loop, in_window, kv_block_ranges, q_block_ranges
 from megajax.layers.kernels.support import out_struct
 
 
 def ring_slots(head_dim: int) -> int:
   """Ring depth: two slots where they fit in shared memory (227 KB), one at head dim 256."""
   return 2 if head_dim <= 128 else 1
-
-
-def _plgpu():
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # Mosaic GPU loads only when used.
-  return plgpu
-
-
-def _band_loop(bounds, step, carry=None):
-  """step(block, carry, masked) over a band (lo, full_lo, full_hi, hi): masked edges, full middle."""
-  lo, full_lo, full_hi, hi = bounds
-  carry = lax.fori_loop(lo, full_lo, lambda i, c: step(i, c, True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step(i, c, False), carry)
-  return lax.fori_loop(full_hi, hi, lambda i, c: step(i, c, True), carry)
-
-
-def _interpret_params(interpret: bool, detect_races: bool):
-  if not interpret:
-    return False
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  return InterpretGPUParams(detect_races=detect_races)
 
 
 def _vector_loader(plgpu, interpret: bool):
@@ -98,15 +79,11 @@ def _ring(plgpu, copies, lo, hi, slots):
   return prefetch, slot_of, refill
 
 
-def _swizzled(plgpu):
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
 def hopper_attention_dq(q, k, v, lse, delta, d_out, window: int | None, slots: int | None = None,
                         interpret: bool = False, detect_races: bool = False):
   """dq [b, s, h, d] of sliding-window attention. q, d_out [b, s, h, d]; k, v [b, s, kv_h, d];
   lse, delta fp32 [b, h, s] (natural-log logsumexp of the forward; rowsum(out * d_out))."""
-  plgpu = _plgpu()
+  plgpu = mosaic_gpu()
   b, s, heads, d = q.shape
   slots = slots or ring_slots(d)
   group = heads // k.shape[2]
@@ -148,12 +125,8 @@ def hopper_attention_dq(q, k, v, lse, delta, d_out, window: int | None, slots: i
         scores = _matmul(plgpu, q_smem, k_t_smem.at[slot], (BLOCK, BLOCK)) * score_scale
         p = jnp.exp2(scores - lax.broadcast_in_dim(lse2, (BLOCK, BLOCK), [0]))
         if masked:
-          iota = lambda dim: in_layout(lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), dim), wgmma_layout)
-          row_ids, col_ids = row_start + iota(0), kv_block * BLOCK + iota(1)
-          visible = col_ids <= row_ids
-          if window is not None:
-            visible &= col_ids > row_ids - window
-          p = jnp.where(visible, p, 0.0)
+          row_ids, col_ids = tile_positions(row_start, kv_block * BLOCK, in_layout, wgmma_layout)
+          p = jnp.where(in_window(row_ids, col_ids, window), p, 0.0)
         plgpu.barrier_wait(v_t_loaded.at[slot])
         d_probs = _matmul(plgpu, do_smem, v_t_smem.at[slot], (BLOCK, BLOCK))
         ds_smem[...] = (p * (d_probs - lax.broadcast_in_dim(delta_rows, (BLOCK, BLOCK), [0]))).astype(dtype)
@@ -163,7 +136,7 @@ def hopper_attention_dq(q, k, v, lse, delta, d_out, window: int | None, slots: i
         refill(kv_block)                                              # also: dS is free again
         return carry
 
-      _band_loop(bounds, step)
+      band_loop(bounds, step)
       return dq_acc[...]
 
     dq = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, d), jnp.float32))
@@ -172,13 +145,13 @@ def hopper_attention_dq(q, k, v, lse, delta, d_out, window: int | None, slots: i
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  swizzled = _swizzled(plgpu)
-  scratch = (plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),            # Q, then dq
-             plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),            # dO
-             plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=swizzled),        # dS
-             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=swizzled),     # K^T ring
-             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=swizzled),     # V^T ring
-             plgpu.SMEM((slots, BLOCK, d), dtype, transforms=swizzled),     # K ring
+  tiles = swizzled(plgpu)
+  scratch = (plgpu.SMEM((BLOCK, d), dtype, transforms=tiles),            # Q, then dq
+             plgpu.SMEM((BLOCK, d), dtype, transforms=tiles),            # dO
+             plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tiles),        # dS
+             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=tiles),     # K^T ring
+             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=tiles),     # V^T ring
+             plgpu.SMEM((slots, BLOCK, d), dtype, transforms=tiles),     # K ring
              plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=slots),
              plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots))
   k_t, v_t = jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 3, 1))     # [b, kv_h, d, s]
@@ -186,14 +159,14 @@ def hopper_attention_dq(q, k, v, lse, delta, d_out, window: int | None, slots: i
       body, out_type=out_struct(q.shape, dtype, q), scratch_types=scratch,
       grid=(heads, s // BLOCK, b), grid_names=("heads", "q_block", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret, detect_races),
+      interpret=interpret_params(interpret, detect_races),
   )(q, d_out, k_t, v_t, k, lse, delta)
 
 
 def hopper_attention_dkdv(q, k, v, lse, delta, d_out, window: int | None, slots: int | None = None,
                           interpret: bool = False, detect_races: bool = False):
   """(dk, dv) [b, s, kv_h, d], shapes as hopper_attention_dq."""
-  plgpu = _plgpu()
+  plgpu = mosaic_gpu()
   b, s, heads, d = q.shape
   slots = slots or ring_slots(d)
   kv_heads = k.shape[2]
@@ -241,12 +214,8 @@ def hopper_attention_dkdv(q, k, v, lse, delta, d_out, window: int | None, slots:
           scores_t = _matmul(plgpu, k_smem, q_t_smem.at[slot], (BLOCK, BLOCK)) * score_scale   # [keys, rows]
           p_t = jnp.exp2(scores_t - lax.broadcast_in_dim(lse2, (BLOCK, BLOCK), [1]))
           if masked:
-            iota = lambda dim: in_layout(lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), dim), wgmma_layout)
-            key_ids, row_ids = key_start + iota(0), row_start + iota(1)
-            visible = key_ids <= row_ids
-            if window is not None:
-              visible &= key_ids > row_ids - window
-            p_t = jnp.where(visible, p_t, 0.0)
+            key_ids, row_ids = tile_positions(key_start, row_start, in_layout, wgmma_layout)   # P^T's axes
+            p_t = jnp.where(in_window(row_ids, key_ids, window), p_t, 0.0)
           p_smem[...] = p_t.astype(dtype)
           plgpu.commit_smem()
           plgpu.barrier_wait(do_loaded.at[slot])
@@ -260,7 +229,7 @@ def hopper_attention_dkdv(q, k, v, lse, delta, d_out, window: int | None, slots:
           refill(q_block)                                             # also: P^T and dS^T are free again
           return carry
 
-        _band_loop(bounds, step)
+        band_loop(bounds, step)
       return dk_acc[...], dv_acc[...]
 
     dk, dv = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, d), jnp.float32), plgpu.ACC((BLOCK, d), jnp.float32))
@@ -271,22 +240,22 @@ def hopper_attention_dkdv(q, k, v, lse, delta, d_out, window: int | None, slots:
     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[keys])
     plgpu.wait_smem_to_gmem(0)
 
-  swizzled = _swizzled(plgpu)
-  scratch = (plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),            # K, then dk
-             plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),            # V, then dv
-             plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=swizzled),        # P^T
-             plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=swizzled),        # dS^T
-             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=swizzled),     # Q^T ring
-             plgpu.SMEM((slots, BLOCK, d), dtype, transforms=swizzled),     # Q ring
-             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=swizzled),     # dO^T ring
-             plgpu.SMEM((slots, BLOCK, d), dtype, transforms=swizzled),     # dO ring
+  tiles = swizzled(plgpu)
+  scratch = (plgpu.SMEM((BLOCK, d), dtype, transforms=tiles),            # K, then dk
+             plgpu.SMEM((BLOCK, d), dtype, transforms=tiles),            # V, then dv
+             plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tiles),        # P^T
+             plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tiles),        # dS^T
+             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=tiles),     # Q^T ring
+             plgpu.SMEM((slots, BLOCK, d), dtype, transforms=tiles),     # Q ring
+             plgpu.SMEM((slots, d, BLOCK), dtype, transforms=tiles),     # dO^T ring
+             plgpu.SMEM((slots, BLOCK, d), dtype, transforms=tiles),     # dO ring
              plgpu.Barrier(num_barriers=2), *(plgpu.Barrier(num_barriers=slots),) * 4)
   q_t, do_t = jnp.transpose(q, (0, 2, 3, 1)), jnp.transpose(d_out, (0, 2, 3, 1))   # [b, h, d, s]
   return plgpu.kernel(
       body, out_type=(out_struct(k.shape, dtype, k), out_struct(v.shape, dtype, v)), scratch_types=scratch,
       grid=(kv_heads, s // BLOCK, b), grid_names=("kv_heads", "kv_block", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(interpret, detect_races),
+      interpret=interpret_params(interpret, detect_races),
   )(q_t, q, do_t, d_out, k, v, lse, delta)
 
 

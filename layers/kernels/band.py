@@ -16,6 +16,7 @@ row on, rows before the document end of the KV block's first key.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -38,6 +39,25 @@ def _minimum(a, b):
 
 def _clamp(x, lo, hi):
   return _minimum(_maximum(x, lo), hi)
+
+
+def in_window(query_ids, key_ids, window: int | None):
+  """Which (query, key) pairs are visible by position: key <= query and, with a window,
+  key > query - window. Elementwise: the caller broadcasts ([rows, 1] x [1, cols], or two
+  tiles of ids)."""
+  visible = key_ids <= query_ids
+  if window is not None:
+    visible &= key_ids > query_ids - window
+  return visible
+
+
+def band_loop(bounds, step, carry=None):
+  """Runs step(block, carry, masked) over a band (lo, full_lo, full_hi, hi): its partial,
+  full and partial ranges (`kv_block_ranges`, `q_block_ranges`)."""
+  lo, full_lo, full_hi, hi = bounds
+  carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
 def kv_block_ranges(q_block, block_q: int, block_k: int, window: int | None, kv_blocks: int,

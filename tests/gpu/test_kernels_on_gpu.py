@@ -14,32 +14,23 @@ import numpy as np
 import pytest
 
 from megajax.launch.bench.train import CompiledStep
-from megajax.layers import cudnn_attention, swiglu, xla_attention
+from megajax.layers import NORM_MODULES, cudnn_attention, swiglu, xla_attention
 from megajax.layers.kernels import default_backend, fused_bias_gelu, fused_rms_norm, fused_swiglu, pallas_attention
 from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.mlp import gelu
-from tests.support.kernels import assert_close, inputs
+from tests.support.kernels import assert_close, inputs, tolerance, value_and_grads
 
 pytestmark = pytest.mark.gpu
 
-TOLERANCE = {jnp.float32: 3e-3, jnp.bfloat16: 2e-2}
-
-
-def _on_hopper() -> bool:
-  return hopper.is_hopper(jax.devices()[0])
+ON_HOPPER = hopper.is_hopper(jax.devices()[0])
+HOPPER_ONLY = pytest.mark.skipif(not ON_HOPPER, reason=f"the Mosaic GPU kernels need Hopper; this is "
+                                                       f"{jax.devices()[0].device_kind}")
 
 
 def _reference_grads(fn, q, k, v, cotangent):
   """fn's output and (dq, dk, dv) in fp32 at highest precision from the same (rounded) inputs."""
-  up = [x.astype(jnp.float32) for x in (q, k, v)]
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
   with jax.default_matmul_precision("highest"):
-    return (jax.jit(fn)(*up), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*up))
-
-
-def _ours_grads(fn, q, k, v, cotangent):
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
-  return (jax.jit(fn)(q, k, v), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    return value_and_grads(fn, *(x.astype(jnp.float32) for x in (q, k, v)), cotangent)
 
 
 def _check_attention(backend, d, window, s=333, dtype=jnp.bfloat16, documents=False, heads=4, kv_heads=2,
@@ -50,14 +41,14 @@ def _check_attention(backend, d, window, s=333, dtype=jnp.bfloat16, documents=Fa
     positions = jnp.arange(s)[None]
     segment_ids = (positions >= jnp.array([[s // 3], [s // 5]])).astype(jnp.int32) + (
         positions >= jnp.array([[2 * s // 3], [s // 2]]))
-  ours = _ours_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, backend=backend, backward=backward,
-                                                      hopper_forward=hopper_forward),
-                     q, k, v, cotangent)
+  ours = value_and_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, backend=backend,
+                                                          backward=backward, hopper_forward=hopper_forward),
+                         q, k, v, cotangent)
   want = _reference_grads(lambda q, k, v: xla_attention(q, k, v, window, segment_ids), q, k, v, cotangent)
   for name, got, ref in zip(("out", "dq", "dk", "dv"), ours, want):
     assert got.shape == ref.shape and got.dtype == dtype, name
     assert np.all(np.isfinite(np.asarray(got, np.float32))), name
-    assert_close(got, ref, TOLERANCE[dtype])
+    assert_close(got, ref, tolerance(dtype))
 
 
 # Windows below, equal to and above the 64-row block, and none; an odd length; GQA.
@@ -72,36 +63,31 @@ def test_triton_kernels_forward_and_backward(d, window):
 
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+@HOPPER_ONLY
 def test_hopper_forward_with_the_triton_backward(d, window):
-  if not _on_hopper():
-    pytest.skip(f"the Mosaic GPU forward needs Hopper; this is {jax.devices()[0].device_kind}")
   _check_attention("mosaic", d, window)
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+@HOPPER_ONLY
 def test_hopper_backward(d, window):
   """The opt-in Mosaic GPU backward (backward="mosaic") behind the Hopper forward."""
-  if not _on_hopper():
-    pytest.skip(f"the Mosaic GPU kernels need Hopper; this is {jax.devices()[0].device_kind}")
   _check_attention("mosaic", d, window, backward="mosaic")
 
 
 @pytest.mark.parametrize("name", ["accumulate_in_place", "p_in_registers", "transpose_k_in_kernel",
                                   "schedule_barrier", "all"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+@HOPPER_ONLY
 def test_hopper_forward_options(d, name):
   """Each opt-in speed-up of the Hopper forward (and all four) computes the same attention."""
-  if not _on_hopper():
-    pytest.skip(f"the Mosaic GPU kernels need Hopper; this is {jax.devices()[0].device_kind}")
   options = hopper.ForwardOptions(True, True, True, True) if name == "all" else hopper.ForwardOptions(**{name: True})
   _check_attention("mosaic", d, 200, hopper_forward=options)
 
 
-@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=HOPPER_ONLY)])
 def test_packed_documents(backend):
-  if backend == "mosaic" and not _on_hopper():
-    pytest.skip(f"the Mosaic GPU forward needs Hopper; this is {jax.devices()[0].device_kind}")
   _check_attention(backend, 128, 100, s=517, documents=True)
 
 
@@ -110,7 +96,7 @@ def test_triton_kernels_in_fp32():
 
 
 def test_dispatch_picks_mosaic_on_hopper_only():
-  want = "mosaic" if _on_hopper() else "triton"
+  want = "mosaic" if ON_HOPPER else "triton"
   assert default_backend(jnp.bfloat16, 128) == want
   assert default_backend(jnp.float32, 128) == "triton"
 
@@ -118,10 +104,10 @@ def test_dispatch_picks_mosaic_on_hopper_only():
 @pytest.mark.parametrize("window", [64, None], ids=lambda w: f"w{w}")
 def test_cudnn_comparator_matches_xla(window):
   q, k, v, cotangent = inputs(2, 256, 4, 4, 128, jnp.bfloat16)
-  ours = _ours_grads(lambda q, k, v: cudnn_attention(q, k, v, window), q, k, v, cotangent)
+  ours = value_and_grads(lambda q, k, v: cudnn_attention(q, k, v, window), q, k, v, cotangent)
   want = _reference_grads(lambda q, k, v: xla_attention(q, k, v, window), q, k, v, cotangent)
   for got, ref in zip(ours, want):
-    assert_close(got, ref, TOLERANCE[jnp.bfloat16])
+    assert_close(got, ref, tolerance(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -131,13 +117,10 @@ def test_fused_operators(dtype):
   bias = 0.1 * jax.random.normal(keys[2], (512,), dtype)
   scale = 1 + 0.1 * jax.random.normal(keys[3], (512,))
 
-  def reference_rms(x, scale):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * scale).astype(x.dtype)
-
+  rms_norm = NORM_MODULES["rmsnorm"](1e-5, dtype, jnp.float32, "norm")     # the model's own norm
   pairs = [(jax.jit(fused_bias_gelu)(x, bias), gelu(x + bias)),
            (jax.jit(fused_swiglu)(x, up), swiglu(x, up)),
-           (jax.jit(fused_rms_norm)(x, scale), reference_rms(x, scale))]
+           (jax.jit(fused_rms_norm)(x, scale), rms_norm.apply({"params": {"scale": scale}}, x))]
   for got, want in pairs:
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_close(got, want, 2e-5 if dtype == jnp.float32 else 2e-2)   # no dots: exact fp32 either way

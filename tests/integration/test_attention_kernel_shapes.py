@@ -22,10 +22,9 @@ import pytest
 from megajax.layers import xla_attention
 from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.kernels import attention_hopper_backward as hopper_backward
-from megajax.layers.kernels import pallas_attention
 from megajax.layers.kernels.attention import _forward
 from megajax.layers.kernels.band import document_bounds
-from tests.support.kernels import assert_close, check, inputs, value_and_grads
+from tests.support.kernels import assert_close, check, inputs
 
 
 @pytest.mark.parametrize("s", [64, 50], ids=["block_multiple", "padded"])
@@ -55,12 +54,7 @@ def test_shape_sweep(s, window, groups, block):
     (384, 2, 2, 64, 100),      # window across block edges: skipped, masked and full blocks
 ])
 def test_hopper_forward_and_gradients_match_xla(s, heads, kv_heads, d, window):
-  q, k, v, cotangent = inputs(1, s, heads, kv_heads, d, jnp.bfloat16)
-  ours = value_and_grads(lambda q, k, v: pallas_attention(q, k, v, window, backend="mosaic"), q, k, v, cotangent)
-  reference = value_and_grads(lambda q, k, v: xla_attention(q, k, v, window), q, k, v, cotangent)
-  for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
-    assert got.shape == want.shape and got.dtype == want.dtype, name
-    assert_close(got, want, 2e-2)
+  check(1, s, heads, kv_heads, d, window, jnp.bfloat16, block=64, backend="mosaic")
 
 
 @pytest.mark.parametrize("lengths,heads,kv_heads,window", [
@@ -94,12 +88,7 @@ def test_hopper_logsumexp_is_the_portable_kernels():
 def test_hopper_backward_matches_xla(s, heads, kv_heads, d, window):
   """dq, dk, dv from the Mosaic GPU backward kernels in the GPU interpreter, behind the
   portable forward (whose logsumexp it reads, as the Hopper forward's)."""
-  q, k, v, cotangent = inputs(1, s, heads, kv_heads, d, jnp.bfloat16)
-  ours = value_and_grads(lambda q, k, v: pallas_attention(q, k, v, window, backward="mosaic"), q, k, v, cotangent)
-  reference = value_and_grads(lambda q, k, v: xla_attention(q, k, v, window), q, k, v, cotangent)
-  for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
-    assert got.shape == want.shape and got.dtype == want.dtype, name
-    assert_close(got, want, 2e-2)
+  check(1, s, heads, kv_heads, d, window, jnp.bfloat16, block=64, backward="mosaic")
 
 
 @pytest.mark.parametrize("lengths,window", [(None, 100), ([70, 60, 1, 69, 56], None)], ids=["window", "documents"])

@@ -49,11 +49,12 @@ def assert_close(got, want, tol):
   assert np.max(np.abs(got - want)) <= tol * scale, np.max(np.abs(got - want)) / scale
 
 
-def check(b, s, heads, kv_heads, d, window, dtype, block=16, seed=0, segment_ids=None, backend=None):
+def check(b, s, heads, kv_heads, d, window, dtype, block=16, seed=0, segment_ids=None, backend=None,
+          backward="triton"):
   """pallas_attention against xla_attention: out, dq, dk, dv (segment_ids: [b, s] packed documents)."""
   q, k, v, cotangent = inputs(b, s, heads, kv_heads, d, dtype, seed)
   ours = value_and_grads(lambda q, k, v: pallas_attention(q, k, v, window, segment_ids, block_q=block, block_k=block,
-                                                          backend=backend), q, k, v, cotangent)
+                                                          backend=backend, backward=backward), q, k, v, cotangent)
   reference = value_and_grads(lambda q, k, v: xla_attention(q, k, v, window, segment_ids), q, k, v, cotangent)
   tol = tolerance(dtype)
   for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
