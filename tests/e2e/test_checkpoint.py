@@ -17,15 +17,15 @@ import numpy as np
 from megajax.checkpoint import TrainingCheckpointer, load_params
 from tests.support import REPO, SMALL_MESH, config_flags
 from tests.support.checkpoints import parallel_step_for, run_config
-from tests.support.processes import child_env, launch_two_processes, run_module
+from tests.support.processes import (SHORT_DEFAULT_JOB, SHORT_JOB, child_env, launch_two_processes, run_module,
+                                     short_default_job)
 from tests.support.records import metrics
 
 
-# The default 2x2x2 job (pipeline, tp, ZeRO-2 over dp), short and in fp32: the same program
-# as test_launcher.py's SHORT_RUN (checkpointing is host-side), so the compilation cache serves both.
-RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=12",
-       "--config.optimizer.warmup_steps=3", "--config.train.log_every=1", "--config.model.compute_dtype=float32",
-       "--config.checkpoint.every_steps=3"]
+# The default 2x2x2 job (pipeline, tp, ZeRO-2 over dp), short and in fp32, checkpoints every 3
+# steps, at a quarter of its width (its uninterrupted run is made once for this file and
+# test_launcher.py); at full width (SHORT_JOB) where a test measures bytes read or times saves.
+RUN = SHORT_DEFAULT_JOB
 
 
 def losses(workdir) -> dict:
@@ -37,12 +37,10 @@ def launch(workdir, *overrides, timeout=300):
   return run_module([*RUN, f"--workdir={workdir}", *overrides], timeout=timeout)
 
 
-def test_exact_resume_after_a_kill(tmp_path):
+def test_exact_resume_after_a_kill(tmp_path, tmp_path_factory):
   """12 steps straight vs killed (SIGKILL) after step 8 and relaunched with the same
   command: the same losses, and bitwise the same parameters."""
-  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  result = launch(straight)
-  assert result.returncode == 0, result.stderr[-3000:]
+  straight, resumed = short_default_job(tmp_path_factory), tmp_path / "resumed"
   crashed = launch(resumed, "--config.debug.fail_at_step=8")
   assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
   assert not (resumed / "params").exists()
@@ -61,7 +59,7 @@ def test_exact_resume_after_a_kill(tmp_path):
 
 
 def two_process_launch(workdir, *overrides, timeout=300):
-  return launch_two_processes([*RUN, f"--workdir={workdir}", *overrides], timeout)
+  return launch_two_processes([*SHORT_JOB, f"--workdir={workdir}", *overrides], timeout)
 
 
 SMALL_MESH_FLAGS = config_flags(SMALL_MESH)
@@ -71,7 +69,7 @@ def _start_endless_run(workdir, *overrides):
   """The small-mesh run with train.steps=100000 (one compiled program for the tests below);
   its stderr goes to WORKDIR.stderr (a pipe nobody reads would fill and stall it)."""
   log = open(f"{workdir}.stderr", "w")
-  process = subprocess.Popen([sys.executable, *RUN, f"--workdir={workdir}", "--config.train.steps=100000",
+  process = subprocess.Popen([sys.executable, *SHORT_JOB, f"--workdir={workdir}", "--config.train.steps=100000",
                               *SMALL_MESH_FLAGS, *overrides], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
                              stderr=log)
   log.close()
@@ -106,7 +104,7 @@ def test_the_launcher_reports_a_mismatched_checkpoint_in_one_line(two_checkpoint
   workdir, _, _ = two_checkpoints
   result = launch(workdir, *SMALL_MESH_FLAGS)
   assert result.returncode == 2
-  assert "checkpoint error: checkpoint" in result.stderr and "model.hidden_dim: checkpoint 32, this run 128" in result.stderr
+  assert "checkpoint error: checkpoint" in result.stderr and "model.vocab_size: checkpoint 64, this run 256" in result.stderr
   assert "Traceback" not in result.stderr
 
 

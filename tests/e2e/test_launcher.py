@@ -8,7 +8,7 @@ import numpy as np
 
 from megajax import data
 from megajax.checkpoint import load_params
-from tests.support.processes import run_module
+from tests.support.processes import SHORT_DEFAULT_JOB, run_module, short_default_job
 from tests.support.records import metrics
 
 
@@ -106,9 +106,7 @@ def test_default_job_through_the_launcher(tmp_path):
   assert "pipeline: interleaved_1f1b, 2 virtual stages, depth_first, 4 microbatches" in result.stderr
 
 
-SHORT_RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=12",
-             "--config.optimizer.warmup_steps=3", "--config.train.log_every=1",
-             "--config.model.compute_dtype=float32", "--config.checkpoint.save_params=false"]
+SHORT_RUN = [*SHORT_DEFAULT_JOB, "--config.checkpoint.save_params=false"]
 
 
 def _losses(workdir):
@@ -132,19 +130,20 @@ def _two_process_losses(workdir, *overrides):
   return _losses(workdir)
 
 
-def test_launcher_losses_are_the_same_on_any_mesh(tmp_path):
+def test_launcher_losses_are_the_same_on_any_mesh(tmp_path, tmp_path_factory):
   """Same data, same init, same math: the default 2x2x2 pipelined mesh, in one process or two
-  (the pipeline stages across the processes), logs the 1x1x1 losses."""
+  (the pipeline stages across the processes), logs the 1x1x1 losses. The one-process 2x2x2
+  run is tests.support.processes.short_default_job (SHORT_RUN's job, parameters exported)."""
   single = _launcher_losses(tmp_path / "single", "--config.parallel.dp=1", "--config.parallel.pp=1",
                             "--config.parallel.tp=1")
-  save = "--config.checkpoint.save_params=true"
-  meshed = _launcher_losses(tmp_path / "meshed", save)
-  two_hosts = _two_process_losses(tmp_path / "two_hosts", save)
+  meshed_workdir = short_default_job(tmp_path_factory)
+  meshed = _losses(meshed_workdir)
+  two_hosts = _two_process_losses(tmp_path / "two_hosts", "--config.checkpoint.save_params=true")
   assert len(single) == len(meshed) == len(two_hosts) == 12
   # The export gathers every stage's rows, also when the stages live in different processes.
   # After 12 LAMB steps the two runs' parameters differ by the order of their sums, amplified
   # by Adam on near-zero gradient components (about 2e-4 of the model; the losses agree to 1e-5).
-  one, two = load_params(str(tmp_path / "meshed" / "params")), load_params(str(tmp_path / "two_hosts" / "params"))
+  one, two = load_params(str(meshed_workdir / "params")), load_params(str(tmp_path / "two_hosts" / "params"))
   assert jax.tree.structure(one) == jax.tree.structure(two) and "layer_3" in two
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
   assert np.linalg.norm(flat(one) - flat(two)) < 1e-3 * np.linalg.norm(flat(one))

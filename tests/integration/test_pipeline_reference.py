@@ -34,15 +34,14 @@ CASES = [(mesh, schedule, v, factor) for mesh in PIPELINE_MESHES for schedule, v
 @pytest.mark.parametrize("mesh,schedule,virtual_stages,factor", CASES,
                          ids=[f"{'x'.join(map(str, m))}-{s}-v{v}-m={f}p" for m, s, v, f in CASES])
 def test_pipeline_matches_the_single_device_reference(mesh, schedule, virtual_stages, factor):
-  """One reference per model (one microbatch): accumulation changes only the order of sums."""
   config = pipeline_config(mesh, schedule, virtual_stages, microbatches=factor * mesh[1])
   overrides = (("num_layers", config.model.num_layers),)
-  assert_matches_reference(config, overrides, reference_microbatches=1, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, overrides, param_leaf_rtol=3e-5)
 
 
 def test_breadth_first_traversal_matches_the_reference():
   config = pipeline_config((1, 2, 1), "interleaved_1f1b", 2, microbatches=4, traversal="breadth_first")
-  assert_matches_reference(config, (("num_layers", 4),), reference_microbatches=1, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("grad_sync", GRAD_SYNC_CHOICES)
@@ -52,7 +51,7 @@ def test_both_gradient_syncs_through_the_pipeline(mesh, grad_sync):
   backward (into the shard): the same gradients and steps, embedding and head included."""
   config = pipeline_config(mesh, "interleaved_1f1b", 2, microbatches=4)
   config.parallel.grad_sync = grad_sync
-  assert_matches_reference(config, (("num_layers", 4),), reference_microbatches=1, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("layers", [8, 12], ids=["2-pieces", "overlapping-pieces"])
@@ -61,7 +60,7 @@ def test_dp_pieces_in_the_edge_ticks_match_the_reference(layers):
   tick scan's 2 head and 2 tail ticks, one piece each: 8 layers, 2 rows per chunk, a row
   per piece; 12 layers, 3 rows per chunk, pieces of 2 rows overlapping in one."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4, layers=layers)
-  assert_matches_reference(config, (("num_layers", layers),), reference_microbatches=1, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, (("num_layers", layers),), param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -71,7 +70,7 @@ def test_every_remat_policy_inside_the_pipeline(remat):
   in its backward exactly as without a pipeline)."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
   config.model.remat = remat
-  assert_matches_reference(config, (("num_layers", 4), ("remat", remat)), reference_microbatches=1,
+  assert_matches_reference(config, (("num_layers", 4), ("remat", remat)),
                            param_leaf_rtol=3e-5)
 
 
@@ -84,7 +83,7 @@ def test_serial_block_remat_and_tied_embeddings_through_the_pipeline(recompute):
   overrides = (("num_layers", 4), ("block", "serial"), ("remat", "dots"), ("tie_embeddings", True))
   config.model.block, config.model.remat, config.model.tie_embeddings = "serial", "dots", True
   config.parallel.pipeline_recompute = recompute
-  assert_matches_reference(config, overrides, reference_microbatches=1, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, overrides, param_leaf_rtol=3e-5)
 
 
 def test_block_families_through_the_pipeline():
@@ -96,7 +95,7 @@ def test_block_families_through_the_pipeline():
                ("tie_embeddings", True))
   for field, value in overrides:
     config.model[field] = value
-  assert_matches_reference(config, overrides, reference_microbatches=1, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, overrides, param_leaf_rtol=3e-5)
 
 
 # --- Memory.
@@ -126,7 +125,7 @@ def test_packed_documents_through_the_pipeline():
   """Packed rows on a dp2-pp2-tp2 mesh: every microbatch carries its segment ids and positions
   through the executor's chunk programs."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
-  assert_matches_reference(config, (("num_layers", 4),), reference_microbatches=1, param_leaf_rtol=3e-5,
+  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5,
                            packed=True)
 
 

@@ -11,6 +11,7 @@ import jax
 
 from megajax.launch.supervisor.jobs import free_port
 from tests.support import REPO
+from tests.support.once import once_per_run
 
 
 def child_env(extra=None) -> dict:
@@ -70,3 +71,23 @@ def launch_two_processes(args, timeout=300):
     tails = [f"--- process {i} (exit code {p.returncode}):\n{e[-8000:]}" for i, (p, e) in enumerate(zip(procs, errors))]
     raise AssertionError(f"the 2-process job did not end within {timeout} s\n" + "\n".join(tails))
   return [p.returncode for p in procs], errors
+
+
+# The default 2x2x2 job (pipeline, tp, ZeRO-2 over dp), short and in fp32, checkpoints every 3 steps.
+SHORT_JOB = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=12",
+             "--config.optimizer.warmup_steps=3", "--config.train.log_every=1", "--config.model.compute_dtype=float32",
+             "--config.checkpoint.every_steps=3"]
+# The same with its 4 layers and heads at a quarter of its width and sequence: the same programs
+# on smaller arrays, a step in ~0.1 s, not ~1 s. Its uninterrupted run is the one both
+# test_launcher.py (its losses and exported parameters against other meshes) and
+# test_checkpoint.py (against a killed and resumed run) compare with.
+SHORT_DEFAULT_JOB = [*SHORT_JOB, "--config.model.hidden_dim=32", "--config.model.seq_len=32", "--config.model.window=16"]
+
+
+def short_default_job(tmp_path_factory):
+  """SHORT_DEFAULT_JOB run once per test run (tests.support.once), whichever test asks first:
+  its workdir (read it, do not write into it)."""
+  def run(workdir):
+    result = run_module([*SHORT_DEFAULT_JOB, f"--workdir={workdir}"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+  return once_per_run(tmp_path_factory, "short_default_job", run)

@@ -2,7 +2,9 @@
 
 `assert_matches_reference(config)`: the sharded initial parameters equal the reference's,
 the first step's every gradient is within `rtol` (relative), and after 3 LAMB steps the
-losses, gradient norms and parameters are too. The reference runs once per model (cached).
+losses, gradient norms and parameters are too. The reference takes the whole batch at once
+(accumulation changes only the order of sums; tests/unit/test_reference_step.py checks the
+reference's own accumulation), so it runs once per model (cached), whatever the microbatches.
 """
 
 import functools
@@ -65,9 +67,10 @@ def relative_error(a, b):
 
 
 @functools.cache
-def reference(block, microbatches, kv_heads, overrides=(), rows=BATCH, packed=False):
-  """Single device (megajax.reference_step): the initial params, first gradients, losses, final params."""
-  config = parallel_config(block=block, microbatches=microbatches)
+def reference(block, kv_heads, overrides=(), rows=BATCH, packed=False):
+  """Single device (megajax.reference_step), the whole batch as one microbatch: the initial
+  params, first gradients, losses, final params."""
+  config = parallel_config(block=block)
   config.model.num_kv_heads = kv_heads
   config.train.batch_size = rows
   for field, value in overrides:
@@ -78,7 +81,7 @@ def reference(block, microbatches, kv_heads, overrides=(), rows=BATCH, packed=Fa
     state = init_train_state(model, optimizer, jax.random.key(0))
     initial = jax.device_get(state.params)
     loss_sums = make_loss_sums_fn(model, config.train.z_loss)
-    grads, stats = jax.jit(lambda p, b: accumulate_gradients(loss_sums, p, b, microbatches))(
+    grads, stats = jax.jit(lambda p, b: accumulate_gradients(loss_sums, p, b, 1))(
         state.params, fixed_batch(rows, packed))
     grads = jax.device_get(jax.tree.map(lambda g: g / stats["tokens"], grads))
     step = make_reference_step(model, optimizer, config)
@@ -90,19 +93,17 @@ def reference(block, microbatches, kv_heads, overrides=(), rows=BATCH, packed=Fa
   return initial, grads, (losses, grad_norms), jax.device_get(state.params)
 
 
-def assert_matches_reference(config, overrides=(), rtol=1e-5, reference_microbatches=None, param_leaf_rtol=None,
-                             packed=False):
+def assert_matches_reference(config, overrides=(), rtol=1e-5, param_leaf_rtol=None, packed=False):
   """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the
-  reference (with `reference_microbatches`, default the config's: the math is the same for any).
+  reference (the whole batch at once: the math is the same for any number of microbatches).
 
   Final params: every leaf within `param_leaf_rtol` (default rtol) and the whole model within
   rtol. A bias gradient component near Adam's eps (1e-6) turns a 1e-9 difference in summation
   order into a 1e-3 difference in its step, so a leaf may exceed what the whole model does.
   packed=True: both steps train on packed rows (fixed_batch(packed=True))."""
-  microbatches = config.train.microbatches
   rows = config.train.batch_size
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
-      config.model.block, reference_microbatches or microbatches, config.model.num_kv_heads, overrides, rows, packed)
+      config.model.block, config.model.num_kv_heads, overrides, rows, packed)
   parallel_step = parallel_step_for(config)
   state = parallel_step.init_state(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
