@@ -32,8 +32,9 @@ if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
   _XLA_FLAGS = f"{_XLA_FLAGS} --xla_force_host_platform_device_count={TEST_DEVICES}".strip()
 # The in-process tests compile hundreds of training programs of tiny models and run each a
 # few steps: LLVM's optimizations of XLA:CPU's kernels cost more than they save there (a 2-layer
-# step: 31 s -> 18 s to compile). Without fast-math, LLVM keeps the floating-point operations
-# and their order at any level, so the values are the same. Processes the tests start (the
+# step: 31 s -> 18 s to compile). Values may differ from -O2 by rounding only (fused
+# multiply-adds); every comparison is between programs of the same process or to a tolerance,
+# and the reference is compiled like what it checks. Processes the tests start (the
 # launcher, the drills, the benchmarks: tests.support.processes.child_env) run many steps of
 # larger models and keep XLA's default.
 if TESTS_ON == "cpu" and "xla_backend_optimization_level" not in _XLA_FLAGS:

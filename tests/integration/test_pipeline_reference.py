@@ -70,8 +70,7 @@ def test_every_remat_policy_inside_the_pipeline(remat):
   in its backward exactly as without a pipeline)."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
   config.model.remat = remat
-  assert_matches_reference(config, (("num_layers", 4), ("remat", remat)),
-                           param_leaf_rtol=3e-5)
+  assert_matches_reference(config, (("num_layers", 4), ("remat", remat)), param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["residuals", "recompute"])
@@ -125,8 +124,7 @@ def test_packed_documents_through_the_pipeline():
   """Packed rows on a dp2-pp2-tp2 mesh: every microbatch carries its segment ids and positions
   through the executor's chunk programs."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
-  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5,
-                           packed=True)
+  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5, packed=True)
 
 
 def test_gpipe_by_autodiff_baseline_reads_packed_documents():
