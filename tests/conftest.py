@@ -72,6 +72,13 @@ def pytest_collection_modifyitems(items):
       item.add_marker(CPU_ONLY)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _run_tmp_path_factory(tmp_path_factory):
+  """tests.support.once's results made once per run, also for helpers without fixtures."""
+  from tests.support import once
+  once.RUN_TMP_PATH_FACTORY = tmp_path_factory
+
+
 @pytest.fixture
 def tiny_config():
   """A fresh, valid, fast config (tests mutate it freely)."""

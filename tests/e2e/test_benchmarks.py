@@ -12,7 +12,7 @@ from tests.support.processes import run_module
 @pytest.mark.cpu_only
 def test_attention_benchmark_runs_side_by_side_on_cpu():
   """`python -m megajax.launch.bench attention` on CPU: the reduced grid, said to be interpret mode."""
-  result = run_module(["-m", "megajax.launch.bench", "attention", "--repeats=1"], timeout=300)
+  result = run_module(["-m", "megajax.launch.bench", "attention", "--repeats=1"])
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Pallas kernels in interpret mode (times the interpreter: no GPU figure)" in result.stdout
   rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["128"], ["512"])]
@@ -23,7 +23,7 @@ def test_attention_benchmark_runs_side_by_side_on_cpu():
 
 def test_operators_benchmark_runs_side_by_side_on_cpu():
   """`python -m megajax.launch.bench operators`: each fused kernel next to XLA, in one run."""
-  result = run_module(["-m", "megajax.launch.bench", "operators", "--repeats=1"], timeout=300)
+  result = run_module(["-m", "megajax.launch.bench", "operators", "--repeats=1"])
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Pallas kernels in interpret mode (times the interpreter: no GPU figure)" in result.stdout
   rows = {tuple(line.split()[:2]) for line in result.stdout.splitlines() if len(line.split()) == 4}
@@ -36,7 +36,7 @@ def test_operators_benchmark_runs_side_by_side_on_cpu():
 def test_pipeline_benchmark_prints_its_ratios():
   """`python -m megajax.launch.bench pipeline` (small: p=2, few repeats) runs and prints the
   memory, LAMB and lockstep figures side by side."""
-  result = run_module(["-m", "megajax.launch.bench", "pipeline", "--stages=2", "--repeats=2"], timeout=300)
+  result = run_module(["-m", "megajax.launch.bench", "pipeline", "--stages=2", "--repeats=2"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "bubble ticks cut by 75.0%, bubble fraction by 75.0%" in out
@@ -48,7 +48,7 @@ def test_pipeline_benchmark_prints_its_ratios():
 def test_data_benchmark_prints_the_input_side_against_the_step():
   """`python -m megajax.launch.bench data`: prepare and loader tokens/s side by side, the need
   of 8 GPUs of a 1.3B model, and the default job's wait for data as a share of its step."""
-  result = run_module(["-m", "megajax.launch.bench", "data", "--data_batches=5", "--data_steps=3"], timeout=600)
+  result = run_module(["-m", "megajax.launch.bench", "data", "--data_batches=5", "--data_steps=3"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert re.search(r"prepare: bpe / bytes tokens/s \(1 worker\): [\d.]+", out)
@@ -65,7 +65,7 @@ def test_runtime_benchmark_counts_the_pipelines_flops_and_the_dp_sync():
   (read from the compiled HLO) within 2% of one device's when the backward reads the forward's
   residuals, more when it reruns the forward; every gradient byte reduce-scattered over dp once per step
   (the pipeline's in pieces: one collective per leaf or more)."""
-  result = run_module(["-m", "megajax.launch.bench", "runtime", "--quick"], timeout=300)
+  result = run_module(["-m", "megajax.launch.bench", "runtime", "--quick"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   residuals, recompute = map(float, re.search(r"^none .* ([\d.]+)x +([\d.]+)x ", out, re.M).groups())
@@ -80,7 +80,7 @@ def test_sample_benchmark_prints_cache_against_recompute():
   """`python -m megajax.launch.bench sample` (few tokens): tokens/s of the KV cache next to the
   full recompute for batches 1 and 8, both decoding the same greedy tokens; a local layer's
   cache the window's size (64 of 16 + 8 positions: all of them), a global layer's every position."""
-  result = run_module(["-m", "megajax.launch.bench", "sample", "--repeats=1", "--new_tokens=8"], timeout=300)
+  result = run_module(["-m", "megajax.launch.bench", "sample", "--repeats=1", "--new_tokens=8"])
   assert result.returncode == 0, result.stderr[-3000:]
   rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)x\s+(\d+)/(\d+)\s+([\d.]+) / ([\d.]+)$", result.stdout, re.M)
   assert [row[0] for row in rows] == ["1", "8"], result.stdout
@@ -96,7 +96,7 @@ def test_gpu_check_writes_its_report_on_cpu(tmp_path):
   test_mfu_suite.py; the tables' Markdown: tests/unit/test_gpu_check.py.)"""
   out = tmp_path / "check"
   result = run_module(["-m", "megajax.launch.bench", "gpu", f"--out={out}", "--parts=tests,profile",
-                       "--train_sizes=tiny:32"], timeout=300)
+                       "--train_sizes=tiny:32"])
   assert result.returncode == 0, result.stderr[-3000:]
   assert "note: no GPU here (cpu)" in result.stdout
   report = json.loads((out / "gpu_check.json").read_text())

@@ -17,8 +17,8 @@ import numpy as np
 from megajax.checkpoint import TrainingCheckpointer, load_params
 from tests.support import REPO, SMALL_MESH, config_flags
 from tests.support.checkpoints import parallel_step_for, run_config
-from tests.support.processes import (SHORT_DEFAULT_JOB, SHORT_JOB, child_env, launch_two_processes, run_module,
-                                     short_default_job)
+from tests.support.processes import (HANG_S, SHORT_DEFAULT_JOB, SHORT_JOB, child_env, launch_two_processes, run_module,
+                                     short_default_job, wait_until)
 from tests.support.records import metrics
 
 
@@ -33,7 +33,7 @@ def losses(workdir) -> dict:
   return {r["step"]: r["loss"] for r in metrics(workdir) if "loss" in r}
 
 
-def launch(workdir, *overrides, timeout=300):
+def launch(workdir, *overrides, timeout=HANG_S):
   return run_module([*RUN, f"--workdir={workdir}", *overrides], timeout=timeout)
 
 
@@ -58,7 +58,7 @@ def test_exact_resume_after_a_kill(tmp_path, tmp_path_factory):
   assert {r["step"] for r in saves if "ckpt_total_s" in r} >= {9, 12}
 
 
-def two_process_launch(workdir, *overrides, timeout=300):
+def two_process_launch(workdir, *overrides, timeout=HANG_S):
   return launch_two_processes([*SHORT_JOB, f"--workdir={workdir}", *overrides], timeout)
 
 
@@ -67,11 +67,13 @@ SMALL_MESH_FLAGS = config_flags(SMALL_MESH)
 
 def _start_endless_run(workdir, *overrides):
   """The small-mesh run with train.steps=100000 (one compiled program for the tests below);
-  its stderr goes to WORKDIR.stderr (a pipe nobody reads would fill and stall it)."""
+  its stderr goes to WORKDIR.stderr (a pipe nobody reads would fill and stall it). Optimized
+  (XLA's default -O2): its steps are short next to its saves, so that a kill at a random moment
+  can land inside a save."""
   log = open(f"{workdir}.stderr", "w")
   process = subprocess.Popen([sys.executable, *SHORT_JOB, f"--workdir={workdir}", "--config.train.steps=100000",
-                              *SMALL_MESH_FLAGS, *overrides], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
-                             stderr=log)
+                              *SMALL_MESH_FLAGS, *overrides], cwd=REPO, env=child_env(optimized=True),
+                             stdout=subprocess.DEVNULL, stderr=log)
   log.close()
   return process
 
@@ -81,11 +83,10 @@ def test_preemption_saves_and_stops(tmp_path):
   relaunch would resume from that exact step and batch."""
   workdir = tmp_path / "run"
   process = _start_endless_run(workdir, "--config.checkpoint.every_steps=0")
-  deadline = time.time() + 240
-  while time.time() < deadline and len(losses(workdir) if (workdir / "metrics.jsonl").exists() else {}) < 3:
-    time.sleep(0.2)
+  wait_until(lambda: len(losses(workdir) if (workdir / "metrics.jsonl").exists() else {}) >= 3, "step 3",
+             process, poll_s=0.2)
   process.send_signal(signal.SIGTERM)
-  process.wait(timeout=120)
+  process.wait(timeout=HANG_S)
   stderr = open(f"{workdir}.stderr").read()
   assert process.returncode == 143, stderr[-3000:]
   assert "preempted at step" in stderr
@@ -129,12 +130,10 @@ def test_killing_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
   for trial in range(3):
     workdir = tmp_path / f"trial{trial}"
     process = _start_endless_run(workdir, "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=2")
-    deadline = time.time() + 240
-    while time.time() < deadline and not (workdir / "checkpoints" / "2").exists():
-      time.sleep(0.05)
+    wait_until((workdir / "checkpoints" / "2").exists, "checkpoint 2", process)
     time.sleep(rng.uniform(0.0, 1.5))
     process.kill()
-    process.wait(timeout=60)
+    process.wait(timeout=HANG_S)
     interrupted += any("tmp" in name for name in os.listdir(workdir / "checkpoints"))
     config = run_config(workdir)
     checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)

@@ -18,7 +18,7 @@ from megajax.launch import runtime
 from megajax.trainer.evaluation import evaluate, held_out_batches
 from tests.support import SMALL_MESH, config_flags
 from tests.support.checkpoints import restore_latest
-from tests.support.processes import run_module
+from tests.support.processes import HANG_S, run_module
 from tests.support.records import metrics
 
 VERSION = runtime.jaxlib_version()
@@ -27,7 +27,7 @@ VERSION = runtime.jaxlib_version()
 def test_the_picture_command(tmp_path):
   out = tmp_path / "s.png"
   result = run_module(["-m", "megajax.launch.schedule", "--pp", "4", "--vpp", "2", "--microbatches", "8",
-                       f"--out={out}"], timeout=120)
+                       f"--out={out}"])
   assert result.returncode == 0, result.stderr[-2000:]
   assert "stage 0:  F0a  F1a  F2a  F3a  F0b" in result.stdout
   assert "bubble: 6 idle ticks per stage = 0.1875 of ideal" in result.stdout
@@ -40,7 +40,7 @@ def test_prepare_data_cli_end_to_end(tmp_path):
   output = str(tmp_path / "out" / "corpus.bin")
   result = subprocess.run(
       [sys.executable, "-m", "megajax.launch.prepare_data", f"--input={tmp_path}/*.txt",
-       f"--output={output}"], capture_output=True, text=True, timeout=60)
+       f"--output={output}"], capture_output=True, text=True, timeout=HANG_S)
   assert result.returncode == 0, result.stderr
   expected = np.concatenate([data.encode_text("hello wörld\n"), [data.EOS],
                              data.encode_text("second file"), [data.EOS]])
@@ -52,23 +52,23 @@ def test_prepare_data_cli_end_to_end(tmp_path):
   # --noeos drops the separators; --verify checks a file; a glob matching nothing is one line, exit 2.
   result = subprocess.run(
       [sys.executable, "-m", "megajax.launch.prepare_data", f"--input={tmp_path}/a.txt",
-       "--noeos", f"--output={output}"], capture_output=True, text=True, timeout=60)
+       "--noeos", f"--output={output}"], capture_output=True, text=True, timeout=HANG_S)
   assert result.returncode == 0, result.stderr
   assert data.decode_tokens(np.fromfile(output, dtype=np.uint16)) == "hello wörld\n"
   assert len(np.fromfile(output, dtype=np.uint16)) == len("hello wörld\n".encode("utf-8"))
   result = subprocess.run(
       [sys.executable, "-m", "megajax.launch.prepare_data", f"--input={tmp_path}/none*.txt",
-       f"--output={output}"], capture_output=True, text=True, timeout=60)
+       f"--output={output}"], capture_output=True, text=True, timeout=HANG_S)
   assert result.returncode == 2 and result.stderr.splitlines() == [
       f"megajax-prepare-data: input error: '{tmp_path}/none*.txt' matches no file"], result.stderr
   result = subprocess.run([sys.executable, "-m", "megajax.launch.prepare_data", f"--verify={output}"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=HANG_S)
   assert result.returncode == 0 and result.stdout.startswith(f"{output}: ok: "), result.stderr
 
 
 def _prepare(*args):
   return subprocess.run([sys.executable, "-m", "megajax.launch.prepare_data", *args], capture_output=True, text=True,
-                        timeout=120)
+                        timeout=HANG_S)
 
 
 def test_prepare_data_trains_a_bpe_over_jsonl_and_parquet_the_same_for_any_worker_count(tmp_path):
@@ -111,20 +111,20 @@ def test_own_corpus_journey_bpe_then_packed_training_with_held_out_eval(tmp_path
                "data.source": "tokens", "data.path": output, "data.eval_fraction": 0.1, "train.eval_every": 2,
                "train.eval_batches": 2, "checkpoint.every_steps": 0, "optimizer.warmup_steps": 1}
   result = run_module(["-m", "megajax.launch.train", "--config=configs/default.py", f"--workdir={workdir}",
-                       *config_flags(overrides)], timeout=300)
+                       *config_flags(overrides)])
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(rf"data: tokens from {re.escape(output)}; tokenizer huggingface, vocab {vocab}; [\d,]+ training "
                    r"tokens in \d+ documents \(data.eval_fraction=0.1 held out\); document masking on", result.stderr)
   assert open(workdir / "tokenizer" / "corpus.tokenizer.json").read() == open(output[:-4] + ".tokenizer.json").read()
   evals = [r for r in metrics(workdir) if "eval_loss" in r]
   assert [r["step"] for r in evals] == [2, 4] and all(np.isfinite(r["eval_loss"]) for r in evals)
-  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}"], timeout=300)
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}"])
   assert result.returncode == 0, result.stderr[-3000:]
   printed = float(re.search(r"eval_loss=([\d.]+)", result.stdout).group(1))   # 6 significant digits
   assert abs(printed - evals[-1]["eval_loss"]) <= 1e-5 * evals[-1]["eval_loss"], (result.stdout, evals[-1])
   # Then a sample in the run's own vocabulary: the prompt, and the new text after it.
   result = run_module(["-m", "megajax.launch.sample", f"--workdir={workdir}", "--prompt=alpha beta",
-                       "--max_new_tokens=12", "--temperature=0", "--chunk=4"], timeout=300)
+                       "--max_new_tokens=12", "--temperature=0", "--chunk=4"])
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("alpha beta") and len(result.stdout.strip()) > len("alpha beta"), result.stdout
   assert f"sampling from {workdir}/params" in result.stderr
@@ -147,7 +147,7 @@ def test_prepare_data_bad_flags_are_one_line(tmp_path, flags, line):
 
 def test_plan_cli_prints_the_best_plan_with_its_bottleneck():
   result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", "--gpus=12288",
-                       "--hardware=a100-80g", "--batch=6144", "--top=3"], timeout=120)
+                       "--hardware=a100-80g", "--batch=6144", "--top=3"])
   print(result.stdout)
   assert result.returncode == 0, result.stderr
   lines = result.stdout.splitlines()
@@ -163,7 +163,7 @@ def test_plan_cli_prints_the_best_plan_with_its_bottleneck():
 def test_plan_cli_explains_one_plan():
   """--explain=dp,pp,tp,v,b: the paper's own 175B plan at 256 GPUs, accounted part by part."""
   result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", "--gpus=256", "--batch=768",
-                       "--megatron", "--runtime=paper", "--explain=4,8,8,6,1"], timeout=120)
+                       "--megatron", "--runtime=paper", "--explain=4,8,8,6,1"])
   print(result.stdout)
   assert result.returncode == 0, result.stderr
   out = result.stdout
@@ -178,7 +178,7 @@ def test_plan_cli_explains_one_plan():
                                          (["--gpus=256", "--batch=768", "--explain=8,4,8"], "--explain=8,4,8"),
                                          (["--gpus=256", "--batch=768", "--explain=8,4,8,5,1"], "--explain=8,4,8,5,1")])
 def test_plan_cli_bad_input_is_one_line_naming_the_flag(flags, flag):
-  result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", *flags], timeout=120)
+  result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", *flags])
   assert result.returncode == 2
   error = result.stderr.strip().splitlines()
   assert len(error) == 1 and flag in error[0] and "; " in error[0], result.stderr
@@ -188,7 +188,7 @@ def test_eval_cli_evaluates_the_latest_checkpoint(two_checkpoints):
   """megajax-eval on a saved run: one line with the step of its latest checkpoint and the
   held-out loss the eval step gives in process on the same parameters and batches."""
   workdir, config, parallel_step = two_checkpoints
-  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}", "--batches=2"], timeout=300)
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}", "--batches=2"])
   assert result.returncode == 0, result.stderr[-2000:]
   fields = dict(item.split("=") for item in result.stdout.strip().splitlines()[-1].split())
   assert fields["step"] == "6" and fields["batches"] == "2"
@@ -208,13 +208,13 @@ def test_eval_cli_evaluates_the_latest_checkpoint(two_checkpoints):
 ], ids=["batches", "data", "usage"])
 def test_eval_cli_bad_input_is_one_line_and_exit_2(two_checkpoints, args, error):
   workdir, _, _ = two_checkpoints
-  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}", *args], timeout=120)
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={workdir}", *args])
   assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
   assert result.stderr.startswith(error), result.stderr
 
 
 def test_eval_cli_without_a_checkpoint_says_what_is_missing(tmp_path):
-  result = run_module(["-m", "megajax.launch.eval", f"--workdir={tmp_path}"], timeout=120)
+  result = run_module(["-m", "megajax.launch.eval", f"--workdir={tmp_path}"])
   assert result.returncode == 2 and result.stderr.strip().splitlines() == [
       f"megajax-eval: missing input: {tmp_path}/checkpoints: no checkpoint; train with checkpoints first "
       "(megajax-train saves every checkpoint.every_steps and at the end)"], result.stderr
@@ -222,7 +222,7 @@ def test_eval_cli_without_a_checkpoint_says_what_is_missing(tmp_path):
 
 def test_config_error_is_one_line_and_exit_2():
   result = run_module(["-m", "megajax.launch.diagnose", "--config=configs/default.py", "--config.parallel.tp=3"],
-                      timeout=120)
+                      timeout=HANG_S)
   assert result.returncode == 2
   assert result.stderr.strip().startswith("megajax-diagnose: config error: ")
   assert len(result.stderr.strip().splitlines()) == 1
@@ -235,7 +235,7 @@ def test_every_preset_flag_exists_in_this_jaxlib_and_xla_accepts_them():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(XLA_FLAGS=" ".join(kept), JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_S)
   assert result.returncode == 0 and "3.0" in result.stdout, result.stderr[-2000:]
 
 
@@ -246,6 +246,6 @@ def test_importing_megajax_leaves_no_global_trace():
           "import megajax, megajax.trainer, megajax.observe, megajax.checkpoint, megajax.launch.cli\n"
           "import megajax.parallel.planner.calibration, megajax.launch.supervisor, megajax.launch.bench.pipeline\n"
           "print(len(monitoring.get_event_listeners()), xla_bridge.backends_are_initialized())\n")
-  result = run_module(["-c", code], timeout=120)
+  result = run_module(["-c", code])
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split() == ["0", "False"]

@@ -13,7 +13,7 @@ def two_process_report(tmp_path):
   codes, errors = launch_two_processes(
       ["-m", "megajax.launch.diagnose", "--config=configs/default.py", "--config.parallel.dp=2",
        "--config.parallel.pp=1", "--config.parallel.tp=4", f"--output={path}",
-       "--config.debug.diagnose_slow_process=1"], timeout=240)
+       "--config.debug.diagnose_slow_process=1"])
   assert codes == [0, 0], errors
   return json.loads(path.read_text())
 

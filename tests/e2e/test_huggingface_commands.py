@@ -39,7 +39,7 @@ def test_export_a_run_then_import_it_and_train_from_its_weights(tmp_path):
   save_params(str(run / "params"), params)
 
   export = ["-m", "megajax.launch.export_hf", f"--workdir={run}", f"--out={hf}", "--max_shard_size=40KB"]
-  result = run_module(export, timeout=120)
+  result = run_module(export)
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.splitlines()
   assert lines[0] == f"wrote {hf}: LlamaForCausalLM from {run}/params, tokenizer bytes"
@@ -47,16 +47,16 @@ def test_export_a_run_then_import_it_and_train_from_its_weights(tmp_path):
   assert [line.split()[0] for line in lines[1:]] == files
   assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
           "tokenizer_config.json", "model-00001-of-00004.safetensors"} <= set(files)
-  result = run_module(export, timeout=120)
+  result = run_module(export)
   assert result.returncode == 2 and result.stderr.splitlines() == [
       f"megajax-export-hf: output error: {hf}: exists and is not an empty directory; pass a new --out"]
 
   command = ["-m", "megajax.launch.import_hf", f"--hf={hf}", "--config=configs/default.py", f"--workdir={tuned}"]
-  result = run_module([*command, *config_flags({**ONE_DEVICE, "model.num_layers": 3})], timeout=120)
+  result = run_module([*command, *config_flags({**ONE_DEVICE, "model.num_layers": 3})])
   assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
   assert result.stderr.startswith(f"megajax-import-hf: cannot import: model.num_layers=3 (given) conflicts with "
                                   f"{hf}/config.json, which makes model.num_layers=2")
-  result = run_module([*command, *config_flags(ONE_DEVICE)], timeout=300)
+  result = run_module([*command, *config_flags(ONE_DEVICE)])
   assert result.returncode == 0, result.stderr[-3000:]
   imported = load_params(str(tuned / "hf_import" / "params"))
   assert jax.tree.structure(imported) == jax.tree.structure(params)

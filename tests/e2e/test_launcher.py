@@ -83,7 +83,7 @@ def test_default_job_through_the_launcher(tmp_path):
   schedule set for 100): loss falls to <= 0.6x, metrics, a checkpoint and params written."""
   workdir = tmp_path / "run"
   result = run_module(["-m", "megajax.launch.train", "--config=configs/default.py", f"--workdir={workdir}",
-                       "--config.train.steps=100"], timeout=600)
+                       "--config.train.steps=100"], optimized=True)
   assert result.returncode == 0, result.stderr[-3000:]
   records = metrics(workdir)
   checkpoints = [r for r in records if "loss" not in r]
@@ -115,7 +115,7 @@ def _losses(workdir):
 
 
 def _launcher_losses(workdir, *overrides):
-  result = run_module([*SHORT_RUN, f"--workdir={workdir}", *overrides], timeout=300)
+  result = run_module([*SHORT_RUN, f"--workdir={workdir}", *overrides])
   assert result.returncode == 0, result.stderr[-3000:]
   return _losses(workdir)
 
@@ -124,7 +124,7 @@ def _two_process_losses(workdir, *overrides):
   """The same run as a 2-process jax.distributed job on localhost (4 CPU devices each),
   started by megajax-local (which prefixes each process's output)."""
   local = ["-m", "megajax.launch.local", "--processes", "2", "--devices-per-process", "4", "--"]
-  result = run_module([*local, *SHORT_RUN[2:], f"--workdir={workdir}", *overrides], timeout=300)
+  result = run_module([*local, *SHORT_RUN[2:], f"--workdir={workdir}", *overrides])
   assert result.returncode == 0, result.stderr[-3000:]
   assert "[p0] " in result.stderr and "[p1] " in result.stderr
   return _losses(workdir)

@@ -7,7 +7,7 @@ import sys
 from megajax.config import default_config
 from megajax.launch.supervisor import Supervisor
 from tests.support import REPO
-from tests.support.processes import child_env
+from tests.support.processes import HANG_S, child_env
 from tests.support.records import incidents
 
 
@@ -31,5 +31,5 @@ def test_megajax_local_passes_a_failing_process_exit_code_on():
   the job with its exit code."""
   local = [sys.executable, "-m", "megajax.launch.local", "--processes", "2", "--devices-per-process", "4", "--"]
   failed = subprocess.run([*local, "--config=configs/default.py", "--workdir=/tmp/unused", "--config.parallel.tp=3"],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=HANG_S)
   assert failed.returncode == 2 and "parallel.tp" in failed.stderr

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import jax
 
@@ -18,7 +17,7 @@ from megajax.trainer import train
 from megajax.trainer.workdir import WorkdirLock
 from tests.support import REPO
 from tests.support.checkpoints import parallel_step_for, restore_latest, truncate_arrays
-from tests.support.processes import child_env, launch_two_processes
+from tests.support.processes import HANG_S, child_env, launch_two_processes, wait_until
 from tests.support.records import metrics
 
 TRAIN = [sys.executable, "-m", "megajax.launch.train"]
@@ -51,13 +50,6 @@ def _start(command, log_path) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=log)
 
 
-def _wait_for(condition, seconds: float, what: str) -> None:
-  deadline = time.monotonic() + seconds
-  while not condition():
-    assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
-    time.sleep(0.1)
-
-
 def test_one_training_job_per_workdir(tmp_path, tiny_config):
   """Two launchers started together on one workdir: exactly one trains; the other exits 2 at
   once (the first still training) with one line naming it (host, pid, since). So does a third
@@ -67,20 +59,20 @@ def test_one_training_job_per_workdir(tmp_path, tiny_config):
                               "--config.train.log_every=1")]
   jobs = [_start(command, tmp_path / f"job_{i}.log") for i in range(2)]
   try:
-    _wait_for(lambda: any(job.poll() is not None for job in jobs), 240, "one of the two to stop")
+    wait_until(lambda: any(job.poll() is not None for job in jobs), "one of the two to stop")
     refused = 0 if jobs[0].poll() is not None else 1
     trainer = jobs[1 - refused]
     assert trainer.poll() is None, (tmp_path / f"job_{1 - refused}.log").read_text()[-3000:]
     holder = f"{workdir} is in use by another training job: process {trainer.pid} on host {socket.gethostname()} (since "
     stderr = (tmp_path / f"job_{refused}.log").read_text()
     assert holder in _one_line(jobs[refused].returncode, stderr, "workdir error")
-    later = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
+    later = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=HANG_S)
     assert holder in _one_line(later.returncode, later.stderr, "workdir error")
     assert trainer.poll() is None
-    _wait_for(lambda: (workdir / METRICS).exists() and any("loss" in r for r in read_jsonl(workdir / METRICS)), 240,
-              "the trainer's first step")     # (read leniently while it writes; strictly below)
+    wait_until(lambda: (workdir / METRICS).exists() and any("loss" in r for r in read_jsonl(workdir / METRICS)),
+               "the trainer's first step")     # (read leniently while it writes; strictly below)
     trainer.send_signal(signal.SIGTERM)     # saves and stops (143)
-    assert trainer.wait(timeout=240) == 143
+    assert trainer.wait(timeout=HANG_S) == 143
   finally:
     for job in jobs:
       job.kill()
@@ -113,7 +105,7 @@ def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path, tiny_config
   for workdir, want in ((tmp_path / "file", f"{tmp_path}/file is a file, not a directory"),
                         ("/sys/kernel", "the workdir /sys/kernel is not writable: ")):
     result = subprocess.run([*TRAIN, *_flags(workdir, config)], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                            timeout=240)
+                            timeout=HANG_S)
     assert want in _one_line(result.returncode, result.stderr, "workdir error")
 
 
@@ -136,7 +128,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_last_checkpoint_sta
   command = [sys.executable, "-c", _FILES_UP_TO_64_KIB,
              *_flags(workdir, _config_file(tmp_path, tiny_config), "--config.train.steps=1000",
                      "--config.checkpoint.every_steps=8", "--config.runtime.compilation_cache_dir=none")]
-  result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+  result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=HANG_S)
   line = _one_line(result.returncode, result.stderr, "checkpoint error")
   found = re.match(rf"megajax-train: checkpoint error: saving checkpoint {workdir}/checkpoints/8 failed "
                    r"\(found after step (\d+)\): .*File too large.*; [\d.]+ \w+ free of [\d.]+ \w+ on "
@@ -154,5 +146,5 @@ def test_no_readable_checkpoint_is_one_line_without_tracebacks(tmp_path, tiny_co
   train(tiny_config, str(workdir), devices=jax.devices()[:1])
   truncate_arrays(workdir / "checkpoints" / "3")
   result = subprocess.run([*TRAIN, *_flags(workdir, _config_file(tmp_path, tiny_config))], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=HANG_S)
   assert "no readable checkpoint in" in _one_line(result.returncode, result.stderr, "checkpoint error")

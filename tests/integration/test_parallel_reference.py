@@ -2,7 +2,8 @@
 
 Every (mesh, block, tp_overlap, accumulation) the step claims: the loss and every gradient
 within 1e-5 relative of megajax.reference_step's single-device step, and the params after 3
-LAMB steps within 1e-5 (with the default parallel.grad_sync="step"); both gradient syncs
+LAMB steps within 1e-5 (with the default parallel.grad_sync="step"; tp_overlap="xla" is
+mode none's program on CPU, checked as such); both gradient syncs
 over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16, the
 block families: RMSNorm + SwiGLU, the two-norm parallel block); then
 the linears gathered in bf16 against fp32 gathers, bit for bit.
@@ -14,6 +15,7 @@ import pytest
 
 from megajax.config import GRAD_SYNC_CHOICES, TP_OVERLAP_CHOICES
 from megajax.parallel import sharding
+from megajax.parallel.step import XLA_WINDOWED_EINSUM_OPTIONS
 from tests.support.reference import (assert_matches_reference, fixed_batch, parallel_config, parallel_step_for,
                                      pipeline_config, relative_error)
 
@@ -26,8 +28,22 @@ MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
 @pytest.mark.parametrize("block", ["parallel", "serial"])
 @pytest.mark.parametrize("mesh", MESHES, ids=["x".join(map(str, m)) for m in MESHES])
 def test_matches_the_single_device_reference(mesh, block, mode, microbatches):
+  """Accumulating: two layers (the first microbatch gathers each layer's ZeRO shards a layer
+  ahead, the second reuses them); without accumulation one layer (the gathers, the ring
+  matmuls and the reductions are each layer's own: a second adds compile time, not a path)."""
   dp, _, tp = mesh
-  assert_matches_reference(parallel_config(dp, tp, block, mode, microbatches))
+  layers = 2 if microbatches > 1 else 1
+  config = parallel_config(dp, tp, block, mode, microbatches, layers=layers)
+  if mode == "xla":
+    # XLA's windowed-einsum rewrite is a GPU pass: on CPU the step is mode none's program (the
+    # same StableHLO) with GPU-only compiler options, whose numbers mode none's case checks.
+    none = parallel_config(dp, tp, block, "none", microbatches, layers=layers)
+    steps = {name: parallel_step_for(c) for name, c in (("xla", config), ("none", none))}
+    texts = {name: s.train_step(with_gradients=True).lower(*s.abstract_inputs()).as_text() for name, s in steps.items()}
+    assert texts["xla"] == texts["none"]
+    assert steps["xla"].compiler_options == XLA_WINDOWED_EINSUM_OPTIONS and steps["none"].compiler_options is None
+    return
+  assert_matches_reference(config, (("num_layers", layers),) if layers != 2 else ())
 
 
 GRAD_SYNC_MESHES = [(2, 1, 2), (4, 1, 2)]

@@ -5,11 +5,15 @@ import fcntl
 import os
 import shutil
 
+# The run's tmp_path_factory (tests/conftest.py registers it), for helpers called without one.
+RUN_TMP_PATH_FACTORY = None
+
 
 def once_per_run(tmp_path_factory, name: str, make):
   """`make(path)` fills the directory `path` once for the whole run; every caller gets `path`.
-  Under xdist the workers share it: the first one makes it, the others wait on the lock."""
-  root = tmp_path_factory.getbasetemp()
+  Under xdist the workers share it: the first one makes it, the others wait on the lock.
+  tmp_path_factory=None: the run's (RUN_TMP_PATH_FACTORY)."""
+  root = (tmp_path_factory or RUN_TMP_PATH_FACTORY).getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent                      # the run's directory, above each worker's
   path, done = root / name, root / f"{name}.done"

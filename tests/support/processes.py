@@ -14,28 +14,57 @@ from tests.support import REPO
 from tests.support.once import once_per_run
 
 
-def child_env(extra=None) -> dict:
-  """The environment for a child process: the tests' XLA_FLAGS removed, `extra` added."""
+# The children of the tests compile at LLVM -O0 like the tests themselves (tests/conftest.py):
+# a job of the tiny models here spends its time compiling, not stepping (the 2x2x2 default
+# job's programs compile in about half the time; its quarter-width step runs 0.1 -> 0.3 s).
+# A child that runs many full-width steps (the default job's 100) asks for optimized=True.
+CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def child_env(extra=None, optimized=False) -> dict:
+  """The environment for a child process: the tests' XLA_FLAGS replaced by CHILD_XLA_FLAGS
+  (none when `optimized`) joined by `extra`'s XLA_FLAGS, `extra`'s other variables added."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   # The tests' compilation cache for children too: a relaunched job (resume tests) and the
   # launcher tests' repeated meshes compile once.
   env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  env.update(extra or {})
+  extra = dict(extra or {})
+  flags = " ".join(f for f in ("" if optimized else CHILD_XLA_FLAGS, extra.pop("XLA_FLAGS", "")) if f)
+  if flags:
+    env["XLA_FLAGS"] = flags
+  env.update(extra)
   return env
 
 
-def run_module(args, timeout=300, env=None):
+# What a test waits for is an event: a child exits, a file appears, a heartbeat reaches a step.
+# HANG_S only ends a test whose child hangs (a deadlock, a lost collective) well before CI's own
+# limit; it is not a guess at this machine's speed: on a loaded 2-core machine the slowest
+# child here (the default job's 100 steps) ends within a fifth of it.
+HANG_S = 1500
+
+
+def run_module(args, timeout=HANG_S, env=None, optimized=False):
   """Runs `python -m ...` from the repo root; returns the CompletedProcess.
 
-  The child starts without the tests' XLA_FLAGS: the launcher asks for the devices its
-  mesh needs itself.
+  The child starts without the tests' XLA_FLAGS (child_env): the launcher asks for the
+  devices its mesh needs itself.
   """
   return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                        timeout=timeout, env=child_env(env))
+                        timeout=timeout, env=child_env(env, optimized))
 
 
-def launch_two_processes(args, timeout=300):
+def wait_until(condition, what: str, process=None, poll_s=0.05) -> None:
+  """Polls `condition()` until it holds. Fails when `process` (a Popen) has ended first, with
+  `what` named, or after HANG_S (a hang)."""
+  deadline = time.monotonic() + HANG_S
+  while not condition():
+    assert process is None or process.poll() is None, f"the process ended (code {process.returncode}) before {what}"
+    assert time.monotonic() < deadline, f"waited {HANG_S} s for {what}: hung"
+    time.sleep(poll_s)
+
+
+def launch_two_processes(args, timeout=HANG_S, optimized=False):
   """`python <args>` as a 2-process jax.distributed job on 127.0.0.1 (the launcher's topology
   flags added): (return codes, stderrs). A job still running after `timeout` s fails the test
   with each process's Python stacks (SIGUSR1: megajax-train prints them) and log tail."""
@@ -45,7 +74,8 @@ def launch_two_processes(args, timeout=300):
   logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
   procs = [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                              f"--process_id={i}"],
-                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=logs[i], text=True)
+                            cwd=REPO, env=child_env(optimized=optimized), stdout=subprocess.DEVNULL, stderr=logs[i],
+                            text=True)
            for i in range(2)]
   deadline = time.monotonic() + timeout
   try:
@@ -88,6 +118,6 @@ def short_default_job(tmp_path_factory):
   """SHORT_DEFAULT_JOB run once per test run (tests.support.once), whichever test asks first:
   its workdir (read it, do not write into it)."""
   def run(workdir):
-    result = run_module([*SHORT_DEFAULT_JOB, f"--workdir={workdir}"], timeout=300)
+    result = run_module([*SHORT_DEFAULT_JOB, f"--workdir={workdir}"])
     assert result.returncode == 0, result.stderr[-3000:]
   return once_per_run(tmp_path_factory, "short_default_job", run)

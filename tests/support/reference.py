@@ -8,6 +8,8 @@ reference's own accumulation), so it runs once per model (cached), whatever the 
 """
 
 import functools
+import hashlib
+import pickle
 
 import jax
 import numpy as np
@@ -20,6 +22,7 @@ from megajax.parallel.pipeline import pipeline_gradients
 from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
 from megajax.reference_step import accumulate_gradients, init_train_state, make_loss_sums_fn, make_reference_step
 from megajax.trainer import build_parallel_step
+from tests.support.once import once_per_run
 
 BATCH, SEQ, VOCAB = 16, 16, 64
 STEPS = 3
@@ -69,7 +72,21 @@ def relative_error(a, b):
 @functools.cache
 def reference(block, kv_heads, overrides=(), rows=BATCH, packed=False):
   """Single device (megajax.reference_step), the whole batch as one microbatch: the initial
-  params, first gradients, losses, final params."""
+  params, first gradients, losses, final params. Computed once per test run (the xdist
+  workers share it: tests.support.once), kept in memory once read."""
+  key = (block, kv_heads, tuple(overrides), rows, packed)
+
+  def make(path):
+    path.mkdir()
+    with open(path / "reference.pkl", "wb") as f:
+      pickle.dump(_single_device_reference(*key), f)
+
+  path = once_per_run(None, "reference-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16], make)
+  with open(path / "reference.pkl", "rb") as f:
+    return pickle.load(f)
+
+
+def _single_device_reference(block, kv_heads, overrides, rows, packed):
   config = parallel_config(block=block)
   config.model.num_kv_heads = kv_heads
   config.train.batch_size = rows
@@ -149,9 +166,10 @@ ROWS = 32   # 4p microbatches of one row at p = 8
 def pipeline_config(mesh, schedule="interleaved_1f1b", virtual_stages=1, microbatches=None, layers=None,
                     mode=None, traversal="depth_first", rows=ROWS):
   dp, pp, tp = mesh
-  # tp meshes run the default collective matmul (chunked inside the pipeline's branches).
+  # tp meshes run the default collective matmul (chunked inside the pipeline's branches). One
+  # layer per chunk unless asked (chunks of several layers: the dp-pieces tests, 8 and 12).
   c = parallel_config(dp, tp, "parallel", mode or ("collective_matmul" if tp > 1 else "none"),
-                      microbatches or pp, layers=layers or max(pp * virtual_stages, 4))
+                      microbatches or pp, layers=layers or pp * virtual_stages)
   c.train.batch_size = rows
   c.parallel.pp, c.parallel.virtual_stages = pp, virtual_stages
   c.parallel.schedule, c.parallel.traversal = schedule, traversal
