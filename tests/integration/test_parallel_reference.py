@@ -39,7 +39,8 @@ def test_matches_the_single_device_reference(mesh, block, mode, microbatches):
     # same StableHLO) with GPU-only compiler options, whose numbers mode none's case checks.
     none = parallel_config(dp, tp, block, "none", microbatches, layers=layers)
     steps = {name: parallel_step_for(c) for name, c in (("xla", config), ("none", none))}
-    texts = {name: s.train_step(with_gradients=True).lower(*s.abstract_inputs()).as_text() for name, s in steps.items()}
+    texts = {name: step.train_step(with_gradients=True).lower(*step.abstract_inputs()).as_text()
+             for name, step in steps.items()}
     assert texts["xla"] == texts["none"]
     assert steps["xla"].compiler_options == XLA_WINDOWED_EINSUM_OPTIONS and steps["none"].compiler_options is None
     return
