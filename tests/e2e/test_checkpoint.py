@@ -33,8 +33,8 @@ def losses(workdir) -> dict:
   return {r["step"]: r["loss"] for r in metrics(workdir) if "loss" in r}
 
 
-def launch(workdir, *overrides, timeout=HANG_S):
-  return run_module([*RUN, f"--workdir={workdir}", *overrides], timeout=timeout)
+def launch(workdir, *overrides):
+  return run_module([*RUN, f"--workdir={workdir}", *overrides])
 
 
 def test_exact_resume_after_a_kill(tmp_path, tmp_path_factory):
@@ -58,8 +58,8 @@ def test_exact_resume_after_a_kill(tmp_path, tmp_path_factory):
   assert {r["step"] for r in saves if "ckpt_total_s" in r} >= {9, 12}
 
 
-def two_process_launch(workdir, *overrides, timeout=HANG_S):
-  return launch_two_processes([*SHORT_JOB, f"--workdir={workdir}", *overrides], timeout)
+def two_process_launch(workdir, *overrides):
+  return launch_two_processes([*SHORT_JOB, f"--workdir={workdir}", *overrides])
 
 
 SMALL_MESH_FLAGS = config_flags(SMALL_MESH)

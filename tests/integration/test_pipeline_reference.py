@@ -35,13 +35,12 @@ CASES = [(mesh, schedule, v, factor) for mesh in PIPELINE_MESHES for schedule, v
                          ids=[f"{'x'.join(map(str, m))}-{s}-v{v}-m={f}p" for m, s, v, f in CASES])
 def test_pipeline_matches_the_single_device_reference(mesh, schedule, virtual_stages, factor):
   config = pipeline_config(mesh, schedule, virtual_stages, microbatches=factor * mesh[1])
-  overrides = (("num_layers", config.model.num_layers),)
-  assert_matches_reference(config, overrides, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
 def test_breadth_first_traversal_matches_the_reference():
   config = pipeline_config((1, 2, 1), "interleaved_1f1b", 2, microbatches=4, traversal="breadth_first")
-  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5)
+  assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("grad_sync", GRAD_SYNC_CHOICES)
@@ -51,7 +50,7 @@ def test_both_gradient_syncs_through_the_pipeline(mesh, grad_sync):
   backward (into the shard): the same gradients and steps, embedding and head included."""
   config = pipeline_config(mesh, "interleaved_1f1b", 2, microbatches=4)
   config.parallel.grad_sync = grad_sync
-  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5)
+  assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("layers", [8, 12], ids=["2-pieces", "overlapping-pieces"])
@@ -60,7 +59,7 @@ def test_dp_pieces_in_the_edge_ticks_match_the_reference(layers):
   tick scan's 2 head and 2 tail ticks, one piece each: 8 layers, 2 rows per chunk, a row
   per piece; 12 layers, 3 rows per chunk, pieces of 2 rows overlapping in one."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4, layers=layers)
-  assert_matches_reference(config, (("num_layers", layers),), param_leaf_rtol=3e-5)
+  assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -70,7 +69,7 @@ def test_every_remat_policy_inside_the_pipeline(remat):
   in its backward exactly as without a pipeline)."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
   config.model.remat = remat
-  assert_matches_reference(config, (("num_layers", 4), ("remat", remat)), param_leaf_rtol=3e-5)
+  assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["residuals", "recompute"])
@@ -79,10 +78,9 @@ def test_serial_block_remat_and_tied_embeddings_through_the_pipeline(recompute):
   or with parallel.pipeline_recompute the whole chunk rerun), and a tied embedding whose
   gradient comes from the first stage (lookup) and the last (head)."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
-  overrides = (("num_layers", 4), ("block", "serial"), ("remat", "dots"), ("tie_embeddings", True))
   config.model.block, config.model.remat, config.model.tie_embeddings = "serial", "dots", True
   config.parallel.pipeline_recompute = recompute
-  assert_matches_reference(config, overrides, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
 def test_block_families_through_the_pipeline():
@@ -90,11 +88,10 @@ def test_block_families_through_the_pipeline():
   fused column matmul) and a tied head on a pp2-tp2 1F1B pipeline: the block's input gathered
   chunk by chunk inside the stages' branches (no ring there), both norms after the gather."""
   config = pipeline_config((1, 2, 2), "1f1b", microbatches=4, layers=2, rows=8)
-  overrides = (("num_layers", 2), ("block", "parallel_two_norms"), ("norm", "rmsnorm"), ("mlp", "swiglu"),
-               ("tie_embeddings", True))
+  overrides = (("block", "parallel_two_norms"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("tie_embeddings", True))
   for field, value in overrides:
     config.model[field] = value
-  assert_matches_reference(config, overrides, param_leaf_rtol=3e-5)
+  assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
 # --- Memory.
@@ -124,7 +121,7 @@ def test_packed_documents_through_the_pipeline():
   """Packed rows on a dp2-pp2-tp2 mesh: every microbatch carries its segment ids and positions
   through the executor's chunk programs."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
-  assert_matches_reference(config, (("num_layers", 4),), param_leaf_rtol=3e-5, packed=True)
+  assert_matches_reference(config, param_leaf_rtol=3e-5, packed=True)
 
 
 def test_gpipe_by_autodiff_baseline_reads_packed_documents():

@@ -30,11 +30,10 @@ def child_env(extra=None, optimized=False) -> dict:
   env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   extra = dict(extra or {})
-  flags = " ".join(f for f in ("" if optimized else CHILD_XLA_FLAGS, extra.pop("XLA_FLAGS", "")) if f)
+  flags = [*([] if optimized else [CHILD_XLA_FLAGS]), *([extra.pop("XLA_FLAGS")] if "XLA_FLAGS" in extra else [])]
   if flags:
-    env["XLA_FLAGS"] = flags
-  env.update(extra)
-  return env
+    env["XLA_FLAGS"] = " ".join(flags)
+  return {**env, **extra}
 
 
 # What a test waits for is an event: a child exits, a file appears, a heartbeat reaches a step.

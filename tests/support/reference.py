@@ -70,11 +70,12 @@ def relative_error(a, b):
 
 
 @functools.cache
-def reference(block, kv_heads, overrides=(), rows=BATCH, packed=False):
-  """Single device (megajax.reference_step), the whole batch as one microbatch: the initial
-  params, first gradients, losses, final params. Computed once per test run (the xdist
-  workers share it: tests.support.once), kept in memory once read."""
-  key = (block, kv_heads, tuple(overrides), rows, packed)
+def reference(model_fields, rows=BATCH, packed=False):
+  """Single device (megajax.reference_step), the whole batch as one microbatch, for the model
+  whose config.model fields are `model_fields` ((name, value) pairs): the initial params, first
+  gradients, losses, final params. Computed once per test run (the xdist workers share it:
+  tests.support.once), kept in memory once read."""
+  key = (model_fields, rows, packed)
 
   def make(path):
     path.mkdir()
@@ -86,12 +87,10 @@ def reference(block, kv_heads, overrides=(), rows=BATCH, packed=False):
     return pickle.load(f)
 
 
-def _single_device_reference(block, kv_heads, overrides, rows, packed):
-  config = parallel_config(block=block)
-  config.model.num_kv_heads = kv_heads
+def _single_device_reference(model_fields, rows, packed):
+  config = parallel_config()
+  config.model.update(dict(model_fields))
   config.train.batch_size = rows
-  for field, value in overrides:
-    config.model[field] = value
   model = GPT(ModelConfig.from_config(config.model))
   optimizer = make_optimizer(config)
   with jax.default_device(jax.devices()[0]):
@@ -110,7 +109,7 @@ def _single_device_reference(block, kv_heads, overrides, rows, packed):
   return initial, grads, (losses, grad_norms), jax.device_get(state.params)
 
 
-def assert_matches_reference(config, overrides=(), rtol=1e-5, param_leaf_rtol=None, packed=False):
+def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=False):
   """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the
   reference (the whole batch at once: the math is the same for any number of microbatches).
 
@@ -120,7 +119,7 @@ def assert_matches_reference(config, overrides=(), rtol=1e-5, param_leaf_rtol=No
   packed=True: both steps train on packed rows (fixed_batch(packed=True))."""
   rows = config.train.batch_size
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
-      config.model.block, config.model.num_kv_heads, overrides, rows, packed)
+      tuple(sorted(config.model.to_dict().items())), rows, packed)   # the same model, on one device
   parallel_step = parallel_step_for(config)
   state = parallel_step.init_state(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
