@@ -129,6 +129,9 @@ def measure(repeats: int) -> dict:
           if why:
             row[f"{pass_} skipped"] = why
         rows.append(row)
+        # Each row as it ends: a run cut short by its time limit still shows what it measured.
+        print(f"  s={s} w={window} {name}: fwd {_cell(row['fwd ms'], '.3f')} ms, "
+              f"fwd+bwd {_cell(row['fwd+bwd ms'], '.3f')} ms", flush=True)
   return {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "backend": backend,
           "grid": {k: (jnp.dtype(v).name if k == "dtype" else v) for k, v in g.items()},
           "rows": rows, "growth": growth(rows, g)}

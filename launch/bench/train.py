@@ -107,6 +107,10 @@ def train_suite(size: str, seq: int, window: int, repeats: int) -> list[dict]:
       if not is_out_of_memory(e):
         raise
       results.append({"row": name, "batch": config.train.batch_size, "error": str(e).splitlines()[0][:300]})
+    done = results[-1]     # each row as it ends: a run cut short still shows what it measured
+    print(f"  {name}: " + (f"skipped ({done['error'][:80]})" if "error" in done else
+                           f"{done['step_s'] * 1e3:.1f} ms/step, {done['tflops']:.1f} TFLOP/s, remat {done['remat']}"),
+          flush=True)
   return results
 
 
