@@ -281,6 +281,10 @@ def _read_params(arch: str, model: ModelConfig, tensors: "_Tensors", absent: set
     if tuple(tensor.shape) != tuple(want):
       raise HfFormatError(f"{t.name}: shape {tuple(tensor.shape)} in {tensors.where}, but its config.json's model "
                           f"needs {tuple(want)}")
+    nonfinite = np.size(tensor) - int(np.count_nonzero(np.isfinite(tensor)))
+    if nonfinite:     # named here, before any training: a step would only see a NaN loss
+      raise HfFormatError(f"{t.name}: {nonfinite} of its {np.size(tensor)} values in {tensors.where} are NaN or "
+                          "infinite; the weights are damaged: download or convert them again")
     if not t.paths:                   # a bias-free model's zero bias (_weight_fields checked it is zero)
       continue
     for path, leaf in zip(t.paths, from_hf(t.kind, tensor.astype(model.param_dtype), shapes)):

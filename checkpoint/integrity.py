@@ -137,14 +137,23 @@ def checksums(fingerprinted) -> dict[str, str]:
 
 def verify_state(state, meta: dict, path: str) -> None:
   """Raises IntegrityError when the arrays read differ from the checksums the save stored."""
-  want = meta.get("checksums")
-  if want is None:      # saved with checkpoint.checksums=False
-    return
-  got = checksums(fingerprints(state))
+  if meta.get("checksums") is not None:      # None: saved with checkpoint.checksums=False
+    verify_arrays(state, meta["checksums"], f"checkpoint {path}")
+
+
+def verify_arrays(tree, want: dict, what: str) -> None:
+  """Raises IntegrityError naming `what` when `tree`'s arrays differ from the checksums `want`."""
+  got = checksums(fingerprints(tree))
   wrong = sorted(name for name in want.keys() | got.keys() if want.get(name) != got.get(name))
   if wrong:
-    raise IntegrityError("checksum", f"checkpoint {path}: {len(wrong)} of {len(want)} arrays differ from their "
+    raise IntegrityError("checksum", f"{what}: {len(wrong)} of {len(want)} arrays differ from their "
                          f"checksums ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})")
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """An error's first line, cut at `limit` characters (TensorStore's messages span pages)."""
+  text = str(error).strip()
+  return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
 class PendingChecksums:

@@ -21,6 +21,12 @@ ones. Nothing is pickled.
 A restore checks what it read against the checksums and digests (integrity.py). One that
 fails (unreadable, or not what was saved) is moved aside to quarantine/<step>-<reason> once a
 readable older one is found, so the run resumes from that one and can save the step again.
+
+A reader of a workdir (megajax-eval, -sample, -export-hf: `read_only=True`) changes nothing in
+it, since its trainer may be running: no removal of Orbax's temporary directories (a save in
+flight), no quarantine, no directory created. It reads the newest committed checkpoint that
+passes its checks; one its trainer removes while it is read (checkpoint.keep) is passed over.
+Only the trainer, which holds WORKDIR/lock (trainer/workdir.py), cleans and moves.
 """
 
 from __future__ import annotations
@@ -111,21 +117,27 @@ class TrainingCheckpointer:
   """Saves and restores training checkpoints under `directory` (WORKDIR/checkpoints).
 
   `checksums` (default: checkpoint.checksums) False saves without array checksums (restores
-  then check only the digests): what the checkpoint benchmark measures them against."""
+  then check only the digests): what the checkpoint benchmark measures them against.
+  `read_only`: a reader's (the module docstring): it cannot save, and touches no file."""
 
-  def __init__(self, directory: str, config: ml_collections.ConfigDict, checksums: bool | None = None):
+  def __init__(self, directory: str, config: ml_collections.ConfigDict, checksums: bool | None = None,
+               read_only: bool = False):
     c = config.checkpoint
     self.directory = os.path.abspath(directory)
+    self.read_only = read_only
     self._config = config
     self._checksums = c.checksums if checksums is None else checksums
     self._fingerprint_fn = None     # integrity.fingerprints compiled for the state (compile_checksums)
     self._lock = threading.Lock()
     self._pending: dict[int, float] = {}    # step -> save start (perf_counter), until finalized
     self.finished: list[tuple[int, float]] = []   # (step, ckpt_total_s), in finalization order
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=c.keep, keep_period=c.keep_period or None, create=True,
-        enable_async_checkpointing=c.async_save, cleanup_tmp_directories=True,
-        async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if c.async_save else None)
+    if read_only:     # what Orbax's read_only would reset, unset here (it warns for each)
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
+    else:             # the trainer, under its workdir lock: it alone removes a crashed save's leftovers
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=c.keep, keep_period=c.keep_period or None, create=True,
+          enable_async_checkpointing=c.async_save, cleanup_tmp_directories=True,
+          async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if c.async_save else None)
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={STATE: ocp.StandardCheckpointHandler(), DATA: DataStateHandler(),
@@ -155,6 +167,8 @@ class TrainingCheckpointer:
     """Starts saving; returns the seconds the caller waited (the previous save's commit, if it
     is still going, then stage 1, device -> host). CheckpointError when this save, or the one
     before it, failed."""
+    if self.read_only:
+      raise CheckpointError(f"{self.directory} is open read-only (a reader's): it does not save")
     start = time.perf_counter()
     self.wait(step)     # Orbax's save would wait for the previous one too; here a failure names its step
     with self._lock:
@@ -244,17 +258,23 @@ class TrainingCheckpointer:
     differences.
     """
     unreadable = {}     # step -> the failure that made it so
-    for step in sorted(self.all_steps(), reverse=True):
-      if before is not None and step >= before:
-        continue
+    for step in self._newest_first(before, unreadable):
       try:
         restored = self._restore_checked(parallel_step, step)
       except _Unusable as unusable:
         failure = unusable.cause
+        if self.read_only and not os.path.exists(self.path(step)):
+          logging.warning("checkpoint %s was removed by its trainer while it was read (checkpoint.keep); "
+                          "reading the newest one again", self.path(step))
+          continue
         logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous complete one",
                       self.path(step), type(failure).__name__, str(failure).splitlines()[0][:300] if str(failure) else "")
         unreadable[step] = failure
         continue
+      if self.read_only:     # a reader moves nothing: the trainer quarantines at its next restore
+        for bad in unreadable:
+          logging.warning("checkpoint %s left in place: a reader changes nothing in a workdir", self.path(bad))
+        return restored
       for bad, failure in unreadable.items():
         if _damaged(failure):
           self._quarantine(bad, failure.reason if isinstance(failure, IntegrityError) else "unreadable")
@@ -268,6 +288,19 @@ class TrainingCheckpointer:
                             f"move them aside (e.g. to {os.path.join(self.directory, QUARANTINE)}/) to start fresh, "
                             "or point --workdir elsewhere")
     return None
+
+  def _newest_first(self, before: int | None, unreadable: dict):
+    """The committed steps (older than `before`), newest first, not yet found unreadable. The
+    list is read again after each step tried: a reader's trainer may have committed a newer
+    one or removed an older one meanwhile."""
+    tried = set()
+    while True:
+      steps = [step for step in sorted(self.all_steps(), reverse=True)
+               if (before is None or step < before) and step not in tried and step not in unreadable]
+      if not steps:
+        return
+      tried.add(steps[0])
+      yield steps[0]
 
   def _quarantine(self, step: int, reason: str) -> None:
     """Moves checkpoint `step` to quarantine/<step>-<reason> (never deletes: a person may want

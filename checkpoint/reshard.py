@@ -91,8 +91,8 @@ def initial_state(parallel_step: ParallelStep, directory: str) -> TrainState:
   saved, problem = None, ""
   try:
     saved = params_metadata(directory)
-  except (OSError, ValueError, KeyError) as error:
-    problem = f" ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+  except CheckpointError as error:      # params_metadata's one line names the directory already
+    problem = f" ({str(error).removeprefix(os.path.abspath(directory) + ': ')})"
   if not saved:
     raise CheckpointError(f"train.init_params={directory}: no saved parameters there{problem}; pass a directory "
                           "megajax.checkpoint.save_params wrote (a run's WORKDIR/params)")

@@ -19,7 +19,7 @@ def get_config():
   config.model.remat = "dots"
   config.train.steps = 100_000
   config.train.batch_size = 512
-  config.train.microbatches = 4
+  config.train.microbatches = 8   # 8 sequences per microbatch and replica on dp=8: fits an 80 GB GPU
   config.train.log_every = 100
   config.optimizer.learning_rate = 4e-3
   config.optimizer.warmup_steps = 2000

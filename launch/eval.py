@@ -29,7 +29,9 @@ from megajax.config import ConfigError, apply_overrides, read_run_config, valida
 from megajax.launch.cli import QuietLibraries, fail, flags_parser
 from megajax.launch.cluster import request_host_devices
 from megajax.launch.runtime import configure_runtime
+from megajax.data import token_file_paths
 from megajax.parallel import mesh_shape
+from megajax.tokenizer import check_run_identity
 from megajax.trainer import build_parallel_step
 from megajax.trainer.evaluation import evaluate, held_out_batches
 
@@ -83,8 +85,10 @@ def main(argv):
   try:
     validate(config)
     parallel_step = build_parallel_step(config, jax.devices()[:math.prod(mesh_shape(config))])
+    for path in token_file_paths(config):    # ids read as the run trained on them (its recorded tokenizer)
+      check_run_identity(workdir, path, "data.eval_path" if path == config.data.get("eval_path") else "data.path")
     batches = held_out_batches(config, parallel_step)   # a bad data file fails before any restore
-    with TrainingCheckpointer(checkpoints, config) as checkpointer:
+    with TrainingCheckpointer(checkpoints, config, read_only=True) as checkpointer:   # its trainer may be running
       restored = checkpointer.restore_latest(parallel_step)
     if restored is None:
       fail(PROGRAM, "missing input", f"{checkpoints}: no checkpoint to restore")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from absl import logging
 import jax
 import ml_collections
 
@@ -44,7 +45,10 @@ def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, s
 
   WORKDIR/params (written when training ends) unless a checkpoint was saved after it (a run
   still going, or resumed since); a checkpoint is restored on one device through the run's own
-  step (any mesh restores onto another) and its parameters taken out of the step's layout."""
+  step (any mesh restores onto another), read-only (a running trainer's saves are left alone),
+  and its parameters taken out of the step's layout. params/ that fails its checksums or
+  cannot be read gives way to the latest checkpoint that passes its own, with a warning; with
+  none, a CheckpointError says so."""
   exported = os.path.join(workdir, "params")
   checkpoints = os.path.join(workdir, "checkpoints")
   steps = sorted(int(name) for name in os.listdir(checkpoints) if name.isdigit()) if os.path.isdir(checkpoints) else []
@@ -52,9 +56,11 @@ def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, s
   if os.path.isdir(exported) and (latest is None or _mtime(exported) >= _mtime(latest)):
     try:
       return load_params(exported), exported
-    except (OSError, ValueError, KeyError) as error:
-      raise CheckpointError(f"{exported}: unreadable parameters ({type(error).__name__}); delete it to read "
-                            "the latest checkpoint instead") from None
+    except CheckpointError as error:
+      if latest is None:
+        raise CheckpointError(f"{error}; and {workdir} has no checkpoint to read instead: restore params/ from a "
+                              "copy, or train again") from None
+      logging.warning("%s; reading the latest checkpoint that passes its checksums instead", error)
   if latest is None:
     raise CheckpointError(f"{workdir}: no trained parameters (neither params/ nor a checkpoint); "
                           f"megajax-train --workdir={workdir} writes them")
@@ -64,7 +70,7 @@ def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, s
   one_device.parallel.schedule = "1f1b"
   one_device.train.microbatches = 1
   parallel_step = build_parallel_step(one_device, jax.local_devices()[:1])
-  with TrainingCheckpointer(checkpoints, one_device) as checkpointer:
+  with TrainingCheckpointer(checkpoints, one_device, read_only=True) as checkpointer:
     restored = checkpointer.restore_latest(parallel_step)
   if restored is None:
     raise CheckpointError(f"{checkpoints}: no checkpoint to restore")

@@ -9,7 +9,9 @@ for byte and synthetic data), encodes each --prompt (repeat the flag for a batch
 with megajax.sampling's KV cache: the prompt, then the new text as each chunk of --chunk
 tokens arrives (one prompt), or each sample in turn (several). Sampling stops at the
 tokenizer's end-of-text token. --temperature=0 is greedy. --tp splits the heads over that
-many devices. Any bad input is one line on stderr and exit code 2.
+many devices. A prompt and --max_new_tokens that run past the model's seq_len are refused when
+the model has a global layer (--allow_past_seq_len: sample anyway, with a warning). Any bad
+input is one line on stderr and exit code 2.
 """
 
 import sys
@@ -37,6 +39,8 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens h
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _TP = flags.DEFINE_integer("tp", 1, "Devices to split the heads over.")
 _CHUNK = flags.DEFINE_integer("chunk", 16, "Tokens decoded per device call (how often text is printed).")
+_ALLOW_PAST = flags.DEFINE_bool("allow_past_seq_len", False, "Sample past the model's seq_len although it has "
+                                "global layers (refused otherwise: they never attended that far in training).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -98,7 +102,7 @@ def main(argv):
     eos = tokenizer.eos_id if tokenizer.eos_id < model.vocab_size else None
     mesh = tp_mesh(_TP.value) if _TP.value > 1 else None
     chunks = stream(params, model, prompts, _MAX_NEW.value, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
-                    _SEED.value, eos_id=eos, mesh=mesh, chunk=_CHUNK.value)
+                    _SEED.value, eos_id=eos, mesh=mesh, chunk=_CHUNK.value, allow_past_seq_len=_ALLOW_PAST.value)
     printers = [_Printer(tokenizer) for _ in prompts]
     if len(prompts) == 1:
       printers[0].add(prompts[0])

@@ -135,6 +135,10 @@ def _train() -> ml_collections.ConfigDict:
   # instead of a random init: a directory megajax.checkpoint.save_params wrote (another run's
   # WORKDIR/params, megajax-import-hf's WORKDIR/hf_import/params). "": random init.
   t.init_params = ""
+  # The memory check before anything compiles (parallel/planner/fits.py) refuses a job whose
+  # estimate is over its devices' memory; True runs it anyway (a warning), e.g. where XLA's
+  # rematerialization is known to save what the estimate counts.
+  t.force_memory = False
   return t
 
 
@@ -153,6 +157,7 @@ def _check_train(config) -> None:
   # (Whether the directory holds this model's parameters is read when a fresh run starts.)
   check.require(isinstance(t.init_params, str), "train.init_params", t.init_params, "must be a directory path",
                 "a parameters directory (a run's WORKDIR/params), or '' for a random init")
+  check.boolean(config, "train.force_memory")
 
 
 # --- optimizer --------------------------------------------------------------------------------

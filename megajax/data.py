@@ -31,6 +31,7 @@ import grain
 import numpy as np
 
 from megajax.config import ConfigError, parse_mixture, uses_document_masking
+from megajax.tokenizer import entry_digest
 # Re-exported: what users of the data API (the launcher's tests, notebooks) reach for here.
 from megajax.token_files import (BYTE_VOCAB_SIZE, EOS, TokenFile, TokenFileSource, decode_tokens, encode_text,
                                  write_token_file)
@@ -161,18 +162,23 @@ class TokenRecords:
 
 
 def _check_same_tokenizer(files: list, field: str, value: str) -> None:
-  """Files read together must share a tokenizer: ids mean the same tokens in each."""
+  """Files read together must share a tokenizer: ids mean the same tokens in each. Compared by
+  content (tokenizer.entry_digest): two BPEs of one vocabulary size trained on different
+  corpora give the same id to different tokens."""
   def identity(token_file):
     tokenizer = token_file.tokenizer
-    return token_file.vocab_size, tokenizer.get("kind"), tokenizer.get("eos_id")
+    return (token_file.vocab_size, tokenizer.get("kind"), tokenizer.get("eos_id"),
+            entry_digest(token_file.path, tokenizer))
 
   with_sidecars = [f for f in files if f.meta]   # a .npy has no sidecar: its vocab is its largest id + 1
   for other in with_sidecars[1:]:
     if identity(other) != identity(with_sidecars[0]):
-      (vocab, kind, eos), (vocab2, kind2, eos2) = identity(with_sidecars[0]), identity(other)
-      raise ConfigError(field, value, f"{with_sidecars[0].path} (tokenizer {kind}, vocab {vocab}, EOS {eos}) and "
-                        f"{other.path} (tokenizer {kind2}, vocab {vocab2}, EOS {eos2}) use different tokenizers",
-                        "prepare every file with the same --tokenizer")
+      (vocab, kind, eos, digest), (vocab2, kind2, eos2, digest2) = identity(with_sidecars[0]), identity(other)
+      same_shape = (vocab, kind, eos) == (vocab2, kind2, eos2)
+      show = lambda digest: f", content {digest[:19]}..." if same_shape else ""
+      raise ConfigError(field, value, f"{with_sidecars[0].path} (tokenizer {kind}, vocab {vocab}, EOS {eos}"
+                        f"{show(digest)}) and {other.path} (tokenizer {kind2}, vocab {vocab2}, EOS {eos2}"
+                        f"{show(digest2)}) use different tokenizers", "prepare every file with the same --tokenizer")
 
 
 def _training_files(config) -> list[tuple[str, float]]:

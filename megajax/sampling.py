@@ -27,6 +27,7 @@ import dataclasses
 import functools
 from typing import Iterator, NamedTuple, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -147,8 +148,16 @@ def pad_prompts(prompts: Sequence[Sequence[int]], padding: str = "left", pad_id:
   return tokens, mask
 
 
+def past_seq_len_ok(config: ModelConfig) -> bool:
+  """Whether decoding past model.seq_len stays within what training saw: with rotary positions
+  attention sees only offsets, and a model whose every layer is local (window <= seq_len)
+  never attends over more than its window (its cache is a ring of the window). A global
+  layer would."""
+  return all(config.layer_window(layer) for layer in range(config.num_layers))
+
+
 def _check(config: ModelConfig, tokens: np.ndarray, mask: np.ndarray, max_new_tokens: int, sampling: Sampling,
-           mesh: Mesh | None) -> None:
+           mesh: Mesh | None, allow_past_seq_len: bool) -> None:
   def require(ok, name, value, problem, fix):
     if not ok:
       raise GenerationError(f"{name}={value}: {problem}; {fix}")
@@ -168,6 +177,15 @@ def _check(config: ModelConfig, tokens: np.ndarray, mask: np.ndarray, max_new_to
     row, col = np.argwhere(bad & mask)[0]
     require(False, f"prompts[{row}][{col}]", tokens[row, col], f"is not a token id of the model's vocabulary "
             f"[0, {config.vocab_size})", "encode the prompt with the run's tokenizer")
+  longest = tokens.shape[1] + max_new_tokens
+  if longest > config.seq_len and not past_seq_len_ok(config):
+    require(allow_past_seq_len, "max_new_tokens", max_new_tokens,
+            f"the prompt ({tokens.shape[1]} positions) and the new tokens reach position {longest}, past the "
+            f"model.seq_len={config.seq_len} it was trained on: its global layers would attend over distances "
+            "it never saw", f"ask for at most {max(config.seq_len - tokens.shape[1], 0)} new tokens, or allow it "
+            "(allow_past_seq_len=True, --allow_past_seq_len) and expect worse text")
+    logging.warning("sampling to position %d, past model.seq_len=%d: the global layers attend over distances "
+                    "training never saw", longest, config.seq_len)
   if mesh is not None:
     tp = mesh.shape.get(TP, 1)
     require(config.num_heads % tp == 0, "mesh", f"tp={tp}", f"does not divide model.num_heads={config.num_heads}",
@@ -192,7 +210,8 @@ def _mesh_shardings(params, config: ModelConfig, mesh: Mesh):
 
 def stream(params, config: ModelConfig | ml_collections.ConfigDict, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
            top_p: float = 1.0, seed: int = 0, *, prompt_mask=None, eos_id: int | None = None,
-           mesh: Mesh | None = None, chunk: int = 64, with_logits: bool = False) -> Iterator:
+           mesh: Mesh | None = None, chunk: int = 64, with_logits: bool = False,
+           allow_past_seq_len: bool = False) -> Iterator:
   """generate() as it goes: yields i32[b, k] (with_logits: (tokens, f32[b, k, vocab])) for each
   chunk of up to `chunk` new tokens; stops early once every row has sampled eos_id."""
   if prompt_mask is None:
@@ -209,7 +228,7 @@ def stream(params, config: ModelConfig | ml_collections.ConfigDict, prompts, max
   if isinstance(config, ml_collections.ConfigDict):     # the experiment's config: its model
     config = ModelConfig.from_config(config.model)
   config = decoding_config(config)
-  _check(config, tokens, mask, max_new_tokens, sampling, mesh)
+  _check(config, tokens, mask, max_new_tokens, sampling, mesh, allow_past_seq_len)
   cache_shardings = None
   if mesh is not None:
     params, cache_shardings = _mesh_shardings(params, config, mesh)
@@ -228,7 +247,7 @@ def stream(params, config: ModelConfig | ml_collections.ConfigDict, prompts, max
 
 def generate(params, config: ModelConfig | ml_collections.ConfigDict, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, *, prompt_mask=None, eos_id: int | None = None,
-             mesh: Mesh | None = None, with_logits: bool = False):
+             mesh: Mesh | None = None, with_logits: bool = False, allow_past_seq_len: bool = False):
   """New tokens i32[b, max_new_tokens] for a batch of prompts (with_logits: and the f32[b, n,
   vocab] logits each was drawn from).
 
@@ -236,10 +255,12 @@ def generate(params, config: ModelConfig | ml_collections.ConfigDict, prompts, m
   prompts: lists of token ids (left-padded here), or i32[b, P] with `prompt_mask` bool[b, P]
   (True: a real token; left or right padding). temperature 0 is greedy; top_k 0 and top_p 1
   keep every token. With eos_id, a row that samples it repeats it to the end. mesh: a Mesh
-  with a tp axis to split the heads over (megajax.sampling.tp_mesh)."""
+  with a tp axis to split the heads over (megajax.sampling.tp_mesh). Past model.seq_len a
+  model with a global layer is refused (GenerationError) unless allow_past_seq_len, which
+  logs a warning instead (past_seq_len_ok)."""
   chunks = list(stream(params, config, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                        prompt_mask=prompt_mask, eos_id=eos_id, mesh=mesh, chunk=max_new_tokens,
-                       with_logits=with_logits))
+                       with_logits=with_logits, allow_past_seq_len=allow_past_seq_len))
   if not with_logits:
     return np.concatenate(chunks, axis=1)
   return np.concatenate([c[0] for c in chunks], axis=1), np.concatenate([c[1] for c in chunks], axis=1)

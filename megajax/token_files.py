@@ -45,6 +45,7 @@ BYTE_VOCAB_SIZE = 257  # Bytes 0..255 and EOS.
 EOS = 256
 TOKEN_DTYPES = ("uint16", "uint32")
 CHECKSUM = r"crc32:[0-9a-f]{8}"    # how a sidecar spells it
+DIGEST = r"sha256:[0-9a-f]{64}"    # a tokenizer's content digest (megajax/tokenizer.py)
 CHECKSUM_CHUNK_BYTES = 64 << 20   # Hash in pieces: a memory-mapped file is never copied whole.
 REWRITE = "rerun megajax-prepare-data to rewrite it"
 TOKENIZER_KINDS = ("bytes", "huggingface", "sentencepiece")
@@ -266,9 +267,11 @@ class TokenFile:
     if not (isinstance(tokenizer, dict) and tokenizer.get("kind") in TOKENIZER_KINDS
             and (tokenizer.get("file") is None if tokenizer.get("kind") == "bytes"
                  else isinstance(tokenizer.get("file"), str) and os.path.basename(tokenizer["file"]) == tokenizer["file"])
-            and type(tokenizer.get("eos_id")) is int and 0 <= tokenizer["eos_id"] < meta["vocab_size"]):
+            and type(tokenizer.get("eos_id")) is int and 0 <= tokenizer["eos_id"] < meta["vocab_size"]
+            and (tokenizer.get("digest") is None or re.fullmatch(DIGEST, str(tokenizer["digest"])))):
       raise bad("tokenizer", f"not {{\"kind\": one of {', '.join(TOKENIZER_KINDS)}, \"file\": a file name beside it "
-                f"(null for bytes), \"eos_id\": an id below vocab_size}}")
+                f"(null for bytes), \"eos_id\": an id below vocab_size, \"digest\": \"sha256:<64 hex digits>\" "
+                "(optional)}")
     return meta
 
   def _map_index(self, verify_checksum: bool) -> np.ndarray:

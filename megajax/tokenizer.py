@@ -17,10 +17,20 @@ saved beside the .bin; no entry means bytes): `tokenizer_of(data_path)` loads it
 `copy_tokenizer(data_path, dest_dir)` copies it (into a run's workdir, say). Every bad
 tokenizer is one line: a TokenizerError from load_tokenizer / train_bpe, a ConfigError on
 data.path from tokenizer_of / copy_tokenizer.
+
+A tokenizer is identified by its content, not its kind and size: two BPEs of one vocabulary
+size trained on different corpora give the same id to different tokens. `file_digest` is the
+SHA-256 of a tokenizer.json's canonical JSON (key order and spacing do not count) or of a
+.model's bytes; the sidecar stores it ("digest"), and `identity(data_path)` ({"kind",
+"eos_id", "digest"}) is what token files read together, a run and its resumption, and a run
+and its readers must share. A run records its own in WORKDIR/tokenizer.identity.json
+(`record_run_identity`); `workdir_tokenizer` checks the copy in WORKDIR/tokenizer/ against it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 
@@ -36,6 +46,8 @@ BPE_EOS = "<|endoftext|>"
 BPE_MIN_VOCAB = BYTE_VOCAB_SIZE + 1   # the 256 byte symbols, the end-of-text token, one merge
 BPE_MAX_VOCAB = 1 << 20               # beyond any real vocabulary: a typo
 SUFFIXES = {"huggingface": ".tokenizer.json", "sentencepiece": ".tokenizer.model"}
+BYTES_DIGEST = "bytes"                # the byte tokenizer has no file: its kind is its content
+RUN_IDENTITY = "tokenizer.identity.json"   # in a workdir: the tokenizer the run trains with
 
 
 class TokenizerError(ValueError):
@@ -153,11 +165,28 @@ def train_bpe(texts, vocab_size: int) -> HuggingFaceTokenizer:
   return HuggingFaceTokenizer(tokenizer, None, eos_id=tokenizer.token_to_id(BPE_EOS))
 
 
+def file_digest(path: str) -> str:
+  """"sha256:<hex>" of a tokenizer file's content: a .json's canonical JSON (sorted keys, no
+  spaces: the same tokenizer saved twice digests the same), a .model's bytes. TokenizerError
+  for a .json that is not JSON, or a file that cannot be read."""
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+    if path.endswith(".json"):
+      raw = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+  except (OSError, ValueError) as error:    # ValueError: JSONDecodeError, UnicodeDecodeError
+    raise TokenizerError(f"{path} is not a readable tokenizer file ({one_line(error)})") from None
+  return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
 def sidecar_entry(tokenizer, data_path: str) -> dict:
   """The sidecar's "tokenizer" field for data written to `data_path` with `tokenizer`: the
-  file it is saved as beside the .bin (`NAME.tokenizer.json` / `NAME.tokenizer.model`)."""
-  file = None if tokenizer.kind == "bytes" else os.path.basename(data_path[:-len(".bin")]) + SUFFIXES[tokenizer.kind]
-  return {"kind": tokenizer.kind, "file": file, "eos_id": int(tokenizer.eos_id)}
+  file it is saved as beside the .bin (`NAME.tokenizer.json` / `NAME.tokenizer.model`) and,
+  for those, the digest of its content."""
+  if tokenizer.kind == "bytes":
+    return {"kind": "bytes", "file": None, "eos_id": int(tokenizer.eos_id)}
+  file = os.path.basename(data_path[:-len(".bin")]) + SUFFIXES[tokenizer.kind]
+  return {"kind": tokenizer.kind, "file": file, "eos_id": int(tokenizer.eos_id), "digest": file_digest(tokenizer.file)}
 
 
 def _entry(data_path: str) -> dict:
@@ -172,12 +201,41 @@ def _tokenizer_path(data_path: str, entry: dict) -> str:
   return path
 
 
+def entry_digest(data_path: str, entry: dict) -> str:
+  """The content digest of the tokenizer a token file's sidecar entry names: the sidecar's,
+  else (a sidecar written before digests) its file's beside the .bin; "bytes" for bytes."""
+  if entry["kind"] == "bytes":
+    return BYTES_DIGEST
+  if entry.get("digest"):
+    return entry["digest"]
+  try:
+    return file_digest(_tokenizer_path(data_path, entry))
+  except TokenizerError as error:
+    raise ConfigError("data.path", data_path, f"its tokenizer: {error}", "rerun megajax-prepare-data") from None
+
+
+def identity(data_path: str) -> dict:
+  """{"kind", "eos_id", "digest"} of the tokenizer that wrote `data_path`."""
+  entry = _entry(data_path)
+  return {"kind": entry["kind"], "eos_id": entry["eos_id"], "digest": entry_digest(data_path, entry)}
+
+
 def tokenizer_of(data_path: str):
-  """The tokenizer that wrote the token file `data_path` (bytes for sidecars without one)."""
+  """The tokenizer that wrote the token file `data_path` (bytes for sidecars without one),
+  loaded and checked against its sidecar (kind, end-of-text id, content digest)."""
   entry = _entry(data_path)
   if entry["kind"] == "bytes":
     return ByteTokenizer()
   path = _tokenizer_path(data_path, entry)
+  if entry.get("digest"):
+    try:
+      found = file_digest(path)
+    except TokenizerError as error:
+      raise ConfigError("data.path", data_path, f"its tokenizer: {error}", "rerun megajax-prepare-data") from None
+    if found != entry["digest"]:
+      raise ConfigError("data.path", data_path, f"its tokenizer file {entry['file']} is not the one its sidecar names "
+                        f"(content {found[:19]}..., the sidecar says {entry['digest'][:19]}...): changed or damaged "
+                        "since the data was written", "copy the right tokenizer file, or rerun megajax-prepare-data")
   try:
     tokenizer = load_tokenizer(path)
   except TokenizerError as error:
@@ -190,11 +248,12 @@ def tokenizer_of(data_path: str):
 
 
 def copy_tokenizer(data_path: str, dest_dir: str) -> str | None:
-  """Copies the token file's tokenizer into `dest_dir` under its own name; returns the copy's
-  path, or None for bytes (nothing to copy)."""
+  """Copies the token file's tokenizer into `dest_dir` under its own name, once it loads and
+  matches its sidecar (tokenizer_of); returns the copy's path, or None for bytes."""
   entry = _entry(data_path)
   if entry["kind"] == "bytes":
     return None
+  tokenizer_of(data_path)       # a corrupt or substituted file is refused, not adopted
   source = _tokenizer_path(data_path, entry)
   os.makedirs(dest_dir, exist_ok=True)
   dest = os.path.join(dest_dir, entry["file"])
@@ -204,16 +263,77 @@ def copy_tokenizer(data_path: str, dest_dir: str) -> str | None:
   return dest
 
 
+def run_identity(workdir: str) -> dict | None:
+  """The tokenizer identity a run recorded (WORKDIR/tokenizer.identity.json), or None: a run
+  of synthetic tokens, or one written before identities were recorded."""
+  path = os.path.join(workdir, RUN_IDENTITY)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      recorded = json.load(f)
+  except (OSError, ValueError) as error:
+    raise ConfigError("workdir", workdir, f"{path} is not readable JSON ({one_line(error)})",
+                      "restore it from a copy, or delete it to skip the tokenizer checks") from None
+  if not (isinstance(recorded, dict) and {"kind", "eos_id", "digest"} <= recorded.keys()):
+    raise ConfigError("workdir", workdir, f"{path} is not a tokenizer identity (kind, eos_id, digest)",
+                      "restore it from a copy, or delete it to skip the tokenizer checks")
+  return {key: recorded[key] for key in ("kind", "eos_id", "digest")}
+
+
+def describe(tokenizer_identity: dict) -> str:
+  """'huggingface sha256:1234abcd... (EOS 511)': an identity on one line."""
+  digest = tokenizer_identity["digest"]
+  return (tokenizer_identity["kind"] + ("" if digest == BYTES_DIGEST else f" {digest[:19]}...")
+          + f" (EOS {tokenizer_identity['eos_id']})")
+
+
+def check_run_identity(workdir: str, data_path: str, field: str = "data.path") -> dict:
+  """data_path's tokenizer identity, checked against the one the workdir's run recorded (a
+  resumed run, or its evaluation, must read ids the way it trained on them): a ConfigError
+  on `field` naming both."""
+  found, recorded = identity(data_path), run_identity(workdir)
+  if recorded is not None and recorded != found:
+    raise ConfigError(field, data_path, f"its tokenizer is {describe(found)}, but the run in {workdir} trained with "
+                      f"{describe(recorded)} ({RUN_IDENTITY}): the same ids would mean other tokens",
+                      "use data written with the run's tokenizer, or a new --workdir")
+  return found
+
+
+def record_run_identity(workdir: str, data_path: str, write: bool) -> dict:
+  """check_run_identity, then the identity recorded (by the process that `write`s) when the
+  workdir has none yet."""
+  found, recorded = check_run_identity(workdir, data_path), run_identity(workdir)
+  if write and recorded is None:
+    path = os.path.join(workdir, RUN_IDENTITY)
+    with open(path + ".tmp", "w") as f:
+      json.dump(found, f)
+    os.replace(path + ".tmp", path)
+  return found
+
+
 def workdir_tokenizer_file(workdir: str) -> str | None:
   """The tokenizer file a run trained with (WORKDIR/tokenizer/, copied there by the trainer
-  from its token files' sidecars), or None: the run read bytes or synthetic tokens."""
+  from its token files' sidecars), or None: the run read bytes or synthetic tokens. Checked
+  against the run's recorded identity: a damaged or replaced copy is a ConfigError."""
   directory = os.path.join(workdir, "tokenizer")
   files = sorted(name for name in os.listdir(directory) if name.endswith((".json", ".model"))) \
       if os.path.isdir(directory) else []
   if len(files) > 1:
     raise ConfigError("workdir", workdir, f"{directory} holds {len(files)} tokenizers ({', '.join(files)})",
                       "keep the one the run's data was written with")
-  return os.path.join(directory, files[0]) if files else None
+  path = os.path.join(directory, files[0]) if files else None
+  recorded = run_identity(workdir)
+  if recorded is not None:
+    try:
+      found = BYTES_DIGEST if path is None else file_digest(path)
+    except TokenizerError as error:
+      raise ConfigError("workdir", workdir, f"its tokenizer: {error}", "copy the data's tokenizer there again") from None
+    if found != recorded["digest"]:
+      what = "no tokenizer file" if path is None else f"{path}, content {found[:19]}...,"
+      raise ConfigError("workdir", workdir, f"the run trained with {describe(recorded)}; {directory} holds {what} "
+                        "not that tokenizer (damaged or replaced)", "copy the data's tokenizer there again")
+  return path
 
 
 def workdir_tokenizer(workdir: str):

@@ -17,7 +17,7 @@ from megajax import data
 from megajax.launch import runtime
 from megajax.trainer.evaluation import evaluate, held_out_batches
 from tests.support import SMALL_MESH, config_flags
-from tests.support.checkpoints import restore_latest
+from tests.support.checkpoints import PARAMS_DAMAGES, restore_latest
 from tests.support.processes import HANG_S, run_module
 from tests.support.records import metrics
 
@@ -248,3 +248,21 @@ def test_importing_megajax_leaves_no_global_trace():
   result = run_module(["-c", code])
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split() == ["0", "False"]
+
+
+def test_sample_cli_on_damaged_params_falls_back_or_is_one_line(two_checkpoints):
+  """megajax-sample on a finished run whose params/ was damaged: the latest checkpoint that
+  passes its checksums is read instead, with the warning on stderr (exit 0); with no
+  checkpoint to fall back to, one line and exit 2, never a traceback."""
+  workdir, _, _ = two_checkpoints
+  PARAMS_DAMAGES["truncated_arrays"](workdir / "params")
+  os.utime(workdir / "params")
+  args = ["-m", "megajax.launch.sample", f"--workdir={workdir}", "--prompt=!", "--max_new_tokens=2"]   # "!": id 33, in the tiny vocabulary
+  result = run_module(args)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert f"{workdir / 'params'}: unreadable parameters" in result.stderr and "Traceback" not in result.stderr
+  assert "reading the latest checkpoint that passes its checksums instead" in result.stderr
+  os.rename(workdir / "checkpoints", workdir / "elsewhere")
+  result = run_module(args)
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+  assert result.stderr.startswith(f"megajax-sample: checkpoint error: {workdir / 'params'}: unreadable parameters")

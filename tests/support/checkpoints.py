@@ -41,23 +41,23 @@ def restore_latest(workdir, config, parallel_step):
     checkpointer.close()
 
 
-def array_files(checkpoint) -> list[str]:
-  """The OCDBT data files of a checkpoint's state: the arrays' bytes."""
-  return [os.path.join(root, name) for root, _, files in os.walk(checkpoint / "state") for name in files
+def array_files(checkpoint, item="state") -> list[str]:
+  """The OCDBT data files of a checkpoint's state (item=""): a params directory's): the arrays' bytes."""
+  return [os.path.join(root, name) for root, _, files in os.walk(checkpoint / item) for name in files
           if "/d" in root[len(str(checkpoint)):]]
 
 
-def truncate_arrays(checkpoint):
-  for path in array_files(checkpoint):
+def truncate_arrays(checkpoint, item="state"):
+  for path in array_files(checkpoint, item):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
-def flip_bytes(checkpoint, count=256):
+def flip_bytes(checkpoint, count=256, item="state"):
   """Inverts `count` bytes in the middle of the largest array file. The chunks are zstd
   compressed, so where the flip lands decides: a chunk that no longer decodes (unreadable) or
   one that decodes to other numbers (caught by the checksums); the file layout varies between
   runs, so a test must accept either."""
-  path = max(array_files(checkpoint), key=os.path.getsize)
+  path = max(array_files(checkpoint, item), key=os.path.getsize)
   data = bytearray(open(path, "rb").read())
   middle = len(data) // 2
   data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
@@ -82,6 +82,29 @@ def change_values(checkpoint, count=256):
     checkpointer.save(checkpoint / "state.changed", jax.tree.unflatten(treedef, leaves))
   shutil.rmtree(state)
   os.rename(checkpoint / "state.changed", state)
+
+
+def change_params_values(params_dir, count=256):
+  """Silent corruption of a params directory: rewritten as valid files with its own checksums
+  kept (Orbax's custom metadata), `count` values of its largest array changed."""
+  with ocp.StandardCheckpointer() as checkpointer:
+    metadata = checkpointer.metadata(params_dir)
+    values = checkpointer.restore(params_dir)
+  leaves, treedef = jax.tree.flatten(values)
+  largest = max(range(len(leaves)), key=lambda i: leaves[i].size)
+  leaves[largest] = leaves[largest].reshape(-1).at[:count].add(1).reshape(leaves[largest].shape)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(params_dir, jax.tree.unflatten(treedef, leaves), force=True,
+                      custom_metadata=metadata.custom_metadata)
+
+
+# Damage to a params directory (a finished run's WORKDIR/params).
+PARAMS_DAMAGES = {
+    "changed_values": change_params_values,
+    "flipped_bytes": lambda params: flip_bytes(params, item=""),
+    "truncated_arrays": lambda params: truncate_arrays(params, item=""),
+    "garbage_metadata": lambda params: (params / "_CHECKPOINT_METADATA").write_bytes(os.urandom(64)),
+}
 
 
 def edit_meta(checkpoint):

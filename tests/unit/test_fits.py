@@ -12,7 +12,7 @@ import pytest
 from megajax.config import CONFIGS_DIR, ConfigError, default_config, load_config
 from megajax.parallel.planner import HARDWARE
 from megajax.parallel.planner.cost_model import GB
-from megajax.parallel.planner.fits import MEMORY_MARGIN, check_fits, device_memory, estimate, refuse_or_warn
+from megajax.parallel.planner.fits import check_fits, device_memory, estimate, refuse_or_warn
 from megajax.trainer import train
 
 # Each config on the hardware it is meant for: its own mesh where the file sets one (175B,
@@ -28,16 +28,16 @@ INTENDED = [
     ("gpt_175b", {"parallel.dp": 4, "train.microbatches": 192}, "a100-80g"),   # 256 GPUs, Table 2
     ("gpt_530b", {}, "a100-80g"),                                              # 280 GPUs
 ]
-# XLA's allocator takes 75% of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION): the
-# bytes_limit a job sees unless raised, so the tightest case.
-DEFAULT_MEMORY_FRACTION = 0.75
+# XLA's allocator takes 75% of a GPU's memory by default; these configs are run with
+# XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (docs/launch.md), the bytes_limit a job then sees.
+MEMORY_FRACTION = 0.92
 
 
 @pytest.mark.parametrize("name,overrides,hardware", INTENDED, ids=[f"{n} {o}" for n, o, _ in INTENDED])
 def test_configs_fit_their_intended_hardware(name, overrides, hardware):
   config = load_config(os.path.join(CONFIGS_DIR, f"{name}.py"), overrides)
   needed = estimate(config, "gpu")
-  bytes_limit = DEFAULT_MEMORY_FRACTION * HARDWARE[hardware].memory_gb * GB
+  bytes_limit = MEMORY_FRACTION * HARDWARE[hardware].memory_gb * GB
   refuse_or_warn(needed, bytes_limit, f"{hardware}: bytes_limit")        # raises if refused
 
 
@@ -54,7 +54,7 @@ def test_a_model_that_cannot_fit_is_one_line_before_the_workdir(field, value, ti
   message = str(error.value)
   assert message.startswith("memory per device='") and "\n" not in message, message
   estimated = float(message.split("'")[1].split(" GB")[0].replace(",", ""))
-  assert estimated * GB > MEMORY_MARGIN * have
+  assert estimated * GB > have
   assert f"{have / GB:,.1f} GB a device has ({where})" in message, message
   assert not (tmp_path / "run").exists()
 
@@ -71,20 +71,13 @@ def test_cpu_memory_is_shared_by_the_devices():
   assert one == pytest.approx(8 * eight) and "CPU" in where
 
 
-def test_above_the_device_but_within_the_margin_is_a_warning():
+def test_over_the_device_is_refused_unless_forced(caplog):
+  """Over 1x the device's memory by the estimate: one line with the estimate, the ratio and the
+  ways out; train.force_memory=True runs it anyway, with a warning."""
   needed = estimate(default_config(), "cpu")
-  refuse_or_warn(needed, needed.total / (MEMORY_MARGIN - 0.1), "test")      # warns, does not raise
-  with pytest.raises(ConfigError, match=r"^memory per device='.* GB estimated, .* of it .*': more than 1.5 x"):
-    refuse_or_warn(needed, needed.total / (MEMORY_MARGIN + 0.1), "test")
-
-
-def test_the_estimate_follows_the_grad_sync_the_config_trains_with():
-  """parallel.grad_sync="step" holds full fp32 gradient sums per device, "microbatch" does not:
-  the memory check estimates the mode the config asks for."""
-  config = default_config()
-  config.parallel.dp, config.train.microbatches = 2, 4
-  by_mode = {}
-  for mode in ("step", "microbatch"):
-    config.parallel.grad_sync = mode
-    by_mode[mode] = estimate(config, "gpu").total
-  assert by_mode["step"] > by_mode["microbatch"]
+  refuse_or_warn(needed, needed.total, "test")           # exactly fits: nothing said
+  with pytest.raises(ConfigError, match=r"^memory per device='.* GB estimated, .* of it .*': 1.20 x the .* a device "
+                                        r"has \(test\); use .* or --config.train.force_memory=true to run anyway$"):
+    refuse_or_warn(needed, needed.total / 1.2, "test")
+  refuse_or_warn(needed, needed.total / 1.2, "test", force=True)
+  assert "running anyway (train.force_memory)" in caplog.text

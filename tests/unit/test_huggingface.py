@@ -242,6 +242,8 @@ def _copy(exported, name, tmp_path):
      "partial_rotary_factor=0.25 (rotary_pct)"),
     ("neox", lambda d: _edit_config(d, hidden_act="relu"), "hidden_act='relu': megajax's GeLUs are the tanh form"),
     ("neox", lambda d: os.remove(d / "model.safetensors"), "no model.safetensors or model.safetensors.index.json"),
+    ("llama", lambda d: _edit_tensors(d, lambda t: t["model.layers.1.mlp.up_proj.weight"].reshape(-1).__setitem__(
+        slice(3, 6), np.nan)), "model.layers.1.mlp.up_proj.weight: 3 of its 4096 values in "),     # named before training
 ])
 def test_import_refuses_in_one_line_naming_it(exported, tmp_path, name, damage, message):
   directory = _copy(exported, name, tmp_path)

@@ -42,11 +42,13 @@ CASES = [  # (the model's block family, the prompts' padding)
                          if isinstance(c, dict) else c)
 def test_cached_decoding_equals_the_full_forward_at_every_position(tiny_config, fields, padding):
   """Greedy decoding of 20 tokens (5x the window) for prompts of different lengths: each step's
-  logits equal the full forward's at that position, so the tokens are identical."""
+  logits equal the full forward's at that position, so the tokens are identical (past the
+  model's seq_len too: the cache's mechanics, allowed explicitly)."""
   config, params = _model(tiny_config, **fields)
   prompts = [[3, 9, 1, 7, 2, 8, 5], [11, 4]]
   tokens, mask = gen.pad_prompts(prompts, padding=padding)
-  new, logits = gen.generate(params, config, tokens, 20, temperature=0, prompt_mask=mask, with_logits=True)
+  new, logits = gen.generate(params, config, tokens, 20, temperature=0, prompt_mask=mask, with_logits=True,
+                             allow_past_seq_len=True)
   assert new.shape == (2, 20) and logits.shape == (2, 20, config.vocab_size)
   for row, prompt in enumerate(prompts):
     reference = _full_forward_logits(params, config, prompt, new[row])
@@ -141,3 +143,21 @@ def test_a_runs_params_are_the_newest_of_its_export_and_its_checkpoints(two_chec
   assert source == str(workdir / "checkpoints" / "6")
   jax.tree.map(np.testing.assert_array_equal, restored, exported)
   assert isinstance(workdir_tokenizer(str(workdir)), ByteTokenizer)
+
+
+def test_sampling_past_seq_len_is_refused_with_a_global_layer_unless_allowed(tiny_config, caplog):
+  """Global layers past model.seq_len attend over distances training never saw: refused with one
+  line (how many tokens fit, how to allow it); allowed, a warning. Every layer local: fine (a
+  rotary model sees only offsets, never more than its window)."""
+  config, params = _model(tiny_config)            # layers L G L, seq_len 16
+  prompt = [[3, 9, 1, 7]]
+  assert gen.generate(params, config, prompt, 12, temperature=0).shape == (1, 12)     # to position 16: fine
+  with pytest.raises(gen.GenerationError, match=r"^max_new_tokens=13: .* reach position 17, past the "
+                                                r"model.seq_len=16 .*; ask for at most 12 new tokens, or allow it"):
+    gen.generate(params, config, prompt, 13, temperature=0)
+  with caplog.at_level("WARNING"):
+    assert gen.generate(params, config, prompt, 13, temperature=0, allow_past_seq_len=True).shape == (1, 13)
+  assert "past model.seq_len=16" in caplog.text
+  local, local_params = _model(tiny_config, window_pattern="L")
+  assert gen.past_seq_len_ok(local) and not gen.past_seq_len_ok(config)
+  assert gen.generate(local_params, local, prompt, 30, temperature=0).shape == (1, 30)

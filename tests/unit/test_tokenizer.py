@@ -11,6 +11,7 @@ import pytest
 import sentencepiece
 import tokenizers
 
+from megajax import data
 from megajax import text_inputs
 from megajax import token_files
 from megajax import tokenizer as tok
@@ -119,7 +120,8 @@ def test_trained_bpe_travels_with_the_data(tmp_path):
   output = str(tmp_path / "out" / "corpus.bin")
   meta, _, _ = text_inputs.prepare_text_files(_write_texts(tmp_path / "in", texts), output, train_tokenizer="bpe",
                                               vocab_size=300, documents="blank_line", workers=1)
-  assert meta["tokenizer"] == {"kind": "huggingface", "file": "corpus.tokenizer.json", "eos_id": 0}
+  assert meta["tokenizer"] == {"kind": "huggingface", "file": "corpus.tokenizer.json", "eos_id": 0,
+                               "digest": tok.file_digest(str(tmp_path / "out" / "corpus.tokenizer.json"))}
   assert sorted(os.listdir(tmp_path / "out")) == ["corpus.bin", "corpus.idx", "corpus.json", "corpus.tokenizer.json"]
   tokenizer = tok.tokenizer_of(output)
   assert meta["vocab_size"] == tokenizer.vocab_size <= 300 and meta["num_documents"] == len(texts)
@@ -170,7 +172,8 @@ def test_a_sentencepiece_model_travels_with_the_data(tmp_path):
   output = str(tmp_path / "sp.bin")
   meta, _, _ = text_inputs.prepare_text_files([str(corpus)], output, tokenizer=str(tmp_path / "spm.model"),
                                               workers=1)
-  assert meta["tokenizer"] == {"kind": "sentencepiece", "file": "sp.tokenizer.model", "eos_id": 2}
+  assert meta["tokenizer"] == {"kind": "sentencepiece", "file": "sp.tokenizer.model", "eos_id": 2,
+                               "digest": tok.file_digest(str(tmp_path / "spm.model"))}
   assert meta["vocab_size"] == 80 and meta["num_documents"] == 1
   assert tok.tokenizer_of(output).kind == "sentencepiece"
   assert tok.copy_tokenizer(output, str(tmp_path / "w")).endswith("sp.tokenizer.model")
@@ -189,3 +192,85 @@ def test_not_utf8_text_is_one_line_for_a_real_tokenizer(tmp_path, bpe):
     text_inputs.prepare_text_files([str(tmp_path / "x.txt")], str(tmp_path / "o.bin"),
                                    tokenizer=str(tmp_path / "tokenizer.json"), workers=1)
   assert sorted(os.listdir(tmp_path)) == ["tokenizer.json", "x.txt"]
+
+
+# --- Tokenizer identity by content (a digest), not by kind and size.
+
+def _bpe_data(tmp_path, name, seed, vocab_size=300):
+  """A token file written by a BPE trained on its own corpus (seed): same vocab size, other ids."""
+  rng = random.Random(seed)
+  words = ["".join(rng.choice("abcdefghijklmnop"[seed % 2::2]) for _ in range(rng.randint(2, 6))) for _ in range(200)]
+  texts = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(40)]
+  output = str(tmp_path / "data" / f"{name}.bin")
+  text_inputs.prepare_text_files(_write_texts(tmp_path / f"in_{name}", texts), output, train_tokenizer="bpe",
+                                 vocab_size=vocab_size, documents="blank_line", workers=1)
+  return output
+
+
+@pytest.fixture
+def two_bpes(tmp_path):
+  a, b = _bpe_data(tmp_path, "a", 1), _bpe_data(tmp_path, "b", 2)
+  assert token_files.TokenFile(a).vocab_size == token_files.TokenFile(b).vocab_size   # only the content differs
+  return a, b
+
+
+def test_a_digest_ignores_how_the_json_is_spelled_and_sees_any_change(two_bpes, tmp_path):
+  a, _ = two_bpes
+  file = a[:-len(".bin")] + ".tokenizer.json"
+  content = json.loads(open(file).read())
+  respelled = tmp_path / "respelled.json"
+  respelled.write_text(json.dumps(content, indent=4, sort_keys=False))
+  assert tok.file_digest(str(respelled)) == tok.file_digest(file) == token_files.TokenFile(a).tokenizer["digest"]
+  content["model"]["vocab"]["zz"] = 0
+  respelled.write_text(json.dumps(content))
+  assert tok.file_digest(str(respelled)) != tok.file_digest(file)
+
+
+def test_a_mixture_or_eval_data_of_another_bpe_of_the_same_size_is_refused(two_bpes, tiny_config):
+  a, b = two_bpes
+  tiny_config.data.source, tiny_config.model.vocab_size = "tokens", 300
+  tiny_config.data.mixture = f"{a}:0.5,{b}:0.5"
+  with pytest.raises(ConfigError, match=r"^data.mixture=.*: .*a.bin \(tokenizer huggingface, vocab \d+, EOS 0, content "
+                                        r"sha256:.*\) and .*b.bin .* use different tokenizers; prepare every file"):
+    data.make_sources(tiny_config)
+  tiny_config.data.mixture, tiny_config.data.path, tiny_config.data.eval_path = "", a, b
+  with pytest.raises(ConfigError, match=r"^data.eval_path=.*b.bin.*use different tokenizers"):
+    data.make_sources(tiny_config, "eval")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "another_bpe"])
+def test_a_damaged_or_substituted_tokenizer_beside_the_data_is_refused_when_adopted(two_bpes, tmp_path, damage):
+  """The trainer adopts the data's tokenizer through copy_tokenizer: a file that no longer
+  parses, or a valid one that is not the sidecar's (its digest), is one line, nothing copied."""
+  a, b = two_bpes
+  file = a[:-len(".bin")] + ".tokenizer.json"
+  if damage == "truncated":
+    open(file, "w").write(open(file).read()[:200])
+  else:
+    open(file, "w").write(open(b[:-len(".bin")] + ".tokenizer.json").read())
+  with pytest.raises(ConfigError) as error:
+    tok.copy_tokenizer(a, str(tmp_path / "run" / "tokenizer"))
+  message = str(error.value)
+  assert message.startswith(f"data.path='{a}': its tokenizer") and "\n" not in message, message
+  assert ("not a readable tokenizer file" if damage == "truncated" else "is not the one its sidecar names") in message
+  assert not (tmp_path / "run" / "tokenizer").exists()
+
+
+def test_a_run_keeps_its_tokenizer_identity_for_resume_eval_and_sampling(two_bpes, tmp_path):
+  """The run records the identity it trained with: resuming (or evaluating) on data of another
+  tokenizer is refused naming both; a replaced copy in WORKDIR/tokenizer/ is refused when read."""
+  a, b = two_bpes
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  tok.copy_tokenizer(a, str(workdir / "tokenizer"))
+  recorded = tok.record_run_identity(str(workdir), a, write=True)
+  assert tok.run_identity(str(workdir)) == recorded == tok.identity(a)
+  assert tok.check_run_identity(str(workdir), a) == recorded
+  with pytest.raises(ConfigError, match=r"^data.eval_path=.*b.bin.: its tokenizer is huggingface sha256:.* but the run "
+                                        r"in .* trained with huggingface sha256:.*: the same ids would mean other tokens"):
+    tok.check_run_identity(str(workdir), b, "data.eval_path")
+  assert tok.workdir_tokenizer(str(workdir)).vocab_size == token_files.TokenFile(a).vocab_size
+  copy = tok.workdir_tokenizer_file(str(workdir))
+  open(copy, "w").write(open(b[:-len(".bin")] + ".tokenizer.json").read())
+  with pytest.raises(ConfigError, match=r"^workdir=.*: the run trained with .*; .*tokenizer holds .* not that tokenizer"):
+    tok.workdir_tokenizer(str(workdir))
