@@ -55,7 +55,8 @@ def recompute_decode(params, prompt, config: ModelConfig, new: int):
 
 
 def cached_decode(params, prompt, config: ModelConfig, new: int):
-  return gen.generate(params, config, prompt, new, temperature=0)
+  # Past model.seq_len on purpose: the cache's speed and bytes as the generated length grows.
+  return gen.generate(params, config, prompt, new, temperature=0, allow_past_seq_len=True)
 
 
 def _cache_bytes(config: ModelConfig, batch: int, max_len: int) -> int:
