@@ -32,7 +32,7 @@ from megajax.parallel import ParallelStep, local_batch_slice, local_device_coord
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.planner.fits import check_fits
 from megajax.reference_step import TrainState
-from megajax.tokenizer import copy_tokenizer, record_run_identity
+from megajax.tokenizer import check_run_identity, copy_tokenizer, record_run_identity, tokenizer_of
 from megajax.trainer import callbacks, drills
 from megajax.trainer.evaluation import Evaluation
 from megajax.trainer.heartbeat import Heartbeat
@@ -158,11 +158,13 @@ def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, clea
   """(heartbeat, checkpointer), both None without a workdir; process 0 writes config.json."""
   if not workdir:
     return None, None
+  tokenizer_data = _checked_tokenizer(config, workdir)    # before anything is written
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
-  _adopt_tokenizer(config, workdir)
+    if tokenizer_data:
+      _adopt_tokenizer(tokenizer_data, workdir)
   heartbeat = Heartbeat(workdir, jax.process_index(), local_device_coordinates(parallel_step.mesh),
                         config.supervisor.heartbeat_interval_s)
   cleanup.callback(lambda: heartbeat.close(done=outcome["finished"]))
@@ -171,22 +173,28 @@ def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, clea
   return heartbeat, checkpointer
 
 
-def _adopt_tokenizer(config, workdir: str) -> None:
-  """The data's tokenizer (every file's is the same: data.make_sources checks) checked against
-  the one this workdir's run trained with, if any, on every process (a ConfigError before
-  the restore and the compile); then, by process 0, recorded (WORKDIR/tokenizer.identity.json)
-  and copied into WORKDIR/tokenizer/, so that the run's samples and exported weights are read
-  with the very vocabulary they were trained on (no file for bytes). A tokenizer file that
-  does not load or match its sidecar is refused here (tokenizer.copy_tokenizer)."""
+def _checked_tokenizer(config, workdir: str) -> str | None:
+  """The token file whose tokenizer the run adopts (every file's is the same: data.make_sources
+  checks), None for synthetic data. Checked on every process before the workdir is written,
+  the restore or the compile: its tokenizer file must load and match its sidecar, and be the
+  one this workdir's run trained with, if any (a ConfigError: a refused start leaves the
+  workdir as it was)."""
   paths = data.token_file_paths(config)
   if not paths:
-    return
-  record_run_identity(workdir, paths[0], write=False)
-  if jax.process_index() == 0:
-    copied = copy_tokenizer(paths[0], os.path.join(workdir, "tokenizer"))
-    record_run_identity(workdir, paths[0], write=True)
-    if copied:
-      logging.info("tokenizer of %s copied to %s", paths[0], copied)
+    return None
+  tokenizer_of(paths[0])
+  check_run_identity(workdir, paths[0])
+  return paths[0]
+
+
+def _adopt_tokenizer(data_path: str, workdir: str) -> None:
+  """data_path's tokenizer recorded (WORKDIR/tokenizer.identity.json) and copied into
+  WORKDIR/tokenizer/, so that the run's samples and exported weights are read with the very
+  vocabulary they were trained on (no file for bytes)."""
+  copied = copy_tokenizer(data_path, os.path.join(workdir, "tokenizer"))
+  record_run_identity(workdir, data_path, write=True)
+  if copied:
+    logging.info("tokenizer of %s copied to %s", data_path, copied)
 
 
 def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator, heartbeat):

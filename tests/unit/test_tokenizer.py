@@ -6,6 +6,7 @@ import json
 import os
 import random
 
+import jax
 import numpy as np
 import pytest
 import sentencepiece
@@ -17,6 +18,7 @@ from megajax import token_files
 from megajax import tokenizer as tok
 from megajax.config import ConfigError
 from megajax.token_files import PrepareError
+from megajax.trainer import train
 
 WORDS = "the quick brown fox jumps over a lazy dog while data tokens flow through the model".split()
 
@@ -274,3 +276,25 @@ def test_a_run_keeps_its_tokenizer_identity_for_resume_eval_and_sampling(two_bpe
   open(copy, "w").write(open(b[:-len(".bin")] + ".tokenizer.json").read())
   with pytest.raises(ConfigError, match=r"^workdir=.*: the run trained with .*; .*tokenizer holds .* not that tokenizer"):
     tok.workdir_tokenizer(str(workdir))
+
+
+def test_a_refused_start_leaves_the_workdir_as_it_was(two_bpes, tiny_config, tmp_path):
+  """The trainer checks the data's tokenizer before it writes anything: resuming a run of a.bin
+  on b.bin, or starting on data whose tokenizer file is corrupt, is one ConfigError and the
+  workdir's files are as they were (config.json not rewritten, nothing copied)."""
+  a, b = two_bpes
+  tiny_config.data.source, tiny_config.model.vocab_size = "tokens", 300
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text("{}")          # what the run on a.bin left, as far as this check goes
+  tok.record_run_identity(str(workdir), a, write=True)
+  before = {path: path.read_bytes() for path in workdir.rglob("*") if path.is_file()}
+  tiny_config.data.path = b
+  with pytest.raises(ConfigError, match=r"^data.path=.*b.bin.: its tokenizer is .* but the run in .* trained with"):
+    train(tiny_config, str(workdir), devices=jax.devices()[:1])
+  assert {path: path.read_bytes() for path in workdir.rglob("*") if path.is_file() and path.name != "lock"} == before
+  open(a[:-len(".bin")] + ".tokenizer.json", "w").write("{")
+  tiny_config.data.path, fresh = a, tmp_path / "fresh"
+  with pytest.raises(ConfigError, match=r"not a readable tokenizer file"):
+    train(tiny_config, str(fresh), devices=jax.devices()[:1])
+  assert not (fresh / "config.json").exists() and not (fresh / "tokenizer").exists()
