@@ -40,6 +40,10 @@ import orbax.checkpoint as ocp
 META_FILE = "metadata"     # Orbax's JsonCheckpointHandler's name for it, kept
 
 
+# Bugs, not damaged files: these propagate instead of being read as damage (a fallback, one line).
+PROGRAMMING_ERRORS = (AttributeError, NameError, TypeError, NotImplementedError)
+
+
 class CheckpointError(Exception):
   """A checkpoint that cannot be used: unreadable, or saved by a different model."""
 

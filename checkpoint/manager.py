@@ -49,7 +49,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from megajax.checkpoint import integrity, reshard
-from megajax.checkpoint.integrity import CheckpointError, IntegrityError, MetaHandler, MetaRestore, MetaSave
+from megajax.checkpoint.integrity import (PROGRAMMING_ERRORS, CheckpointError, IntegrityError, MetaHandler, MetaRestore,
+                                          MetaSave, first_line)
 from megajax.config import default_config
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep
@@ -184,7 +185,7 @@ class TrainingCheckpointer:
       self._manager.save(step, args=ocp.args.Composite(**{
           STATE: ocp.args.StandardSave(state), DATA: DataStateSave(data_state), META: MetaSave(meta, checksums)}),
           force=True)
-    except _PROGRAMMING_ERRORS:
+    except PROGRAMMING_ERRORS:
       raise
     except Exception as error:  # pylint: disable=broad-except  (a full disk, a refused write: one line)
       if not storage_refused(error):
@@ -268,7 +269,7 @@ class TrainingCheckpointer:
                           "reading the newest one again", self.path(step))
           continue
         logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous complete one",
-                      self.path(step), type(failure).__name__, str(failure).splitlines()[0][:300] if str(failure) else "")
+                      self.path(step), type(failure).__name__, first_line(failure))
         unreadable[step] = failure
         continue
       if self.read_only:     # a reader moves nothing: the trainer quarantines at its next restore
@@ -388,7 +389,7 @@ class TrainingCheckpointer:
     """Blocks until every started save is committed; CheckpointError when one failed."""
     try:
       self._manager.wait_until_finished()
-    except _PROGRAMMING_ERRORS:
+    except PROGRAMMING_ERRORS:
       raise
     except Exception as error:  # pylint: disable=broad-except
       with self._lock:
@@ -467,8 +468,6 @@ def _size(count: int) -> str:
   return f"{count:.1f} TiB"
 
 
-# Bugs, not damaged files: these propagate instead of triggering the fallback.
-_PROGRAMMING_ERRORS = (AttributeError, NameError, TypeError, NotImplementedError)
 
 
 def _storage_bytes_read() -> int | None:
@@ -511,7 +510,7 @@ def _agreed(read):
   """read()'s result once it has succeeded on every process; else _Unusable."""
   try:
     result, failure = read(), None
-  except _PROGRAMMING_ERRORS:
+  except PROGRAMMING_ERRORS:
     raise
   except Exception as error:  # pylint: disable=broad-except  (any read failure: try the previous one)
     result, failure = None, error

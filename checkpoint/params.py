@@ -20,13 +20,10 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from megajax.checkpoint import integrity
-from megajax.checkpoint.integrity import CheckpointError
+from megajax.checkpoint.integrity import PROGRAMMING_ERRORS, CheckpointError
 
 CHECKSUMS = "megajax_checksums"    # the key in Orbax's custom metadata
 STEP_METADATA = "_CHECKPOINT_METADATA"   # Orbax's file of it, in the committed directory
-
-# Bugs, not damaged files: these propagate instead of becoming one line.
-_PROGRAMMING_ERRORS = (AttributeError, NameError, TypeError, NotImplementedError)
 
 
 def save_params(directory: str, params) -> str:
@@ -58,7 +55,7 @@ def load_params(directory: str, like=None):
         like = jax.tree.map(lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=device),
                             metadata.item_metadata)
       params = checkpointer.restore(path, like)
-  except _PROGRAMMING_ERRORS:
+  except PROGRAMMING_ERRORS:
     raise
   except Exception as error:  # pylint: disable=broad-except  (TensorStore raises a plain Exception)
     raise CheckpointError(f"{path}: unreadable parameters ({type(error).__name__}: "
@@ -100,7 +97,7 @@ def params_metadata(directory: str):
   try:
     with ocp.StandardCheckpointer() as checkpointer:
       return checkpointer.metadata(os.path.abspath(directory)).item_metadata
-  except _PROGRAMMING_ERRORS:
+  except PROGRAMMING_ERRORS:
     raise
   except Exception as error:  # pylint: disable=broad-except
     raise CheckpointError(f"{os.path.abspath(directory)}: unreadable parameters' metadata "
