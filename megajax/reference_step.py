@@ -113,8 +113,10 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
 
 
 def make_reference_step(model: GPT, optimizer: optax.GradientTransformation,
-                    config: ml_collections.ConfigDict) -> Callable:
-  """The jitted reference step. The input state is donated: its buffers become the output's."""
+                        config: ml_collections.ConfigDict, with_gradients: bool = False) -> Callable:
+  """The jitted reference step. The input state is donated: its buffers become the output's.
+  with_gradients=True: (state, metrics, gradients) (the mean over the batch's tokens, before
+  the optimizer), like ParallelStep.train_step(with_gradients=True)."""
   loss_sums = make_loss_sums_fn(model, config.train.z_loss)
   schedule = learning_rate_schedule(config)
   microbatches = config.train.microbatches
@@ -127,6 +129,7 @@ def make_reference_step(model: GPT, optimizer: optax.GradientTransformation,
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
                "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
-    return TrainState(state.step + 1, params, opt_state), metrics
+    new_state = TrainState(state.step + 1, params, opt_state)
+    return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
 
   return jax.jit(train_step, donate_argnums=0)

@@ -3,7 +3,7 @@
 Every (mesh, block, tp_overlap, accumulation) the step claims: the loss and every gradient
 within 1e-5 relative of megajax.reference_step's single-device step, and the params after 3
 LAMB steps within 1e-5 (with the default parallel.grad_sync="step"; tp_overlap="xla" is
-mode none's program on CPU, checked as such); both gradient syncs
+mode none's program on CPU, and collective_matmul at tp = 1, checked as such); both gradient syncs
 over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16, the
 block families: RMSNorm + SwiGLU, the two-norm parallel block); then
 the linears gathered in bf16 against fp32 gathers, bit for bit.
@@ -20,31 +20,36 @@ from tests.support.reference import (assert_matches_reference, fixed_batch, para
                                      pipeline_config, relative_error)
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
-MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
+# Every tp_overlap mode the config accepts is checked on every mesh; "xla" (and "collective_matmul"
+# at tp = 1) as the program of mode none, below, the others run.
+assert set(TP_OVERLAP_CHOICES) == {"none", "collective_matmul", "xla"}
+CASES = [(mesh, block, mode, microbatches) for mesh in MESHES for block in ("parallel", "serial")
+         for mode in ("none", "collective_matmul") if not (mode == "collective_matmul" and mesh[2] == 1)
+         for microbatches in (1, 2)]
 
 
-@pytest.mark.parametrize("microbatches", [1, 2], ids=["no_accum", "accum2"])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("block", ["parallel", "serial"])
-@pytest.mark.parametrize("mesh", MESHES, ids=["x".join(map(str, m)) for m in MESHES])
+@pytest.mark.parametrize("mesh,block,mode,microbatches", CASES,
+                         ids=["x".join(map(str, m)) + f"-{b}-{o}-{'accum2' if n > 1 else 'no_accum'}"
+                              for m, b, o, n in CASES])
 def test_matches_the_single_device_reference(mesh, block, mode, microbatches):
   """Accumulating: two layers (the first microbatch gathers each layer's ZeRO shards a layer
   ahead, the second reuses them); without accumulation one layer (the gathers, the ring
-  matmuls and the reductions are each layer's own: a second adds compile time, not a path)."""
+  matmuls and the reductions are each layer's own: a second adds compile time, not a path).
+
+  Mode none's case also checks the modes whose step is its program, text for text (checked
+  as such, not compiled again): "xla" (XLA's windowed-einsum rewrite is a GPU pass: on CPU
+  the step is mode none's StableHLO with GPU-only compiler options, asserted) and, at tp = 1,
+  "collective_matmul" (no ring over one device)."""
   dp, _, tp = mesh
   layers = 2 if microbatches > 1 else 1
   config = parallel_config(dp, tp, block, mode, microbatches, layers=layers)
-  if mode == "xla":
-    # XLA's windowed-einsum rewrite is a GPU pass: on CPU the step is mode none's program (the
-    # same StableHLO) with GPU-only compiler options, whose numbers mode none's case checks.
-    none = parallel_config(dp, tp, block, "none", microbatches, layers=layers)
-    steps = {name: parallel_step_for(c) for name, c in (("xla", config), ("none", none))}
-    texts = {name: step.train_step(with_gradients=True).lower(*step.abstract_inputs()).as_text()
-             for name, step in steps.items()}
-    assert texts["xla"] == texts["none"]
-    assert steps["xla"].compiler_options == XLA_WINDOWED_EINSUM_OPTIONS and steps["none"].compiler_options is None
-    return
-  assert_matches_reference(config)
+  same_program = []
+  if mode == "none":
+    same_program = [parallel_config(dp, tp, block, other, microbatches, layers=layers)
+                    for other in ("xla", "collective_matmul") if other == "xla" or tp == 1]
+    xla = parallel_step_for(same_program[0])
+    assert xla.compiler_options == XLA_WINDOWED_EINSUM_OPTIONS and parallel_step_for(config).compiler_options is None
+  assert_matches_reference(config, same_program=same_program)
 
 
 GRAD_SYNC_MESHES = [(2, 1, 2), (4, 1, 2)]

@@ -37,9 +37,12 @@ def inputs(b, s, heads, kv_heads, d, dtype, seed=0):
 
 
 def value_and_grads(attention, q, k, v, cotangent):
-  loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * cotangent)
-  out = attention(q, k, v)
-  return (out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+  """(out, dq, dk, dv) of sum(attention(q, k, v) * cotangent), from one forward: the vjp's
+  (the cotangent in the output's dtype, as the gradient of an fp32 cast passes it back)."""
+  def run(q, k, v):
+    out, pullback = jax.vjp(attention, q, k, v)
+    return (out, *pullback(cotangent.astype(out.dtype)))
+  return jax.jit(run)(q, k, v)
 
 
 def assert_close(got, want, tol):

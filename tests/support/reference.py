@@ -20,7 +20,7 @@ from megajax.optim import make_optimizer
 from megajax.parallel import ParallelStep
 from megajax.parallel.pipeline import pipeline_gradients
 from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
-from megajax.reference_step import accumulate_gradients, init_train_state, make_loss_sums_fn, make_reference_step
+from megajax.reference_step import init_train_state, make_reference_step
 from megajax.trainer import build_parallel_step
 from tests.support.once import once_per_run
 
@@ -96,27 +96,27 @@ def _single_device_reference(model_fields, rows, packed):
   with jax.default_device(jax.devices()[0]):
     state = init_train_state(model, optimizer, jax.random.key(0))
     initial = jax.device_get(state.params)
-    loss_sums = make_loss_sums_fn(model, config.train.z_loss)
-    grads, stats = jax.jit(lambda p, b: accumulate_gradients(loss_sums, p, b, 1))(
-        state.params, fixed_batch(rows, packed))
-    grads = jax.device_get(jax.tree.map(lambda g: g / stats["tokens"], grads))
-    step = make_reference_step(model, optimizer, config)
-    losses, grad_norms = [], []
+    # One program (the step with its gradients): the first step's are the first gradients.
+    step = make_reference_step(model, optimizer, config, with_gradients=True)
+    losses, grad_norms, first_grads = [], [], None
     for _ in range(STEPS):
-      state, metrics = step(state, fixed_batch(rows, packed))
+      state, metrics, grads = step(state, fixed_batch(rows, packed))
+      first_grads = first_grads if first_grads is not None else jax.device_get(grads)
       losses.append(float(metrics["loss"]))
       grad_norms.append(float(metrics["grad_norm"]))
-  return initial, grads, (losses, grad_norms), jax.device_get(state.params)
+  return initial, first_grads, (losses, grad_norms), jax.device_get(state.params)
 
 
-def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=False):
+def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=False, same_program=()):
   """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the
   reference (the whole batch at once: the math is the same for any number of microbatches).
 
   Final params: every leaf within `param_leaf_rtol` (default rtol) and the whole model within
   rtol. A bias gradient component near Adam's eps (1e-6) turns a 1e-9 difference in summation
   order into a 1e-3 difference in its step, so a leaf may exceed what the whole model does.
-  packed=True: both steps train on packed rows (fixed_batch(packed=True))."""
+  packed=True: both steps train on packed rows (fixed_batch(packed=True)).
+  same_program: configs whose step must lower to this one's StableHLO, text for text (so this
+  check's numbers are theirs; they are lowered, not compiled or run)."""
   rows = config.train.batch_size
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
       tuple(sorted(config.model.to_dict().items())), rows, packed)   # the same model, on one device
@@ -128,6 +128,11 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
     np.testing.assert_array_equal(got, want)   # sharded init = reference init
 
   step = parallel_step.train_step(with_gradients=True)
+  if same_program:   # (the step below reuses this lowering: traced once)
+    program = _lowered_text(step, parallel_step)
+    for other in same_program:
+      other_step = parallel_step_for(other)
+      assert _lowered_text(other_step.train_step(with_gradients=True), other_step) == program, other.parallel
   losses, grad_norms = [], []
   for i in range(STEPS):
     state, metrics, grads = step(state, parallel_step.put_batch(fixed_batch(rows, packed)))
@@ -148,6 +153,10 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
     assert worst[1] < (param_leaf_rtol or rtol), \
         f"param {jax.tree_util.keystr(worst[0])} after {STEPS} steps: {worst[1]:.2e}"
   assert int(state.step) == STEPS
+
+
+def _lowered_text(jitted_step, parallel_step) -> str:
+  return jitted_step.lower(*parallel_step.abstract_inputs()).as_text()
 
 
 def parallel_step_for(config) -> ParallelStep:
