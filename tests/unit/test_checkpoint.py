@@ -23,6 +23,7 @@ from megajax.model import GPT, ModelConfig
 from megajax.trainer import train
 from tests.support.checkpoints import (DAMAGES, parallel_step_for, quarantined, quarantined_as, restore_latest,
                                        truncate_arrays)
+from tests.support.processes import HANG_S   # a hang guard only: each wait ends on its event
 
 
 def test_retention_keeps_the_last_k_and_every_mth(tmp_path, tiny_config):
@@ -79,7 +80,7 @@ class _HeldWrite:
     self._released.set()
 
   def result(self, timeout=None):
-    assert self._released.wait(timeout=120), "the test never released the write"
+    assert self._released.wait(timeout=HANG_S), "the test never released the write"
 
 
 @pytest.mark.parametrize("every,due", [(4, [4, 8, 10]), (0, [10])])

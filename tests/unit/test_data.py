@@ -11,6 +11,7 @@ import pytest
 from megajax import config as config_lib
 from megajax import data
 from megajax import token_files
+from tests.support.processes import HANG_S   # a hang guard only: each wait ends on its event
 
 
 def _config(**data_overrides):
@@ -207,7 +208,7 @@ def test_device_prefetcher_state_counts_only_handed_out_batches():
     assert all(isinstance(x, jax.Array) for batch in got for x in batch.values())
     _assert_batches_equal(reference[:3], got)
     # The thread runs ahead: its 6th put starts once batches 4 and 5 wait in the full queue.
-    assert ran_ahead.wait(timeout=60)
+    assert ran_ahead.wait(timeout=HANG_S)
     assert prefetcher._queue.full()
     state = json.loads(json.dumps(prefetcher.get_state()))
   resumed = data.make_iterator(c, 0, 1)

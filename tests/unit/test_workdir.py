@@ -16,6 +16,7 @@ import pytest
 from megajax.checkpoint import CheckpointError, TrainingCheckpointer
 from megajax.trainer.workdir import LOCK_FILE, WorkdirError, WorkdirLock, check_workdir, claim_workdir
 from tests.support.checkpoints import restore_latest
+from tests.support.processes import HANG_S   # a hang guard only: each wait ends on its event
 
 
 def _holder(workdir) -> dict:
@@ -110,7 +111,7 @@ class _WriteToAFullDisk:
     self._go.set()
 
   def result(self, timeout=None):
-    assert self._go.wait(timeout=120), "the test never let the write go"
+    assert self._go.wait(timeout=HANG_S), "the test never let the write go"
     with open("/dev/full", "w") as f:
       f.write("the last bytes of a checkpoint")
       f.flush()
@@ -132,7 +133,7 @@ def test_a_save_that_fails_in_the_background_is_reported_at_the_next_step(two_ch
     checkpointer.save(7, parallel_step.init_state(jax.random.key(0)), {"next_index": 7})
     checkpointer.check_for_errors(7)                # still writing: nothing to say yet
     write.go()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     with pytest.raises(CheckpointError) as failed:
       while time.monotonic() < deadline:            # the steps after it (10 ms each), each checking
         checkpointer.check_for_errors(8)
