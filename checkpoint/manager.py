@@ -468,8 +468,6 @@ def _size(count: int) -> str:
   return f"{count:.1f} TiB"
 
 
-
-
 def _storage_bytes_read() -> int | None:
   """Bytes this process has read through read() calls (Linux /proc/self/io rchar), None elsewhere."""
   try:
