@@ -1,7 +1,7 @@
 """The pipeline executor (megajax.parallel.pipeline) against the single-device reference.
 
 Every (dp, pp, tp) mesh the issue names, v in {1, 2}, every schedule (GPipe v=2 on the 2-stage meshes),
-m = 2p (and p, 4p on two meshes):
+every m in {p, 2p, 4p} with every schedule (a covering array: CASES):
 loss, all gradients and the params after 3 LAMB steps within 1e-5 of megajax.reference_step;
 the breadth-first traversal; both gradient syncs over dp (once per step, the default, and per
 microbatch); every remat policy inside the pipeline's backward from kept residuals; the serial
@@ -22,13 +22,17 @@ PIPELINE_MESHES = [(1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 SCHEDULE_CHUNKS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved_1f1b", 2)]
 
 
-# m in {p, 2p, 4p} on one mesh, {p, 2p} on another, m = 2p on the others: a mesh changes the collectives, m only
-# the tables, which tests/unit/test_pipeline.py replays for m = p, 2p and 4p.
-FACTORS = {(1, 2, 1): (1, 2, 4), (2, 2, 2): (1, 2)}
+# m in {p, 2p, 4p} on one mesh, {p, 2p} on another, m = 2p on the others: a mesh changes the
+# collectives, m only the tables, which tests/unit/test_pipeline.py replays for m = p, 2p and 4p.
+# A covering array, not the full product: every mesh runs every schedule, every schedule every m
+# (4p on the 2-stage mesh, p on dp2-pp2-tp2, 2p on pp2-tp4 and the deep meshes), and each mesh
+# each of its m (the last three cases).
 # GPipe with two chunks per stage runs on the 2-stage meshes: its deep meshes (the slowest cases,
 # 40 s each) add ticks the 1-chunk GPipe and interleaved 1F1B cases on them already run.
+FACTORS = {(1, 2, 1): (4,), (2, 2, 2): (1,)}
 CASES = [(mesh, schedule, v, factor) for mesh in PIPELINE_MESHES for schedule, v in SCHEDULE_CHUNKS
          for factor in FACTORS.get(mesh, (2,)) if not (schedule == "gpipe" and v == 2 and mesh[1] > 2)]
+CASES += [((1, 2, 1), "1f1b", 1, 1), ((1, 2, 1), "interleaved_1f1b", 2, 2), ((2, 2, 2), "interleaved_1f1b", 2, 2)]
 
 
 @pytest.mark.parametrize("mesh,schedule,virtual_stages,factor", CASES,
