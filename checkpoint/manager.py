@@ -48,7 +48,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from megajax.checkpoint import integrity, reshard
+from megajax.checkpoint import arrays, integrity, reshard
 from megajax.checkpoint.integrity import (PROGRAMMING_ERRORS, CheckpointError, IntegrityError, MetaHandler, MetaRestore,
                                           MetaSave, first_line)
 from megajax.config import default_config
@@ -141,7 +141,7 @@ class TrainingCheckpointer:
           async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if c.async_save else None)
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
-        item_handlers={STATE: ocp.StandardCheckpointHandler(), DATA: DataStateHandler(),
+        item_handlers={STATE: arrays.array_tree_handler(), DATA: DataStateHandler(),
                        META: MetaHandler()})
 
   def _finalized(self):
@@ -183,7 +183,7 @@ class TrainingCheckpointer:
       checksums.dispatch()          # the synchronous write waits for them inside Orbax's save
     try:
       self._manager.save(step, args=ocp.args.Composite(**{
-          STATE: ocp.args.StandardSave(state), DATA: DataStateSave(data_state), META: MetaSave(meta, checksums)}),
+          STATE: ocp.args.PyTreeSave(state), DATA: DataStateSave(data_state), META: MetaSave(meta, checksums)}),
           force=True)
     except PROGRAMMING_ERRORS:
       raise
@@ -239,7 +239,7 @@ class TrainingCheckpointer:
   def _read(self, step: int, abstract_state) -> Restored:
     """The checkpoint at `step` as read (the digests checked, the checksums not yet)."""
     restored = self._manager.restore(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardRestore(abstract_state), DATA: DataStateRestore(), META: MetaRestore()}))
+        STATE: arrays.restore_args(abstract_state), DATA: DataStateRestore(), META: MetaRestore()}))
     return Restored(step, restored[STATE], restored[DATA], restored[META])
 
   def read_meta(self, step: int) -> dict:

@@ -19,7 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from megajax.checkpoint import integrity
+from megajax.checkpoint import arrays, integrity
 from megajax.checkpoint.integrity import PROGRAMMING_ERRORS, CheckpointError
 
 CHECKSUMS = "megajax_checksums"    # the key in Orbax's custom metadata
@@ -31,8 +31,8 @@ def save_params(directory: str, params) -> str:
   temporary directory)."""
   path = os.path.abspath(directory)
   checksums = integrity.checksums(integrity.fingerprints(params))
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(path, params, force=True, custom_metadata={CHECKSUMS: checksums})
+  with ocp.Checkpointer(arrays.array_tree_handler()) as checkpointer:
+    checkpointer.save(path, args=ocp.args.PyTreeSave(params), force=True, custom_metadata={CHECKSUMS: checksums})
   return path
 
 

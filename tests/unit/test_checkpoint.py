@@ -33,8 +33,8 @@ def test_retention_keeps_the_last_k_and_every_mth(tmp_path, tiny_config):
   train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
   checkpointer = TrainingCheckpointer(str(tmp_path / "checkpoints"), tiny_config)
   assert checkpointer.all_steps() == [4, 8, 9]
-  restored = checkpointer.restore(8, None)
-  assert int(restored.state["step"]) == 8 and restored.data_state == {"next_index": 8}
+  restored = checkpointer.restore(8, parallel_step_for(tiny_config).abstract_inputs()[0])
+  assert int(restored.state.step) == 8 and restored.data_state == {"next_index": 8}
   assert restored.meta["layout"] == {"dp": 1, "pp": 1, "tp": 1, "virtual_stages": 1, "num_layers": 2}
   checkpointer.close()
 
@@ -45,7 +45,7 @@ def test_the_async_save_returns_before_the_write_finishes(tmp_path, tiny_config)
   commit's time, recorded once it happens, covers the time the write was held."""
   state = parallel_step_for(tiny_config).init_state(jax.random.key(0))
   checkpointer = TrainingCheckpointer(str(tmp_path), tiny_config)
-  handler = ocp.StandardCheckpointHandler
+  handler = ocp.PyTreeCheckpointHandler   # the state item's (checkpoint/arrays.py)
   original, storage = handler.async_save, _HeldWrite()
 
   async def held_async_save(self, *args, **kwargs):
@@ -148,7 +148,8 @@ def test_a_finished_run_with_a_damaged_last_checkpoint_is_finished_again(two_che
   for a, b in zip(want, jax.tree.leaves(load_params(str(workdir / "params")))):
     np.testing.assert_array_equal(a, b)
   checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
-  assert checkpointer.all_steps() == [3, 6] and int(checkpointer.restore(6, None).state["step"]) == 6
+  abstract_state = parallel_step_for(config).abstract_inputs()[0]
+  assert checkpointer.all_steps() == [3, 6] and int(checkpointer.restore(6, abstract_state).state.step) == 6
   checkpointer.close()
 
 

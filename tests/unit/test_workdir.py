@@ -122,7 +122,7 @@ def test_a_save_that_fails_in_the_background_is_reported_at_the_next_step(two_ch
   the error and the free space; the partial save is removed and checkpoint 6 still restores."""
   workdir, config, parallel_step = two_checkpoints
   checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
-  handler, write = ocp.StandardCheckpointHandler, _WriteToAFullDisk()
+  handler, write = ocp.PyTreeCheckpointHandler, _WriteToAFullDisk()   # the state item's
   original = handler.async_save
 
   async def async_save_onto_a_full_disk(self, *args, **kwargs):
