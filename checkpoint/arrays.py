@@ -5,9 +5,10 @@ on every platform). Orbax's replica-parallel writes (its default on CPU and TPU)
 replicated array among its replicas instead: a slicing program per array shape and replica,
 compiled at a process's first save and run at each (measured on CPU, the default job's 4-layer
 model: the first checkpoint's blocking time 1.6 s -> 0.13 s, later ones 0.15 -> 0.07 s, the
-parameter export 6.4 -> 3.6 s). The format is Orbax's PyTree checkpoint either way; the
-arrays are plain (no PRNG key arrays, so no key metadata store); host arrays and scalars have
-Orbax's default handlers.
+parameter export 6.4 -> 3.6 s; `bench checkpoint`'s 1.88 GiB state on dp=2 x tp=4: the step
+waits 0.84 -> 0.33 s, the background commit, one writer per shard, 12.6 -> 13.1 s). The format
+is Orbax's PyTree checkpoint either way; the arrays are plain (no PRNG key arrays, so no key
+metadata store); host arrays and scalars have Orbax's default handlers.
 """
 
 import jax

@@ -2,8 +2,9 @@
 
 Every mesh, block, tp_overlap and accumulation the step claims, and every pair of them on each
 mesh (a covering array: CASES): the loss and every gradient within 1e-5 relative of
-megajax.reference_step's single-device step, and the params after 3 LAMB steps within 1e-5 (with the default parallel.grad_sync="step"; tp_overlap="xla" is
-mode none's program on CPU, and collective_matmul at tp = 1, checked as such); both gradient syncs
+megajax.reference_step's single-device step, and the params after 3 LAMB steps within 1e-5
+(with the default parallel.grad_sync="step"; tp_overlap="xla" is mode none's program on CPU,
+and collective_matmul at tp = 1, checked as such); both gradient syncs
 over dp with 4 microbatches; then the model variants (recomputation, tied head, bf16, the
 block families: RMSNorm + SwiGLU, the two-norm parallel block); then
 the linears gathered in bf16 against fp32 gathers, bit for bit.
@@ -75,18 +76,18 @@ def test_both_gradient_syncs_match_the_reference(mesh, grad_sync):
 
 
 @pytest.mark.parametrize("overrides,rtol", [
-    ((("block", "serial"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("use_bias", False), ("remat", "full")), 1e-5),
+    ((("block", "serial"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("use_bias", False), ("remat", "full")),
+     1e-5),
     ((("block", "parallel_two_norms"), ("mlp", "gelu_exact"), ("tie_embeddings", True), ("use_bias", False)), 1e-5),
     ((("compute_dtype", "bfloat16"),), 3e-2),   # the default dtype: bf16 matmuls on both sides
 ], ids=["llama-remat", "neox-tied_no_bias", "bf16"])
 def test_model_variants_match_the_reference(overrides, rtol):
   """The block families, each with one more switch (one compile checks two code paths, each
-  against the reference): Llama's serial block
-  (RMSNorm, a bias-free SwiGLU: gate and up in one column matmul) recomputed in its backward
-  around the ring matmuls' custom VJPs; GPT-NeoX's two-norm parallel block (its input gathered
-  around the ring by autodiff, both norms after it) with a tied head on the vocab shard and no
-  biases; then bf16 compute, where only rounding (not math) may differ. (SwiGLU in a parallel
-  block: the pipeline's case.)"""
+  against the reference): Llama's serial block (RMSNorm, a bias-free SwiGLU: gate and up in one
+  column matmul) recomputed in its backward around the ring matmuls' custom VJPs; GPT-NeoX's
+  two-norm parallel block (its input gathered around the ring by autodiff, both norms after it)
+  with a tied head on the vocab shard and no biases; then bf16 compute, where only rounding (not
+  math) may differ. (SwiGLU in a parallel block: the pipeline's case.)"""
   config = parallel_config(2, 4, "parallel", "collective_matmul", 2)
   for field, value in overrides:
     config.model[field] = value
