@@ -18,7 +18,7 @@ from megajax.config import GRAD_SYNC_CHOICES, TP_OVERLAP_CHOICES
 from megajax.parallel import sharding
 from megajax.parallel.step import XLA_WINDOWED_EINSUM_OPTIONS
 from tests.support.reference import (assert_matches_reference, fixed_batch, parallel_config, parallel_step_for,
-                                     pipeline_config, relative_error)
+                                     pipeline_config)
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
 # Every tp_overlap mode the config accepts is checked on every mesh; "xla" (and "collective_matmul"
