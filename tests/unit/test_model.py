@@ -281,3 +281,23 @@ def test_parallel_two_norms_block_is_x_plus_attn_of_n1_plus_mlp_of_n2(tiny_confi
   changed = lambda name: {**params, name: {"scale": 2 * params[name]["scale"], "bias": params[name]["bias"] + 1}}
   np.testing.assert_allclose(apply(zeroed(changed("mlp_norm"), "mlp", "wo")), only_attention, atol=1e-6)
   assert not np.allclose(apply(zeroed(changed("attention_norm"), "mlp", "wo")), only_attention, atol=1e-3)
+
+
+@pytest.mark.parametrize("block", BLOCK_CHOICES)
+def test_init_params_is_model_init_pytree_with_a_key_per_layer(tiny_config, block):
+  """init_params (the layers one block's init vmapped over their keys) returns the very pytree
+  `model.init` declares (names, shapes, dtypes); each layer its own values; the same values
+  for the same key, as one program."""
+  tiny_config.model.block = block
+  tiny_config.model.num_layers = 3
+  model = GPT(ModelConfig.from_config(tiny_config.model))
+  tokens = jnp.zeros((1, tiny_config.model.seq_len), jnp.int32)
+  declared = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
+  params = init_params(model, jax.random.key(0))
+  spec = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+  assert jax.tree.structure(params) == jax.tree.structure(declared)
+  assert spec(params) == spec(declared)
+  kernels = [np.asarray(params[f"layer_{i}"]["mlp"]["wo"]["kernel"]) for i in range(3)]
+  assert not np.array_equal(kernels[0], kernels[1]) and not np.array_equal(kernels[1], kernels[2])
+  again = init_params(model, jax.random.key(0))
+  jax.tree.map(np.testing.assert_array_equal, params, again)
