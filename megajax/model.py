@@ -187,8 +187,9 @@ def init_params(model: GPT, rng: jax.Array) -> dict:
   with depth (configs/default.py's model at 24 layers, XLA:CPU: 1,907 fusions and 22.4 s to
   compile unrolled, 283 and 8.8 s vmapped; the tests' 8-layer pipeline model at -O0: 7.3 s ->
   3.3 s), and this program compiles in every fresh state (ParallelStep.init_state, each device
-  its shards). All layers have one parameter tree (a layer's window is not a parameter). One program, also when called outside a jit: its values are the same in any
-  program that initializes the same model (op by op, rounding could differ)."""
+  its shards). All layers have one parameter tree (a layer's window is not a parameter).
+  Jitted as a whole, also when called outside a jit: its values are the same in every program
+  that initializes the model (op by op, rounding could differ by an ulp)."""
   c = model.config
   shell_rng, layers_rng = jax.random.split(rng)
   tokens = jnp.zeros((1, c.seq_len), jnp.int32)
