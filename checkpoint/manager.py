@@ -25,7 +25,8 @@ readable older one is found, so the run resumes from that one and can save the s
 A reader of a workdir (megajax-eval, -sample, -export-hf: `read_only=True`) changes nothing in
 it, since its trainer may be running: no removal of Orbax's temporary directories (a save in
 flight), no quarantine, no directory created. It reads the newest committed checkpoint that
-passes its checks; one its trainer removes while it is read (checkpoint.keep) is passed over.
+passes its checks; one its trainer removes while it is listed or read (checkpoint.keep) is passed
+over.
 Only the trainer, which holds WORKDIR/lock (trainer/workdir.py), cleans and moves.
 """
 
@@ -58,6 +59,7 @@ from megajax.parallel.mesh import DP
 
 STATE, DATA, META = "state", "data", "meta"
 QUARANTINE = "quarantine"      # WORKDIR/checkpoints/quarantine/<step>-<reason>: what failed to restore
+_LISTINGS = 5     # a reader's listings of the steps while its trainer removes them, at most (_listed)
 
 
 # --- The per-process data state item.
@@ -139,10 +141,28 @@ class TrainingCheckpointer:
           max_to_keep=c.keep, keep_period=c.keep_period or None, create=True,
           enable_async_checkpointing=c.async_save, cleanup_tmp_directories=True,
           async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if c.async_save else None)
-    self._manager = ocp.CheckpointManager(
+    self._manager = self._listed(lambda: ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={STATE: arrays.array_tree_handler(), DATA: DataStateHandler(),
-                       META: MetaHandler()})
+                       META: MetaHandler()}))
+
+  def _listed(self, list_steps):
+    """list_steps() (Orbax listing the committed steps: its constructor, `reload`), listed again
+    when a step vanished under it. Orbax finds the step directories, then reads each one's
+    commit time; a reader's trainer removes its oldest checkpoint as it commits a new one
+    (checkpoint.keep), and one removed between the two is a FileNotFoundError. The trainer
+    removes one per save, so a second listing a moment later finds the list settled."""
+    for attempt in itertools.count(1):
+      try:
+        return list_steps()
+      except FileNotFoundError as error:
+        if not self.read_only:
+          raise       # the trainer alone removes steps: it never races itself
+        if attempt == _LISTINGS:
+          raise CheckpointError(f"the checkpoints in {self.directory} changed under each of {_LISTINGS} listings "
+                                f"({first_line(error)}): is a trainer saving there every moment? try again") from None
+        logging.warning("a checkpoint in %s was removed while it was listed (%s); listing again",
+                        self.directory, first_line(error))
 
   def _finalized(self):
     """Orbax's background thread, after a save is committed: stage 2 is over."""
@@ -222,11 +242,11 @@ class TrainingCheckpointer:
     return finished
 
   def latest_step(self) -> int | None:
-    self._manager.reload()
+    self._listed(self._manager.reload)
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    self._manager.reload()
+    self._listed(self._manager.reload)
     return list(self._manager.all_steps())
 
   def restore(self, step: int, abstract_state) -> Restored:

@@ -37,7 +37,22 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def _mtime(path: str) -> float:
-  return os.path.getmtime(path) if os.path.exists(path) else float("-inf")
+  try:
+    return os.path.getmtime(path)
+  except FileNotFoundError:
+    return float("-inf")
+
+
+def _latest_checkpoint(checkpoints: str) -> tuple[str | None, float]:
+  """(the newest step directory under `checkpoints`, its mtime); listed again when it vanished
+  before its mtime was read (a running trainer's checkpoint.keep, after it committed a newer one)."""
+  while True:
+    steps = sorted(int(name) for name in os.listdir(checkpoints) if name.isdigit()) if os.path.isdir(checkpoints) else []
+    if not steps:
+      return None, float("-inf")
+    latest = os.path.join(checkpoints, str(steps[-1]))
+    if (mtime := _mtime(latest)) > float("-inf"):
+      return latest, mtime
 
 
 def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, str]:
@@ -51,9 +66,8 @@ def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, s
   none, a CheckpointError says so."""
   exported = os.path.join(workdir, "params")
   checkpoints = os.path.join(workdir, "checkpoints")
-  steps = sorted(int(name) for name in os.listdir(checkpoints) if name.isdigit()) if os.path.isdir(checkpoints) else []
-  latest = os.path.join(checkpoints, str(steps[-1])) if steps else None
-  if os.path.isdir(exported) and (latest is None or _mtime(exported) >= _mtime(latest)):
+  latest, latest_mtime = _latest_checkpoint(checkpoints)
+  if os.path.isdir(exported) and _mtime(exported) >= latest_mtime:
     try:
       return load_params(exported), exported
     except CheckpointError as error:

@@ -72,6 +72,37 @@ def test_a_checkpoint_its_trainer_removes_while_read_is_passed_over(two_checkpoi
   assert removed == [6] and restored.step == 3 and "removed by its trainer while it was read" in caplog.text
 
 
+def test_a_checkpoint_its_trainer_removes_while_listed_is_listed_again(two_checkpoints, monkeypatch, caplog):
+  """Orbax lists the step directories, then reads each one's commit time: the trainer's
+  checkpoint.keep may remove one in between (seen in CI: megajax-sample's FileNotFoundError on a
+  running job). The reader lists again and restores the newest; a list that never settles is
+  one line."""
+  from orbax.checkpoint._src.path import step as orbax_step
+  workdir, config, parallel_step = two_checkpoints
+  commit_timestamp = orbax_step.Metadata.commit_timestamp
+  removed = []
+
+  def removed_while_listed(metadata):
+    if metadata.step == 3 and not removed:    # the trainer, between Orbax's listing and its stat
+      removed.append(metadata.step)
+      os.rename(metadata.path, f"{metadata.path}.gone")
+    return commit_timestamp.fget(metadata)
+
+  monkeypatch.setattr(orbax_step.Metadata, "commit_timestamp", property(removed_while_listed))
+  with TrainingCheckpointer(str(workdir / "checkpoints"), config, read_only=True) as reader:
+    assert reader.all_steps() == [6] and reader.restore_latest(parallel_step).step == 6
+  assert removed == [3] and "removed while it was listed" in caplog.text
+
+  def never_settles(metadata):
+    raise FileNotFoundError(metadata.path)
+
+  monkeypatch.setattr(orbax_step.Metadata, "commit_timestamp", property(never_settles))
+  with pytest.raises(CheckpointError, match=r"^the checkpoints in .* changed under each of 5 listings .*try again$"):
+    TrainingCheckpointer(str(workdir / "checkpoints"), config, read_only=True)
+  with pytest.raises(FileNotFoundError):     # the trainer's own listing: nothing removes steps under it
+    TrainingCheckpointer(str(workdir / "checkpoints"), config)
+
+
 def test_params_carry_checksums_that_every_read_checks(tmp_path):
   params = {"embed": jax.numpy.arange(12.0).reshape(3, 4), "head": {"w": jax.numpy.ones((4, 2))}}
   path = save_params(str(tmp_path / "params"), params)
