@@ -47,8 +47,13 @@ def test_breadth_first_traversal_matches_the_reference():
   assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
-@pytest.mark.parametrize("grad_sync", GRAD_SYNC_CHOICES)
-@pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 2, 1)], ids=["2x2x2", "4x2x1"])
+# The default sync on dp2-pp2-tp2 is CASES' 2x2x2 interleaved m=2p case (the same config).
+SYNC_CASES = [((2, 2, 2), "microbatch"), ((4, 2, 1), "step"), ((4, 2, 1), "microbatch")]
+assert {grad_sync for _, grad_sync in SYNC_CASES} == set(GRAD_SYNC_CHOICES)
+assert ((2, 2, 2), "interleaved_1f1b", 2, 2) in CASES and pipeline_config((2, 2, 2)).parallel.grad_sync == "step"
+
+
+@pytest.mark.parametrize("mesh,grad_sync", SYNC_CASES, ids=[f"{'x'.join(map(str, m))}-{g}" for m, g in SYNC_CASES])
 def test_both_gradient_syncs_through_the_pipeline(mesh, grad_sync):
   """The dp reduce-scatter after the tick scan (full local fp32 sums per stage) or after each
   backward (into the shard): the same gradients and steps, embedding and head included."""
@@ -66,11 +71,12 @@ def test_dp_pieces_in_the_edge_ticks_match_the_reference(layers):
   assert_matches_reference(config, param_leaf_rtol=3e-5)
 
 
-@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+@pytest.mark.parametrize("remat", ["dots", "full"])
 def test_every_remat_policy_inside_the_pipeline(remat):
-  """A chunk's backward from the residuals its forward kept: what model.remat saves (none:
-  every activation; dots: the projections' outputs; full: the blocks' inputs, each block rerun
-  in its backward exactly as without a pipeline)."""
+  """A chunk's backward from the residuals its forward kept: what model.remat saves (dots: the
+  projections' outputs; full: the blocks' inputs, each block rerun in its backward exactly as
+  without a pipeline; none, every activation, the default: CASES' 2x2x2 interleaved m=2p case)."""
+  assert pipeline_config((2, 2, 2)).model.remat == "none"
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
   config.model.remat = remat
   assert_matches_reference(config, param_leaf_rtol=3e-5)
