@@ -29,11 +29,10 @@ STEPS = 3
 
 # The steps checked against the reference compile with XLA:CPU's classic (elemental) kernel
 # emitters instead of its MLIR fusion emitters: about half the compile time (the dp2-pp2-tp2
-# interleaved step on 2 busy cores: 22.4 -> 11.0 s, 36.0 -> 16.7 s),
-# values that differ by rounding only, and these steps are compared with the reference to a
-# tolerance. The states' initializations keep
-# XLA's default: "sharded init = reference init" is checked bit for bit, and the classic
-# emitters round a sharded and an unsharded init program differently.
+# interleaved step on 2 busy cores: 22.4 -> 11.0 s, 36.0 -> 16.7 s), values that differ by
+# rounding only, and these steps are compared with the reference to a tolerance. The states'
+# initializations keep XLA's default: "sharded init = reference init" is checked bit for bit,
+# and the classic emitters round a sharded and an unsharded init program differently.
 STEP_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
