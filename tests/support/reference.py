@@ -141,7 +141,7 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   for other in same_program:
     other_lowered = parallel_step_for(other).train_step(with_gradients=True).lower(*inputs)
     assert other_lowered.as_text() == lowered.as_text(), other.parallel
-  step = compile_step(lowered)
+  step = lowered.compile(STEP_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
   losses, grad_norms = [], []
   for i in range(STEPS):
     state, metrics, grads = step(state, batch)
@@ -162,11 +162,6 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
     assert worst[1] < (param_leaf_rtol or rtol), \
         f"param {jax.tree_util.keystr(worst[0])} after {STEPS} steps: {worst[1]:.2e}"
   assert int(state.step) == STEPS
-
-
-def compile_step(lowered):
-  """A lowered training step compiled as the parity checks run it (STEP_COMPILER_OPTIONS on CPU)."""
-  return lowered.compile(STEP_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
 
 
 def parallel_step_for(config) -> ParallelStep:
