@@ -132,10 +132,14 @@ class ParallelStep:
 
   def init_state(self, rng: jax.Array) -> TrainState:
     """A fresh state, each device initializing only its own shards."""
+    return self.init_program()(rng)
+
+  def init_program(self):
+    """init_state's jitted program (rng -> TrainState), to `.lower(rng).compile(...)` apart."""
     def init(rng):
       params = self.from_model_params(init_params(self.model, rng))
       return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
-    return jax.jit(init, out_shardings=self.state_shardings)(rng)
+    return jax.jit(init, out_shardings=self.state_shardings)
 
   def from_model_params(self, params: dict) -> dict:
     """The model's parameter pytree -> the state's (the pipeline layout when pp > 1)."""

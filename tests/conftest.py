@@ -31,14 +31,23 @@ _XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
   _XLA_FLAGS = f"{_XLA_FLAGS} --xla_force_host_platform_device_count={TEST_DEVICES}".strip()
 # The in-process tests compile hundreds of training programs of tiny models and run each a
-# few steps: LLVM's optimizations of XLA:CPU's kernels cost more than they save there (a 2-layer
-# step: 31 s -> 18 s to compile). Values may differ from -O2 by rounding only (fused
-# multiply-adds); every comparison is between programs of the same process or to a tolerance,
-# and the reference is compiled like what it checks. Processes the tests start (the
-# launcher, the drills, the benchmarks: tests.support.processes.child_env) run many steps of
-# larger models and keep XLA's default.
+# few steps: XLA:CPU's compile time is what counts there, not its kernels' speed.
+# - LLVM -O0: LLVM's optimizations of the kernels cost more than they save (a 2-layer step:
+#   31 s -> 18 s to compile).
+# - XLA:CPU's classic (elemental) kernel emitters instead of its MLIR fusion emitters: about
+#   half the compile time again (the dp2-pp2-tp2 interleaved step on 2 busy cores: 22.4 ->
+#   11.0 s; tests/unit/test_parallel.py and test_probes.py from a cold cache: 164 -> 114 s).
+# Values may differ from XLA's default by rounding only (fused multiply-adds, the emitters' own
+# roundings); every comparison is between programs of this process or to a tolerance, and the
+# reference is compiled like what it checks. The one bitwise check across programs that these
+# emitters would break (a pipeline's sharded init = the reference's init) compiles both inits
+# with XLA's default (tests.support.reference.INIT_COMPILER_OPTIONS). Processes the tests start
+# (the launcher, the drills, the benchmarks) get the same flags (tests.support.processes.child_env)
+# unless they ask for XLA's default (the default job's 100 full-width steps).
 if TESTS_ON == "cpu" and "xla_backend_optimization_level" not in _XLA_FLAGS:
   _XLA_FLAGS = f"{_XLA_FLAGS} --xla_backend_optimization_level=0"
+if TESTS_ON == "cpu" and "xla_cpu_use_fusion_emitters" not in _XLA_FLAGS:
+  _XLA_FLAGS = f"{_XLA_FLAGS} --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _XLA_FLAGS
 
 import jax  # noqa: E402  (after XLA_FLAGS)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from megajax.config import default_config
-from megajax.model import GPT, ModelConfig
+from megajax.model import GPT, ModelConfig, init_params
 from megajax.optim import make_optimizer
 from megajax.parallel import ParallelStep
 from megajax.parallel.pipeline import pipeline_gradients
@@ -27,13 +27,17 @@ from tests.support.once import once_per_run
 BATCH, SEQ, VOCAB = 16, 16, 64
 STEPS = 3
 
-# The steps checked against the reference compile with XLA:CPU's classic (elemental) kernel
-# emitters instead of its MLIR fusion emitters: about half the compile time (the dp2-pp2-tp2
-# interleaved step on 2 busy cores: 22.4 -> 11.0 s, 36.0 -> 16.7 s), values that differ by
-# rounding only, and these steps are compared with the reference to a tolerance. The states'
-# initializations keep XLA's default: "sharded init = reference init" is checked bit for bit,
-# and the classic emitters round a sharded and an unsharded init program differently.
-STEP_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+# The tests compile with XLA:CPU's classic (elemental) kernel emitters, not its MLIR fusion
+# emitters (tests/conftest.py: about half the compile time). The states' initializations
+# checked here compile with XLA's default instead: "sharded init = reference init" is checked
+# bit for bit, and the classic emitters round a pipeline's stacked init and the reference's
+# differently (by an ulp), which the fusion emitters do not.
+INIT_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": True}
+
+
+def compiled_init(program, rng):
+  """`program(rng)` compiled with INIT_COMPILER_OPTIONS on CPU (XLA's default elsewhere)."""
+  return program.lower(rng).compile(INIT_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)(rng)
 
 
 def parallel_config(dp=1, tp=1, block="parallel", mode="none", microbatches=1, layers=2):
@@ -102,7 +106,9 @@ def _single_device_reference(model_fields, rows, packed):
   model = GPT(ModelConfig.from_config(config.model))
   optimizer = make_optimizer(config)
   with jax.default_device(jax.devices()[0]):
+    # init_train_state's state, its parameters compiled like the sharded inits checked against them.
     state = init_train_state(model, optimizer, jax.random.key(0))
+    state = state._replace(params=compiled_init(jax.jit(functools.partial(init_params, model)), jax.random.key(0)))
     initial = jax.device_get(state.params)
     # One program (the step with its gradients): the first step's are the first gradients.
     step = make_reference_step(model, optimizer, config, with_gradients=True)
@@ -129,7 +135,7 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
       tuple(sorted(config.model.to_dict().items())), rows, packed)   # the same model, on one device
   parallel_step = parallel_step_for(config)
-  state = parallel_step.init_state(jax.random.key(0))
+  state = compiled_init(parallel_step.init_program(), jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
   model_params = lambda tree: parallel_step.model_params(jax.device_get(tree))
   for got, want in zip(jax.tree.leaves(model_params(state.params)), jax.tree.leaves(initial)):
@@ -141,7 +147,7 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   for other in same_program:
     other_lowered = parallel_step_for(other).train_step(with_gradients=True).lower(*inputs)
     assert other_lowered.as_text() == lowered.as_text(), other.parallel
-  step = lowered.compile(STEP_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
+  step = lowered.compile()
   losses, grad_norms = [], []
   for i in range(STEPS):
     state, metrics, grads = step(state, batch)
