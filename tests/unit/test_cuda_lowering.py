@@ -26,7 +26,7 @@ def shapes(s, d, documents):
   return q, kv, jax.ShapeDtypeStruct((1, s), jnp.int32) if documents else None
 
 
-@pytest.mark.parametrize("d,window,documents", itertools.product((64, 128, 256), WINDOWS, (False, True)))
+@pytest.mark.parametrize("d,window,documents", list(itertools.product((64, 128, 256), WINDOWS, (False, True))))
 def test_hopper_forward_lowers_for_every_head_dim_and_window(d, window, documents):
   """The Mosaic GPU forward alone, every head dim it takes, windows around its block, with and
   without packed documents (their starts read per row)."""
