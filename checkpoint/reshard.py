@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from megajax.checkpoint.integrity import CheckpointError
 from megajax.checkpoint.params import load_params, params_metadata
 from megajax.model import init_params
 from megajax.parallel import ParallelStep, pipeline
-from megajax.reference_step import TrainState
+from megajax.reference_step import TrainState, fresh_train_state
 
 
 def pipeline_layout_of(layout: dict) -> tuple[int, int] | None:
@@ -52,7 +51,7 @@ def saved_abstract_state(parallel_step: ParallelStep, layout: dict) -> TrainStat
     params = init_params(parallel_step.model, jax.random.key(0))
     if saved is not None:
       params = pipeline.to_pipeline_params(params, *saved)
-    return TrainState(jnp.zeros((), jnp.int32), params, parallel_step.optimizer.init(params))
+    return fresh_train_state(params, parallel_step.optimizer)
 
   spread = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=spread_sharding(s.shape, parallel_step.mesh))
   return jax.tree.map(spread, jax.eval_shape(structure))
@@ -112,6 +111,6 @@ def initial_state(parallel_step: ParallelStep, directory: str) -> TrainState:
 
   def fresh(params):
     params = parallel_step.from_model_params(params)
-    return TrainState(jnp.zeros((), jnp.int32), params, parallel_step.optimizer.init(params))
+    return fresh_train_state(params, parallel_step.optimizer)
 
   return jax.jit(fresh, out_shardings=parallel_step.state_shardings)(params)

@@ -48,9 +48,13 @@ def make_loss_fn(model: GPT, z_loss: float = 0.0) -> Callable:
   return loss_fn
 
 
+def fresh_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  """Step 0: `params` and the optimizer's fresh state for them (traceable: jit it or call it in a jit)."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
 def init_train_state(model: GPT, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-  params = init_params(model, rng)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params))
+  return jax.jit(fresh_train_state, static_argnums=1)(init_params(model, rng), optimizer)
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:

@@ -48,7 +48,7 @@ from megajax.parallel.mesh import DP, PP, TP, batch_sharding
 from megajax.parallel.pipeline import simulate
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
-from megajax.reference_step import TrainState, accumulate_gradients, split_microbatches
+from megajax.reference_step import TrainState, accumulate_gradients, fresh_train_state, split_microbatches
 
 # tp_overlap="xla": plain collectives, and XLA's own windowed-einsum rewrite of them (GPU).
 XLA_WINDOWED_EINSUM_OPTIONS = {
@@ -138,7 +138,7 @@ class ParallelStep:
     """init_state's jitted program (rng -> TrainState), to `.lower(rng).compile(...)` apart."""
     def init(rng):
       params = self.from_model_params(init_params(self.model, rng))
-      return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+      return fresh_train_state(params, self.optimizer)
     return jax.jit(init, out_shardings=self.state_shardings)
 
   def from_model_params(self, params: dict) -> dict:

@@ -12,7 +12,6 @@ import hashlib
 import pickle
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from megajax.config import default_config
@@ -21,7 +20,7 @@ from megajax.optim import make_optimizer
 from megajax.parallel import ParallelStep
 from megajax.parallel.pipeline import pipeline_gradients
 from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
-from megajax.reference_step import TrainState, make_reference_step
+from megajax.reference_step import fresh_train_state, make_reference_step
 from megajax.trainer import build_parallel_step
 from tests.support.once import once_per_run
 
@@ -110,7 +109,7 @@ def _single_device_reference(model_fields, rows, packed):
     # init_train_state's state, its parameters compiled like the sharded inits checked against them
     # (so the model's init compiles once here, with INIT_COMPILER_OPTIONS).
     params = compiled_init(jax.jit(functools.partial(init_params, model)), jax.random.key(0))
-    state = TrainState(jnp.zeros((), jnp.int32), params, jax.jit(optimizer.init)(params))
+    state = jax.jit(fresh_train_state, static_argnums=1)(params, optimizer)
     initial = jax.device_get(state.params)
     # One program (the step with its gradients): the first step's are the first gradients.
     step = make_reference_step(model, optimizer, config, with_gradients=True)
