@@ -24,7 +24,7 @@ from megajax.layers.kernels import attention_hopper as hopper
 from megajax.layers.kernels import attention_hopper_backward as hopper_backward
 from megajax.layers.kernels.attention import _forward
 from megajax.layers.kernels.band import document_bounds
-from tests.support.kernels import assert_close, check, inputs
+from tests.support.kernels import assert_close, check, compile_interpreter_threads_once, inputs
 
 
 @pytest.mark.parametrize("s", [64, 50], ids=["block_multiple", "padded"])
@@ -119,6 +119,11 @@ def test_hopper_kernels_have_no_races():
                                                     interpret=True, detect_races=True)
   jax.block_until_ready(grads)
   assert not get_races().races_found
+
+
+@pytest.fixture(autouse=True)
+def interpreter_threads_compiled_once(monkeypatch):
+  compile_interpreter_threads_once(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

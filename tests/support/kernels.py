@@ -1,5 +1,7 @@
 """Kernels against the XLA code they replace: inputs, values and gradients, the tolerance rule."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,3 +65,29 @@ def check(b, s, heads, kv_heads, d, window, dtype, block=16, seed=0, segment_ids
   for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
     assert got.shape == want.shape and got.dtype == want.dtype, name
     assert_close(got, want, tol)
+
+
+def compile_interpreter_threads_once(monkeypatch) -> None:
+  """Pallas's GPU interpreter runs a kernel's warpgroups as threads (thread_map), and each
+  thread of each grid step traces, lowers and compiles the same body again (jax 0.10's
+  `_run_jaxpr` jits a fresh closure per call: a kernel of 3 warpgroups on 2 grid steps
+  compiles 6 programs). Here the compiled body is kept per (jaxpr, argument types) and shared
+  by the threads and steps; what runs, and in which threads, is unchanged. Where the
+  interpreter's internals differ (another jax), nothing is replaced."""
+  try:
+    from jax._src.pallas.mosaic.interpret import thread_map
+  except ImportError:
+    return
+  if not callable(getattr(thread_map, "_run_jaxpr", None)) or not hasattr(thread_map, "jax_core"):
+    return
+  compiled, lock = {}, threading.Lock()
+
+  def run_jaxpr(jaxpr, consts, *args):
+    key = (id(jaxpr), tuple((np.shape(x), jnp.result_type(x)) for x in (*consts, *args)))
+    with lock:    # one thread compiles; the others wait for it rather than compile the same
+      if key not in compiled:
+        body = lambda consts, *args: thread_map.jax_core.eval_jaxpr(jaxpr, consts, *args)
+        compiled[key] = (jaxpr, jax.jit(body).lower(consts, *args).compile())   # (jaxpr kept: its id stays its own)
+    compiled[key][1](consts, *args)
+
+  monkeypatch.setattr(thread_map, "_run_jaxpr", run_jaxpr)
