@@ -68,11 +68,12 @@ def check(b, s, heads, kv_heads, d, window, dtype, block=16, seed=0, segment_ids
 
 
 def compile_interpreter_threads_once(monkeypatch) -> None:
-  """Pallas's GPU interpreter runs a kernel's warpgroups as threads (thread_map), and each
-  thread of each grid step traces, lowers and compiles the same body again (jax 0.10's
-  `_run_jaxpr` jits a fresh closure per call: a kernel of 3 warpgroups on 2 grid steps
-  compiles 6 programs). Here the compiled body is kept per (jaxpr, argument types) and shared
-  by the threads and steps; what runs, and in which threads, is unchanged. Where the
+  """Pallas's GPU interpreter runs a kernel's warpgroups as threads (thread_map), and every
+  thread of every grid step traces, lowers and compiles its body anew (jax 0.10's `_run_jaxpr`
+  jits a fresh closure per call; the threads of a step compile the same program side by side,
+  and later steps read it back from the persistent cache). Here the body is compiled once
+  per (jaxpr, argument types) and shared by the threads and the steps: what runs, and in
+  which threads, is unchanged (the 13 Hopper tests alone: 33.7 -> 21.4 s). Where the
   interpreter's internals differ (another jax), nothing is replaced."""
   try:
     from jax._src.pallas.mosaic.interpret import thread_map
