@@ -8,7 +8,7 @@ data parallelism, interleaved pipeline, tensor + sequence parallelism and collec
 run on a laptop.
 
 Trains on the synthetic Markov-plus-copy source; the loss falls from ~ln(256) = 5.5 to
-well under half of that within the run (about 3.5 minutes on 2 CPU cores).
+well under half of that within the run (1 to 3.5 minutes on 2 CPU cores).
 """
 
 from megajax.config import default_config
