@@ -79,16 +79,17 @@ def compile_interpreter_threads_once(monkeypatch) -> None:
     from jax._src.pallas.mosaic.interpret import thread_map
   except ImportError:
     return
-  if not callable(getattr(thread_map, "_run_jaxpr", None)) or not hasattr(thread_map, "jax_core"):
+  if not callable(getattr(thread_map, "_run_jaxpr", None)):
     return
   compiled, lock = {}, threading.Lock()
 
   def run_jaxpr(jaxpr, consts, *args):
-    key = (id(jaxpr), tuple((np.shape(x), jnp.result_type(x)) for x in (*consts, *args)))
+    # A Jaxpr hashes by identity, and the key keeps it alive.
+    key = (jaxpr, tuple((np.shape(x), jnp.result_type(x)) for x in (*consts, *args)))
     with lock:    # one thread compiles; the others wait for it rather than compile the same
       if key not in compiled:
-        body = lambda consts, *args: thread_map.jax_core.eval_jaxpr(jaxpr, consts, *args)
-        compiled[key] = (jaxpr, jax.jit(body).lower(consts, *args).compile())   # (jaxpr kept: its id stays its own)
-    compiled[key][1](consts, *args)
+        body = lambda consts, *args: jax.core.eval_jaxpr(jaxpr, consts, *args)
+        compiled[key] = jax.jit(body).lower(consts, *args).compile()
+    compiled[key](consts, *args)
 
   monkeypatch.setattr(thread_map, "_run_jaxpr", run_jaxpr)
