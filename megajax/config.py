@@ -445,11 +445,18 @@ def _runtime() -> ml_collections.ConfigDict:
   r.compilation_cache_dir = ""
   r.xla_preset = "auto"
   r.xla_flags = ""
+  # Python's cyclic garbage collector: off for the whole run, and every process collects at the
+  # same steps, every `gc_every_steps` (0: Python's automatic collections). Tracing the step
+  # allocates millions of objects, and the automatic collections walk the growing heap again and
+  # again (a sixth of a small job's start-up); in the loop, one rank's collection pauses every
+  # other in the next collective (Megatron-LM's --manual-gc).
+  r.gc_every_steps = 1000
   return r
 
 
 def _check_runtime(config) -> None:
   check.choice(config, "runtime.xla_preset", XLA_PRESET_CHOICES)
+  check.non_negative_int(config, "runtime.gc_every_steps")
   flags = config.runtime.xla_flags
   check.require(isinstance(flags, str) and all(f.startswith("--") for f in flags.split()),
                 "runtime.xla_flags", flags, "must be XLA flags, each starting with --",

@@ -18,7 +18,9 @@ its batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import signal
 import threading
 from typing import Any
@@ -122,6 +124,32 @@ class StartupLog(Callback):
     loop.writer.write(loop.step, {"startup_s": startup, "compile_cache_hits": cache["hits"],
                                   "compile_cache_misses": cache["misses"]})
     loop.beat(startup_s=startup)
+
+
+@contextlib.contextmanager
+def manual_garbage_collection(every_steps: int):
+  """runtime.gc_every_steps > 0: Python's automatic cyclic collections off inside (the build,
+  the compile and the loop, where GarbageCollection collects), as they were after."""
+  was_enabled = gc.isenabled()
+  if every_steps:
+    gc.disable()
+  try:
+    yield
+  finally:
+    if was_enabled:
+      gc.enable()
+
+
+class GarbageCollection(Callback):
+  """With the automatic collections off (manual_garbage_collection), a full collection after
+  every `every_steps`-th step: at the same step on every process, so no rank pauses alone."""
+
+  def __init__(self, every_steps: int):
+    self.every_steps = every_steps
+
+  def after_step(self, loop: Loop) -> None:
+    if self.every_steps and loop.step % self.every_steps == 0:
+      gc.collect()
 
 
 class Preemption(Callback):

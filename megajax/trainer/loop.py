@@ -75,6 +75,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
 def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: bool | None, devices) -> TrainResult:
   outcome = {"finished": False}       # the heartbeat's last beat reads it as the stack closes
   with contextlib.ExitStack() as cleanup:    # everything opened below closes in reverse, always
+    # --- Python's garbage collector: collections at the same steps on every process (runtime.gc_every_steps).
+    cleanup.enter_context(callbacks.manual_garbage_collection(config.runtime.gc_every_steps))
     # --- Watching the compiles: every one of this run's, for the persistent cache's hits and misses.
     cache = cleanup.enter_context(CompilationCacheCounter())
 
@@ -149,6 +151,7 @@ def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, pree
       *([evaluation] if evaluation else []),                             # train.eval_every: held-out loss
       callbacks.Checkpointing(checkpointer, guard),                      # the checkpointer's cadence
       drills.Crash(config),                                              # debug.fail_at_step: after the save
+      callbacks.GarbageCollection(config.runtime.gc_every_steps),         # after the step's work is queued
   ]
 
 

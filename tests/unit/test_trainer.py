@@ -1,6 +1,7 @@
 """The training loop's parts in process: the callback protocol, the non-finite step, the fault
 drills, metrics records across a resume, and a short run through every collaborator."""
 
+import gc
 import itertools
 import json
 import math
@@ -220,4 +221,34 @@ def test_no_evaluation_after_a_preemption_or_when_off(tiny_config):
 def test_evaluation_fields_are_checked(tiny_config, field, value, problem):
   tiny_config.train[field] = value
   with pytest.raises(ConfigError, match=rf"^train\.{field}={value}: {problem}; set --config\.train\.{field} to "):
+    validate(tiny_config)
+
+
+def test_garbage_collections_come_at_the_same_steps_on_every_process(tiny_config, monkeypatch):
+  """runtime.gc_every_steps=2: Python's automatic collections are off through the build and the
+  loop, a full collection follows steps 2 and 4 (every process counts the same steps), and
+  the collector is as it was after; 0: none of ours, the automatic ones as they were."""
+  collected = []
+  monkeypatch.setattr(callbacks.gc, "collect", lambda *args: collected.append(gc.isenabled()))
+  tiny_config.train.steps = 5
+  _run_loop(_loop(tiny_config), lambda state, batch: (state, {}), [callbacks.GarbageCollection(2)])
+  _run_loop(_loop(tiny_config), lambda state, batch: (state, {}), [callbacks.GarbageCollection(0)])
+  assert len(collected) == 2
+  was_enabled = gc.isenabled()          # (tests/conftest.py turns them off in the test processes)
+  try:
+    for enabled_before in (True, False):
+      (gc.enable if enabled_before else gc.disable)()
+      for every, enabled_inside in ((2, False), (0, enabled_before)):
+        with callbacks.manual_garbage_collection(every):
+          assert gc.isenabled() is enabled_inside
+        assert gc.isenabled() is enabled_before
+    gc.enable()
+    tiny_config.runtime.gc_every_steps, tiny_config.train.steps = 2, 4
+    collected.clear()
+    train(tiny_config, devices=jax.devices()[:1])
+    assert collected == [False, False] and gc.isenabled()   # after steps 2 and 4, the automatic ones off
+  finally:
+    (gc.enable if was_enabled else gc.disable)()
+  tiny_config.runtime.gc_every_steps = -1
+  with pytest.raises(ConfigError, match="runtime.gc_every_steps"):
     validate(tiny_config)
