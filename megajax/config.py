@@ -448,7 +448,7 @@ def _runtime() -> ml_collections.ConfigDict:
   # Python's cyclic garbage collector: off for the whole run, and every process collects at the
   # same steps, every `gc_every_steps` (0: Python's automatic collections). Tracing the step
   # allocates millions of objects, and the automatic collections walk the growing heap again and
-  # again (a sixth of a small job's start-up); in the loop, one rank's collection pauses every
+  # again (a sixth of a small job's CPU time); in the loop, one rank's collection pauses every
   # other in the next collective (Megatron-LM's --manual-gc).
   r.gc_every_steps = 1000
   return r

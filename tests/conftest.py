@@ -82,13 +82,14 @@ def pytest_collection_modifyitems(items):
       item.add_marker(CPU_ONLY)
 
 
-# Python's cyclic garbage collector, not XLA, took a sixth of the in-process tests' CPU time:
-# tracing allocates millions of objects, and every few tests the heap (the compiled programs,
-# jaxprs and caches kept so far: 300-500k objects) had grown enough for a full collection to
-# walk it all again, finding next to nothing (tests/unit/test_parallel.py and test_model.py
-# with a warm compilation cache: 33 -> 28 s of CPU). The automatic collections are off; every
-# FULL_COLLECTION_EVERY tests one full collection frees what died in cycles since, so a
-# worker's memory stays bounded (one costs 0.3-0.5 s).
+# Python's cyclic garbage collector, not XLA, took a sixth of the unit tests' time: tracing
+# allocates millions of objects, and every few tests the heap (the compiled programs, jaxprs
+# and caches kept so far: 300-500k objects) had grown enough for a full collection to walk it
+# all again, finding next to nothing (tests/unit/test_parallel.py and test_model.py with a
+# warm compilation cache: 33 -> 28 s of CPU; the whole suite's unit folder 266 -> 223
+# worker-s, the compile-bound integration folder 658 -> 637). The automatic collections are
+# off; every FULL_COLLECTION_EVERY tests one full collection frees what died in cycles since,
+# so a worker's memory stays bounded (one costs 0.3-0.5 s).
 FULL_COLLECTION_EVERY = 50
 gc.disable()
 _tests_since_full_collection = 0
