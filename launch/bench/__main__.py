@@ -10,6 +10,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
   python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
+  python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny]
   python -m megajax.launch.bench gpu --out=DIR [--parts=tests,attention,train,run]
       [--train_sizes=1.3b:2048] [--run_steps=30]
 """
@@ -44,6 +45,9 @@ _MEASURE_MEMORY = flags.DEFINE_boolean(
     "measure_memory", False, "planner: first recompile the memory fit set and rewrite "
     "parallel/planner/memory_measured.py (a few minutes).")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 512, "Tokens the sample benchmark generates per row.")
+_ROUNDS = flags.DEFINE_integer("rounds", 12, "peer: interleaved rounds, one step of each contender per round.")
+_PEER_SIZE = flags.DEFINE_enum("peer_size", "cpu", ["cpu", "tiny"],
+                               "peer: the model (cpu: compute-bound steps on CPU; tiny: the smoke test's).")
 _OUT = flags.DEFINE_string("out", "gpu_check", "gpu: the folder gpu_check.json and gpu_check.md are written to.")
 _PARTS = flags.DEFINE_string("parts", "tests,attention,train,run", "gpu: the parts to run, comma-separated.")
 _TRAIN_SIZES = flags.DEFINE_string("train_sizes", "1.3b:2048",
@@ -65,6 +69,7 @@ BENCHMARKS = {
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
+    "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value),
     "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
                                          _RUN_STEPS.value),
 }

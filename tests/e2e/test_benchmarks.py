@@ -108,3 +108,20 @@ def test_gpu_check_writes_its_report_on_cpu(tmp_path):
   assert "error" not in profile, profile
   assert profile["busy_ms_per_step"] == 0 and (out / "step_trace.json.gz").stat().st_size > 0
   assert "## profile" in (out / "gpu_check.md").read_text()
+
+
+def test_peer_benchmark_compares_with_plain_jit_on_every_mesh():
+  """`python -m megajax.launch.bench peer` on the tiny model: per mesh its peers (jax.jit +
+  GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB and its collectives; the same
+  first losses (no timing asserted). The jit DP peer's gradient sum is there: one combined
+  all-reduce over the 8 devices."""
+  result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--rounds=2"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "mesh dp=8 pp=1 tp=1" in out and "mesh dp=2 pp=1 tp=4" in out
+  rows = {line.split()[0] + " " + line.split()[1]: line for line in out.splitlines() if line.startswith("  jit ")}
+  rows.update({"megajax": line for line in out.splitlines() if line.startswith("  megajax ")})
+  assert set(rows) >= {"jit DP", "jit FSDP", "jit Megatron-TP", "jit TP+FSDP", "megajax"}
+  assert "all-reduce x8: 1" in rows["jit DP"]
+  spreads = [float(s) for s in re.findall(r"first losses agree to ([\d.e+-]+)", out)]
+  assert len(spreads) == 2 and max(spreads) < 1e-5, spreads
