@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax.config import default_config, validate
 from megajax.model import init_params
-from megajax.observe.hlo import replica_groups
+from megajax.observe.hlo import COLLECTIVE, replica_groups
 from megajax.optim import make_optimizer
 from megajax.parallel import sharding
 from megajax.parallel.mesh import DP, TP
@@ -53,7 +53,6 @@ MESHES = {(8, 1): ("jit DP", "jit FSDP"), (2, 4): ("jit Megatron-TP", "jit TP+FS
 SIZES = {"cpu": dict(hidden_dim=512, num_layers=4, num_heads=8, seq_len=256, batch_size=16),
          "tiny": dict(hidden_dim=64, num_layers=2, num_heads=8, seq_len=32, batch_size=8)}
 LOSSES_SHOWN = 3
-COLLECTIVE_OP = re.compile(r"(\s)(all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\(")
 
 
 def peer_config(dp: int, tp: int, size: str = "cpu"):
@@ -110,8 +109,7 @@ def collectives_by_group_size(text: str, devices: int) -> collections.Counter:
   its number of source -> target pairs. A group of 1 moves nothing."""
   counts = collections.Counter()
   for line in text.splitlines():
-    # (Not observe.hlo.COLLECTIVE: a combined collective's tuple type holds "/*index=5*/".)
-    op = COLLECTIVE_OP.search(line) if " = " in line else None
+    op = COLLECTIVE.search(line)
     if not op:
       continue
     if op.group(2) == "collective-permute":

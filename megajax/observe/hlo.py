@@ -53,7 +53,9 @@ def mesh_groups(mesh, axis):
   return {frozenset(row) for row in moved.reshape(-1, moved.shape[-1]).tolist()}
 
 
-COLLECTIVE = re.compile(r"= ([^=]*?) (all-gather|reduce-scatter|all-reduce|collective-permute)(?:-start)?\(")
+# An instruction's result type, then the collective: the type may be a tuple, whose long forms
+# number their elements ("/*index=5*/"), so it may hold "=".
+COLLECTIVE = re.compile(r"= (.*?) (all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\(")
 
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "u8": 1, "pred": 1}
