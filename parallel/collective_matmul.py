@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from megajax.parallel import collectives
 from megajax.parallel.mesh import TP, varying_axes
 
 __all__ = ["all_gather_matmul", "chunked_all_gather_apply", "chunked_all_gather_matmul",
@@ -51,7 +52,7 @@ def _weight_cotangent(d_w, w):
   """A weight equal across some mesh axes (e.g. tp=1) gets its cotangent summed over them,
   as autodiff would do for a weight broadcast into per-device compute."""
   extra = tuple(sorted(varying_axes(d_w) - varying_axes(w)))
-  return lax.psum(d_w, extra) if extra else d_w
+  return collectives.psum(d_w, extra)
 
 
 def _chunk(s_local: int, chunks: int) -> int:
@@ -203,7 +204,7 @@ def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None, ring: b
     if ring:
       return all_gather_matmul(x, w, chunks, out_dtype)
     return chunked_all_gather_matmul(x, w, chunks, out_dtype)
-  return _matmul(lax.all_gather(x, TP, axis=1, tiled=True), w, out_dtype)
+  return _matmul(collectives.all_gather(x, TP, axis_index_dim=1, tiled=True), w, out_dtype)
 
 
 @jax.named_scope("tp all-gather")
@@ -217,7 +218,7 @@ def column_parallel_apply(x, fn, mode: str, chunks: int, ring: bool = True):
     if ring:
       return _ring_all_gather(x, fn, chunks)[0]
     return chunked_all_gather_apply(x, fn, chunks)
-  return fn(lax.all_gather(x, TP, axis=1, tiled=True))
+  return fn(collectives.all_gather(x, TP, axis_index_dim=1, tiled=True))
 
 
 @jax.named_scope("tp reduce-scatter")
@@ -225,4 +226,4 @@ def row_parallel_linear(x, w, mode: str, chunks: int, ring: bool = True):
   """x [b, s, k/tp] @ w [k/tp, f] -> [b, s/tp, f] summed over tp; one reduce-scatter on tp."""
   if mode == "collective_matmul" and lax.axis_size(TP) > 1:
     return matmul_reduce_scatter(x, w, chunks, None) if ring else chunked_matmul_reduce_scatter(x, w, chunks)
-  return lax.psum_scatter(_matmul(x, w, None), TP, scatter_dimension=1, tiled=True)
+  return collectives.psum_scatter(_matmul(x, w, None), TP, scatter_dimension=1)

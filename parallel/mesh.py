@@ -43,8 +43,9 @@ def aval_varying_axes(aval) -> frozenset:
 
 def to_varying(x, axes: tuple[str, ...]):
   """Marks a value equal on every device of `axes` as per-device there (no data moves), so
-  its gradient stays per-device too and the caller reduces it explicitly."""
-  missing = tuple(a for a in axes if a not in varying_axes(x))
+  its gradient stays per-device too and the caller reduces it explicitly. Axes of one device
+  are left out: nothing varies along them (megajax.parallel.collectives)."""
+  missing = tuple(a for a in axes if a not in varying_axes(x) and jax.lax.axis_size(a) > 1)
   if not missing:
     return x
   pcast = getattr(jax.lax, "pcast", None)
@@ -105,6 +106,12 @@ def make_mesh(config, devices=None) -> Mesh:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Global batches [B, ...]: rows split over dp, replicated over pp and tp."""
   return NamedSharding(mesh, P(DP))
+
+
+def batch_spec(mesh: Mesh) -> P:
+  """The batch's spec inside the step's shard_map: rows over dp; with dp=1, P(), so that
+  nothing in the step varies over an axis of one device (megajax.parallel.collectives)."""
+  return P(DP) if mesh.shape[DP] > 1 else P()
 
 
 def local_device_coordinates(mesh: Mesh) -> list[dict]:

@@ -25,6 +25,7 @@ import optax
 
 from megajax.model import GPT, logical_axes
 from megajax.optim import TensorNorms
+from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
 
 # The logical axes tensor parallelism splits over the tp mesh axis; other axes stay whole.
@@ -279,7 +280,7 @@ def reduce_scatter_grads(grads, layouts, bucketed: bool | None = None):
   if bucketed:
     return _bucketed_reduce_scatter(grads, layouts)
   return jax.tree.map(
-      lambda g, layout: lax.psum(g, DP) if layout.dp_dim is None
+      lambda g, layout: collectives.psum(g, DP) if layout.dp_dim is None
       else lax.psum_scatter(g, DP, scatter_dimension=layout.dp_dim, tiled=True),
       grads, layouts)
 
@@ -319,7 +320,7 @@ def _bucketed_reduce_scatter(grads, layouts):
         shard = mine[start:stop].reshape((m.shape[0] // dp, *m.shape[1:]))
         out[i] = jnp.moveaxis(shard, 0, leaf_layouts[i].dp_dim)
     if summed:
-      total = lax.psum(in_turn(jnp.concatenate([leaves[i].ravel() for i in summed])), DP)
+      total = collectives.psum(in_turn(jnp.concatenate([leaves[i].ravel() for i in summed])), DP)
       previous = total[0]
       offsets = np.cumsum([0] + [leaves[i].size for i in summed])
       for i, start, stop in zip(summed, offsets[:-1], offsets[1:]):

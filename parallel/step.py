@@ -44,7 +44,8 @@ from megajax.layers.kernels import lowering_for
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding
-from megajax.parallel.mesh import DP, PP, TP, batch_sharding
+from megajax.parallel import collectives
+from megajax.parallel.mesh import DP, PP, TP, batch_sharding, batch_spec
 from megajax.parallel.pipeline import simulate
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
@@ -221,7 +222,7 @@ class ParallelStep:
           loss, None, batch, c.train.microbatches, first_microbatch=first, zero_grads=sharding.gradient_accumulators(sinks),
           probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)))
     # Captured statistics are global already (reduced over dp and tp where they were taken).
-    return grads, {k: v if k == "capture" else lax.psum(v, DP) for k, v in stats.items()}
+    return grads, {k: v if k == "capture" else collectives.psum(v, DP) for k, v in stats.items()}
 
   def _gradients(self, params, batch, step=None):
     """The step's gradients (mean over the global batch's tokens) and loss metrics."""
@@ -238,7 +239,7 @@ class ParallelStep:
     grads, metrics = self._gradients(state.params, batch, state.step)
     if self.extra_work is not None:    # its scalar joins the loss times 0: XLA must compute it
       extra = self.extra_work(batch, state.step + 1)
-      metrics["loss"] = metrics["loss"] + lax.psum(0.0 * extra, (DP, PP, TP))
+      metrics["loss"] = metrics["loss"] + collectives.psum(0.0 * extra, (DP, PP, TP))
     with jax.named_scope("optimizer"):
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
@@ -270,7 +271,7 @@ class ParallelStep:
     without its optimizer (benchmarks, memory checks). `gradients_fn` replaces the step's
     own (params, batch) -> ... per-device function, e.g. the pipeline baseline."""
     return jax.jit(jax.shard_map(self._for_platform(gradients_fn or self._summed_gradients), mesh=self.mesh,
-                                 in_specs=(self.state_specs.params, P(DP)),
+                                 in_specs=(self.state_specs.params, batch_spec(self.mesh)),
                                  out_specs=(self.state_specs.params, P())))
 
   def train_step(self, with_gradients: bool = False):
@@ -279,7 +280,7 @@ class ParallelStep:
     out_specs = (self.state_specs, P()) + ((self.state_specs.params,) if with_gradients else ())
     mapped = jax.shard_map(self._for_platform(functools.partial(self._train_step, with_gradients=with_gradients)),
                            mesh=self.mesh,
-                           in_specs=(self.state_specs, P(DP)), out_specs=out_specs)
+                           in_specs=(self.state_specs, batch_spec(self.mesh)), out_specs=out_specs)
     return jax.jit(mapped, donate_argnums=0, compiler_options=self.compiler_options)
 
   # --- Held-out evaluation: the forward alone, on the same mesh and layouts.
@@ -304,14 +305,14 @@ class ParallelStep:
         return {k: sums[k] + stats[k] for k in sums}, None
 
       stats, _ = lax.scan(one_microbatch, {"nll_sum": zero, "tokens": zero}, microbatches)
-      stats = {k: lax.psum(v, DP) for k, v in stats.items()}
+      stats = {k: collectives.psum(v, DP) for k, v in stats.items()}
     return {"eval_loss_sum": stats["nll_sum"], "eval_tokens": stats["tokens"]}
 
   def eval_step(self):
     """(params, batch) -> {"eval_loss_sum", "eval_tokens"}: the batch's summed cross-entropy and
     its token count, global (every device holds them). Sum over batches, then divide: the
     held-out loss is the mean over every token. Nothing is donated: the state trains on."""
-    mapped = jax.shard_map(self._for_platform(self._eval_sums), mesh=self.mesh, in_specs=(self.state_specs.params, P(DP)),
+    mapped = jax.shard_map(self._for_platform(self._eval_sums), mesh=self.mesh, in_specs=(self.state_specs.params, batch_spec(self.mesh)),
                            out_specs=P())
     return jax.jit(mapped, compiler_options=self.compiler_options)
 

@@ -31,6 +31,7 @@ from jax import lax
 from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, MLP_INPUTS, rotary_embedding
 from megajax.model import REMAT_POLICIES, ModelConfig, norm
 from megajax.parallel.collective_matmul import column_parallel_apply, column_parallel_linear, row_parallel_linear
+from megajax.parallel import collectives
 from megajax.parallel.mesh import TP
 
 
@@ -203,10 +204,10 @@ def vocab_parallel_embed(table, tokens, c: ModelConfig):
   sums the slices and leaves each rank its sequence shard.
   """
   rows = table.shape[0]
-  local = tokens - lax.axis_index(TP) * rows
+  local = tokens - collectives.axis_index(TP) * rows
   mine = (local >= 0) & (local < rows)
   x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
-  return lax.psum_scatter(x.astype(c.compute_dtype), TP, scatter_dimension=1, tiled=True)
+  return collectives.psum_scatter(x.astype(c.compute_dtype), TP, scatter_dimension=1)
 
 
 @jax.named_scope("tp cross-entropy")
@@ -218,13 +219,13 @@ def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float)
   """
   columns = logits.shape[-1]
   # The shift cancels in the value and the gradient of logsumexp; it only keeps exp() finite.
-  shift = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), TP)        # [b, s]
-  sum_exp = lax.psum(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1), TP)
+  shift = collectives.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), TP)        # [b, s]
+  sum_exp = collectives.psum(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1), TP)
   log_normalizer = jnp.log(sum_exp) + shift
-  local = targets - lax.axis_index(TP) * columns
+  local = targets - collectives.axis_index(TP) * columns
   mine = (local >= 0) & (local < columns)
   picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
-  target_logits = lax.psum(jnp.where(mine, picked, 0.0), TP)
+  target_logits = collectives.psum(jnp.where(mine, picked, 0.0), TP)
   mask = loss_mask.astype(jnp.float32)
   nll_sum = jnp.sum((log_normalizer - target_logits) * mask)
   z_sum = jnp.sum(jnp.square(log_normalizer) * mask)

@@ -28,20 +28,17 @@ not its dispatch, take the time on CPU; `tiny` (the CI smoke test): hidden 64, 2
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import re
 import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax.config import default_config, validate
 from megajax.model import init_params
-from megajax.observe.hlo import COLLECTIVE, replica_groups
+from megajax.observe.hlo import collectives_by_group_size
 from megajax.optim import make_optimizer
 from megajax.parallel import sharding
 from megajax.parallel.mesh import DP, TP
@@ -102,23 +99,6 @@ def _cost(compiled) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost    # (a list on older jax)
   return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
-
-
-def collectives_by_group_size(text: str, devices: int) -> collections.Counter:
-  """(kind, devices per group) -> how many the compiled program holds; a permute's "group" is
-  its number of source -> target pairs. A group of 1 moves nothing."""
-  counts = collections.Counter()
-  for line in text.splitlines():
-    op = COLLECTIVE.search(line)
-    if not op:
-      continue
-    if op.group(2) == "collective-permute":
-      pairs = line.split("source_target_pairs=", 1)[-1].split("}}", 1)[0]
-      counts[(op.group(2), len(re.findall(r"\{\d+,\d+", pairs)))] += 1
-    else:
-      groups = replica_groups(line)   # None: replica_groups={}, every device in one group
-      counts[(op.group(2), len(next(iter(groups))) if groups else devices)] += 1
-  return counts
 
 
 def _jit_contender(peer: str, config, parallel_step, params, batch_np) -> Contender:

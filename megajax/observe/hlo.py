@@ -93,6 +93,23 @@ def collective_counts(text: str, mesh, executed: bool = False, by_dtype: bool = 
   return counts
 
 
+def collectives_by_group_size(text: str, devices: int) -> collections.Counter:
+  """(kind, devices per group) -> how many the compiled program holds; a permute's "group" is
+  its number of source -> target pairs. A group of 1 moves nothing."""
+  counts = collections.Counter()
+  for line in text.splitlines():
+    op = COLLECTIVE.search(line)
+    if not op:
+      continue
+    if op.group(2) == "collective-permute":
+      pairs = line.split("source_target_pairs=", 1)[-1].split("}}", 1)[0]
+      counts[(op.group(2), len(re.findall(r"\{\d+,\d+", pairs)))] += 1
+    else:
+      groups = replica_groups(line)   # None: replica_groups={}, every device in one group
+      counts[(op.group(2), len(next(iter(groups))) if groups else devices)] += 1
+  return counts
+
+
 def computations(text: str) -> dict:
   """name -> body text of each computation of an HLO module ("ENTRY" for the entry one)."""
   found, name, lines = {}, None, []

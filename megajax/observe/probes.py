@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from megajax.config import CAPTURE_TENSOR_CHOICES, wants_probes
 from megajax.layers.attention import attention_probs
 from megajax.observe.records import ACTIVATIONS, append_jsonl, drop_after, read_jsonl
+from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, TP, to_varying
 
 PREFIX = "capture/"           # the step's metrics keys: capture/<layer>:<tensor>/<statistic>
@@ -113,7 +114,7 @@ class Probes:
   def rows(self, batch: dict):
     """int32[b]: the global batch rows of this device's batch shard (split over dp)."""
     b = batch["inputs"].shape[0]
-    return lax.axis_index(DP) * b + jnp.arange(b, dtype=jnp.int32)
+    return collectives.axis_index(DP) * b + jnp.arange(b, dtype=jnp.int32)
 
   def perturb_sent(self, activation, stage, chunk, rows, stages: int, layers_per_chunk: int):
     """perturb_at="stage:<s>": the activation [b, s/n, hidden] a pipeline stage sends on,
@@ -196,10 +197,10 @@ def tensor_statistics(x, sample: int, rows) -> dict:
   sums = dict(sum=jnp.sum(local), sum_sq=jnp.sum(local * local), count=jnp.float32(local.size))
   if sample:
     first = local.reshape(-1)[:sample]
-    holder = (rows[0] == 0) & (lax.axis_index(TP) == 0)
+    holder = (rows[0] == 0) & (collectives.axis_index(TP) == 0)
     sums["sample"] = jnp.where(holder, jnp.pad(first, (0, sample - first.shape[0])), 0.0)
-  stats = lax.psum(jax.tree.map(lambda v: to_varying(v, (DP, TP)), sums), (DP, TP))   # one all-reduce
-  stats["absmax"] = lax.pmax(to_varying(jnp.max(jnp.abs(local)), (DP, TP)), (DP, TP))
+  stats = collectives.psum(jax.tree.map(lambda v: to_varying(v, (DP, TP)), sums), (DP, TP))   # one all-reduce
+  stats["absmax"] = collectives.pmax(to_varying(jnp.max(jnp.abs(local)), (DP, TP)), (DP, TP))
   return stats
 
 
@@ -220,7 +221,7 @@ def _uniform(x, step, site, rows):
   b, s_local, hidden = x.shape
   u32 = lambda v: jnp.asarray(v).astype(jnp.uint32)
   key = _mix(_mix(u32(step) ^ jnp.uint32(SEED)) + u32(site))
-  positions = lax.axis_index(TP) * s_local + jnp.arange(s_local)
+  positions = collectives.axis_index(TP) * s_local + jnp.arange(s_local)
   bits = _mix(_mix(_mix(key ^ u32(rows))[:, None] + u32(positions)[None, :])[..., None] + u32(jnp.arange(hidden)))
   return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))          # [b, s/n, hidden]
 

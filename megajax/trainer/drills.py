@@ -25,6 +25,7 @@ from jax import lax
 import jax.numpy as jnp
 import ml_collections
 
+from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, to_varying
 from megajax.trainer.callbacks import Callback, Loop
 
@@ -69,7 +70,8 @@ def straggler_work(config: ml_collections.ConfigDict) -> Callable | None:
 
   @jax.named_scope("forward")
   def extra_work(batch, step):
-    here = (lax.axis_index(DP) == coords[0]) & (lax.axis_index(PP) == coords[1]) & (lax.axis_index(TP) == coords[2])
+    here = ((collectives.axis_index(DP) == coords[0]) & (collectives.axis_index(PP) == coords[1])
+            & (collectives.axis_index(TP) == coords[2]))
     here = here & (step >= from_step)
     weight = jnp.full((hidden, hidden), 1.0 / hidden, jnp.float32)
     tokens = to_varying(batch["inputs"], (DP, PP, TP))     # the branches' results vary like `here`

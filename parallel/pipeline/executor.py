@@ -75,7 +75,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from megajax.model import ModelConfig
-from megajax.parallel import sharding
+from megajax.parallel import collectives, sharding
 from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
 from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
 from megajax.parallel.pipeline.stacking import LAYERS
@@ -137,7 +137,7 @@ def sum_over_stages(grads: dict, stats: dict):
   """Gradient shards of the non-block leaves (used by the first / last stage only) and the
   loss statistics, summed over pp (and the statistics over dp)."""
   grads = {name: g if name == LAYERS else jax.tree.map(lambda x: lax.psum(x, PP), g) for name, g in grads.items()}
-  return grads, {name: lax.psum(value, (DP, PP)) for name, value in stats.items()}
+  return grads, {name: collectives.psum(value, (DP, PP)) for name, value in stats.items()}
 
 
 def chunk_forward(program: Program, c: ModelConfig, overlap: Overlap, z_loss: float):

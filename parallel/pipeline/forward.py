@@ -25,6 +25,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from megajax.model import ModelConfig
+from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
 from megajax.parallel.pipeline.executor import STAT_NAMES, chunk_forward, stage_params
 from megajax.parallel.pipeline.stacking import LAYERS, stacked_layer_order
@@ -103,4 +104,4 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
 
   arrivals = jnp.broadcast_to(message, (m, *message.shape))
   (_, _, stats), _ = lax.scan(tick, (message, arrivals, zero_stats), jnp.arange(v * span))
-  return {name: lax.psum(value, (DP, PP)) for name, value in stats.items()}
+  return {name: collectives.psum(value, (DP, PP)) for name, value in stats.items()}

@@ -114,7 +114,7 @@ def test_peer_benchmark_compares_with_plain_jit_on_every_mesh():
   """`python -m megajax.launch.bench peer` on the tiny model: per mesh its peers (jax.jit +
   GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB and its collectives; the same
   first losses (no timing asserted). The jit DP peer's gradient sum is there: one combined
-  all-reduce over the 8 devices."""
+  all-reduce over the 8 devices; megajax's step has no collective over a group of one."""
   result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--rounds=2"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
@@ -123,5 +123,7 @@ def test_peer_benchmark_compares_with_plain_jit_on_every_mesh():
   rows.update({"megajax": line for line in out.splitlines() if line.startswith("  megajax ")})
   assert set(rows) >= {"jit DP", "jit FSDP", "jit Megatron-TP", "jit TP+FSDP", "megajax"}
   assert "all-reduce x8: 1" in rows["jit DP"]
+  megajax_rows = [line for line in out.splitlines() if line.startswith("  megajax ")]
+  assert len(megajax_rows) == 2 and not any(" x1: " in row for row in megajax_rows), megajax_rows  # no size-1 group
   spreads = [float(s) for s in re.findall(r"first losses agree to ([\d.e+-]+)", out)]
   assert len(spreads) == 2 and max(spreads) < 1e-5, spreads

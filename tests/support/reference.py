@@ -2,7 +2,8 @@
 
 `assert_matches_reference(config)`: the sharded initial parameters equal the reference's,
 the first step's every gradient is within `rtol` (relative), and after 3 LAMB steps the
-losses, gradient norms and parameters are too. The reference takes the whole batch at once
+losses, gradient norms and parameters are too; the compiled step holds no collective over a
+mesh axis of one device. The reference takes the whole batch at once
 (accumulation changes only the order of sums; tests/unit/test_reference_step.py checks the
 reference's own accumulation), so it runs once per model (cached), whatever the microbatches.
 """
@@ -16,6 +17,7 @@ import numpy as np
 
 from megajax.config import default_config
 from megajax.model import GPT, ModelConfig, init_params
+from megajax.observe.hlo import collectives_by_group_size
 from megajax.optim import make_optimizer
 from megajax.parallel import ParallelStep
 from megajax.parallel.pipeline import pipeline_gradients
@@ -149,6 +151,11 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
     other_lowered = parallel_step_for(other).train_step(with_gradients=True).lower(*inputs)
     assert other_lowered.as_text() == lowered.as_text(), other.parallel
   step = lowered.compile()
+  # No collective over a mesh axis of one device (megajax.parallel.collectives), on any mesh.
+  devices = config.parallel.dp * config.parallel.pp * config.parallel.tp
+  over_one = {key: n for key, n in collectives_by_group_size(step.as_text(), devices).items()
+              if key[0] != "collective-permute" and key[1] == 1}
+  assert not over_one, f"collectives over groups of one device: {over_one}"
   losses, grad_norms = [], []
   for i in range(STEPS):
     state, metrics, grads = step(state, batch)

@@ -10,7 +10,6 @@ import math
 import re
 
 import jax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
@@ -18,8 +17,8 @@ import pytest
 from megajax.config import ConfigError, default_config, validate
 from megajax.layers import rotary_embedding, sliding_window_mask, xla_attention
 from megajax.model import GPT, ModelConfig, init_params
-from megajax.parallel import ParallelStep, make_mesh
-from megajax.parallel.mesh import DP
+from megajax.parallel import ParallelStep, collectives, make_mesh
+from megajax.parallel.mesh import DP, batch_spec
 from megajax.parallel.tensor_parallel import loss_sums
 from megajax.observe.records import ACTIVATIONS, METRICS
 from megajax.trainer import train
@@ -70,10 +69,11 @@ def forward(config, params, batch):
     if probes:
       batch = {**batch, "rows": probes.rows(batch)}
     _, stats = loss_sums(params, batch, parallel_step.model.config, parallel_step.overlap, probes=probes)
-    out = {"loss": lax.psum(stats["nll_sum"], DP) / lax.psum(stats["tokens"], DP)}
+    out = {"loss": collectives.psum(stats["nll_sum"], DP) / collectives.psum(stats["tokens"], DP)}
     return {**out, **probes.metrics(stats["capture"])} if "capture" in stats else out
 
-  mapped = jax.shard_map(metrics, mesh=parallel_step.mesh, in_specs=(parallel_step.state_specs.params, P(DP)), out_specs=P())
+  mapped = jax.shard_map(metrics, mesh=parallel_step.mesh,
+                         in_specs=(parallel_step.state_specs.params, batch_spec(parallel_step.mesh)), out_specs=P())
   return jax.device_get(jax.jit(mapped)(params, parallel_step.put_batch(batch)))
 
 
