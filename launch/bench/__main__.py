@@ -10,7 +10,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
   python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
-  python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny]
+  python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,2x2x2]
   python -m megajax.launch.bench gpu --out=DIR [--parts=tests,attention,train,run]
       [--train_sizes=1.3b:2048] [--run_steps=30]
 """
@@ -48,6 +48,8 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 512, "Tokens the sample benchma
 _ROUNDS = flags.DEFINE_integer("rounds", 12, "peer: interleaved rounds, one step of each contender per round.")
 _PEER_SIZE = flags.DEFINE_enum("peer_size", "cpu", ["cpu", "tiny"],
                                "peer: the model (cpu: compute-bound steps on CPU; tiny: the smoke test's).")
+_PEER_MESHES = flags.DEFINE_string("peer_meshes", "", "peer: megajax's meshes to run (dpxppxtp, comma-separated; "
+                                   "default: every one of launch/bench/peer.py's CASES).")
 _OUT = flags.DEFINE_string("out", "gpu_check", "gpu: the folder gpu_check.json and gpu_check.md are written to.")
 _PARTS = flags.DEFINE_string("parts", "tests,attention,train,run", "gpu: the parts to run, comma-separated.")
 _TRAIN_SIZES = flags.DEFINE_string("train_sizes", "1.3b:2048",
@@ -69,7 +71,7 @@ BENCHMARKS = {
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
-    "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value),
+    "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value, _PEER_MESHES.value),
     "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
                                          _RUN_STEPS.value),
 }

@@ -110,20 +110,23 @@ def test_gpu_check_writes_its_report_on_cpu(tmp_path):
   assert "## profile" in (out / "gpu_check.md").read_text()
 
 
-def test_peer_benchmark_compares_with_plain_jit_on_every_mesh():
-  """`python -m megajax.launch.bench peer` on the tiny model: per mesh its peers (jax.jit +
-  GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB and its collectives; the same
-  first losses (no timing asserted). The jit DP peer's gradient sum is there: one combined
-  all-reduce over the 8 devices; megajax's step has no collective over a group of one."""
-  result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--rounds=2"])
+def test_peer_benchmark_compares_with_plain_jit():
+  """`python -m megajax.launch.bench peer` on the tiny model, dp=8 and the dp2-pp2-tp2 pipeline:
+  per mesh its peers (jax.jit + GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB and
+  its collectives; the same first losses (no timing asserted). The jit DP peer's gradient sum
+  is there: one combined all-reduce over the 8 devices; megajax's step has no collective over a
+  group of one."""
+  result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--rounds=2",
+                       "--peer_meshes=8x1x1,2x2x2"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
-  assert "mesh dp=8 pp=1 tp=1" in out and "mesh dp=2 pp=1 tp=4" in out
-  rows = {line.split()[0] + " " + line.split()[1]: line for line in out.splitlines() if line.startswith("  jit ")}
-  rows.update({"megajax": line for line in out.splitlines() if line.startswith("  megajax ")})
-  assert set(rows) >= {"jit DP", "jit FSDP", "jit Megatron-TP", "jit TP+FSDP", "megajax"}
-  assert "all-reduce x8: 1" in rows["jit DP"]
-  megajax_rows = [line for line in out.splitlines() if line.startswith("  megajax ")]
-  assert len(megajax_rows) == 2 and not any(" x1: " in row for row in megajax_rows), megajax_rows  # no size-1 group
+  assert "mesh dp=8 pp=1 tp=1:" in out and "mesh dp=2 pp=2 tp=2 (interleaved_1f1b, v=2, m=4):" in out
+  rows = re.findall(r"^  (jit [\w+-]+|megajax)\s+(\d+x\d+x\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d. ]+(.*)$",
+                    out, re.MULTILINE)
+  assert [(name, mesh) for name, mesh, _ in rows] == [
+      ("jit DP", "8x1x1"), ("jit FSDP", "8x1x1"), ("megajax", "8x1x1"),
+      ("jit DP", "8x1x1"), ("jit Megatron-TP", "2x1x4"), ("megajax", "2x2x2")], out
+  assert rows[0][2] == "all-reduce x8: 1"
+  assert not any(" x1: " in f" {collectives}" for name, _, collectives in rows if name == "megajax"), rows
   spreads = [float(s) for s in re.findall(r"first losses agree to ([\d.e+-]+)", out)]
   assert len(spreads) == 2 and max(spreads) < 1e-5, spreads
