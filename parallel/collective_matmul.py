@@ -49,8 +49,8 @@ def _direction(chunk: int, chunks: int) -> int:
 
 
 def _weight_cotangent(d_w, w):
-  """A weight equal across some mesh axes (e.g. tp=1) gets its cotangent summed over them,
-  as autodiff would do for a weight broadcast into per-device compute."""
+  """A weight equal across some mesh axes gets its cotangent summed over them, as autodiff
+  would do for a weight broadcast into per-device compute."""
   extra = tuple(sorted(varying_axes(d_w) - varying_axes(w)))
   return collectives.psum(d_w, extra)
 

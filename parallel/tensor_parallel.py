@@ -203,6 +203,11 @@ def vocab_parallel_embed(table, tokens, c: ModelConfig):
   Each rank looks up the tokens in its vocab slice (zeros elsewhere); the reduce-scatter
   sums the slices and leaves each rank its sequence shard.
   """
+  if lax.axis_size(TP) == 1:
+    # The whole vocabulary here: a plain gather (the tokens are in it: the launcher checks
+    # the vocabulary). A masked one (the one below, or jnp.take's default out-of-bounds fill),
+    # with no collective after it to materialize it, is fused again into every use of x.
+    return table.at[tokens].get(mode="promise_in_bounds").astype(c.compute_dtype)
   rows = table.shape[0]
   local = tokens - collectives.axis_index(TP) * rows
   mine = (local >= 0) & (local < rows)
@@ -222,10 +227,13 @@ def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float)
   shift = collectives.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), TP)        # [b, s]
   sum_exp = collectives.psum(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1), TP)
   log_normalizer = jnp.log(sum_exp) + shift
-  local = targets - collectives.axis_index(TP) * columns
-  mine = (local >= 0) & (local < columns)
-  picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
-  target_logits = collectives.psum(jnp.where(mine, picked, 0.0), TP)
+  if lax.axis_size(TP) == 1:   # the whole vocabulary here (as in vocab_parallel_embed)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1, mode="promise_in_bounds")[..., 0]
+  else:
+    local = targets - collectives.axis_index(TP) * columns
+    mine = (local >= 0) & (local < columns)
+    picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
+    target_logits = collectives.psum(jnp.where(mine, picked, 0.0), TP)
   mask = loss_mask.astype(jnp.float32)
   nll_sum = jnp.sum((log_normalizer - target_logits) * mask)
   z_sum = jnp.sum(jnp.square(log_normalizer) * mask)
