@@ -204,7 +204,7 @@ def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None, ring: b
     if ring:
       return all_gather_matmul(x, w, chunks, out_dtype)
     return chunked_all_gather_matmul(x, w, chunks, out_dtype)
-  return _matmul(collectives.all_gather(x, TP, axis_index_dim=1, tiled=True), w, out_dtype)
+  return _matmul(collectives.all_gather(x, TP, dim=1), w, out_dtype)
 
 
 @jax.named_scope("tp all-gather")
@@ -218,7 +218,7 @@ def column_parallel_apply(x, fn, mode: str, chunks: int, ring: bool = True):
     if ring:
       return _ring_all_gather(x, fn, chunks)[0]
     return chunked_all_gather_apply(x, fn, chunks)
-  return fn(collectives.all_gather(x, TP, axis_index_dim=1, tiled=True))
+  return fn(collectives.all_gather(x, TP, dim=1))
 
 
 @jax.named_scope("tp reduce-scatter")

@@ -32,12 +32,9 @@ def pmax(x, axes):
   return lax.pmax(x, live) if live else x
 
 
-def all_gather(x, axis: str, *, axis_index_dim: int = 0, tiled: bool = False):
-  """lax.all_gather(x, axis, axis=axis_index_dim, tiled=tiled); one device: x (untiled: with
-  the new dimension of size 1)."""
-  if live_axes(axis):
-    return lax.all_gather(x, axis, axis=axis_index_dim, tiled=tiled)
-  return x if tiled else jnp.expand_dims(x, axis_index_dim)
+def all_gather(x, axis: str, *, dim: int = 0):
+  """lax.all_gather(x, axis, axis=dim, tiled=True); one device: x."""
+  return lax.all_gather(x, axis, axis=dim, tiled=True) if live_axes(axis) else x
 
 
 def psum_scatter(x, axis: str, *, scatter_dimension: int = 0):

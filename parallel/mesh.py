@@ -18,6 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from megajax.config import ConfigError
+from megajax.parallel.collectives import live_axes
 
 DP = "dp"  # data parallel (ZeRO-2 shards optimizer state and gradients along it)
 PP = "pp"  # pipeline stages
@@ -45,7 +46,7 @@ def to_varying(x, axes: tuple[str, ...]):
   """Marks a value equal on every device of `axes` as per-device there (no data moves), so
   its gradient stays per-device too and the caller reduces it explicitly. Axes of one device
   are left out: nothing varies along them (megajax.parallel.collectives)."""
-  missing = tuple(a for a in axes if a not in varying_axes(x) and jax.lax.axis_size(a) > 1)
+  missing = tuple(a for a in live_axes(axes) if a not in varying_axes(x))
   if not missing:
     return x
   pcast = getattr(jax.lax, "pcast", None)

@@ -1,5 +1,5 @@
-r"""`python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,...]`: megajax's 3D step
-against the step a JAX user writes, side by side on the same devices.
+r"""`python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,...]`:
+megajax's 3D step against the step a JAX user writes, side by side on the same devices.
 
 The peers: `jax.jit(value_and_grad + optax)` over the same Flax model (the single-device
 reference step, megajax.reference_step, whose math the 3D step is tested equal to), its
@@ -16,8 +16,9 @@ partitioner (GSPMD), the batch split over dp:
 The meshes (CASES): dp=8 against jit DP and FSDP; dp=2 x tp=4 against jit Megatron-TP and
 TP+FSDP; dp=2 x pp=2 x tp=2 (interleaved 1F1B, 2 chunks per stage, m=4) against the best of
 those on 8 devices; pp=2 v=2 on 2 devices against megajax's own dp=2 and jit DP on them.
-Each case's contenders are compiled first, from the same initial parameters, then timed step by step, interleaved (A B C, A B C, ... with the order
-rotated each round), each on its own state and the same batch. Printed per contender: the
+Each case's contenders are compiled first, from the same initial parameters, then timed step
+by step, interleaved (A B C, A B C, ... with the order rotated each round), each on its own
+state and the same batch (the synthetic source's first). Printed per contender: the
 median tokens/s over the rounds, its ratio to the best peer, its first losses (they must
 agree: the same model, data and optimizer), and from its compiled program per device: the
 matmul GFLOP one step executes (observe.hlo.executed_dot_flops: loop bodies times their trip
@@ -38,12 +39,12 @@ import statistics
 import time
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from megajax import data
 from megajax.config import default_config, validate
 from megajax.model import init_params
-from megajax.observe.hlo import collectives_by_group_size, executed_dot_flops, pipeline_branch_weights
+from megajax.observe.hlo import collectives_by_group_size, executed_dot_flops, pipeline_branch_weights, xla_cost
 from megajax.optim import make_optimizer
 from megajax.parallel import sharding
 from megajax.parallel.mesh import DP, TP
@@ -96,9 +97,8 @@ def mesh_name(mesh) -> str:
 
 
 def peer_layouts(peer: str, model, params_like, dp: int, tp: int):
-  """The Layout (megajax.parallel.sharding) of each parameter under `peer`'s annotations."""
-  if peer == "jit DP":
-    return jax.tree.map(lambda _: sharding.Layout(None, None), params_like)
+  """The Layout (megajax.parallel.sharding) of each parameter under `peer`'s annotations (jit
+  DP: split over neither)."""
   split_dp = dp if peer in ("jit FSDP", "jit TP+FSDP") else 1
   split_tp = tp if peer in ("jit Megatron-TP", "jit TP+FSDP") else 1
   return sharding.param_layouts(model, params_like, split_dp, split_tp)
@@ -125,12 +125,6 @@ class Contender:
     return elapsed
 
 
-def _cost(compiled) -> dict:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost    # (a list on older jax)
-  return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
-
-
 def _jit_contender(peer: str, config, parallel_step, params, batch_np) -> Contender:
   mesh, model = parallel_step.mesh, parallel_step.model
   layouts = peer_layouts(peer, model, params, mesh.shape[DP], mesh.shape[TP])
@@ -145,7 +139,7 @@ def _jit_contender(peer: str, config, parallel_step, params, batch_np) -> Conten
                  out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
   compiled = step.lower(state, batch).compile()
   text = compiled.as_text()
-  return Contender(peer, compiled, state, batch, text, _cost(compiled), executed_dot_flops(text))
+  return Contender(peer, compiled, state, batch, text, xla_cost(compiled), executed_dot_flops(text))
 
 
 def _megajax_contender(name: str, parallel_step, batch_np) -> Contender:
@@ -153,15 +147,8 @@ def _megajax_contender(name: str, parallel_step, batch_np) -> Contender:
   batch = parallel_step.put_batch(batch_np)
   compiled = parallel_step.train_step().lower(state, batch).compile()
   text = compiled.as_text()
-  weights = pipeline_branch_weights(parallel_step.pipeline) if parallel_step.pipeline is not None else None
-  return Contender(name, compiled, state, batch, text, _cost(compiled), executed_dot_flops(text, weights))
-
-
-def _batch(config) -> dict:
-  rng = np.random.default_rng(0)
-  shape = (config.train.batch_size, config.model.seq_len)
-  tokens = rng.integers(0, config.model.vocab_size, (shape[0], shape[1] + 1)).astype(np.int32)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones(shape, np.float32)}
+  return Contender(name, compiled, state, batch, text, xla_cost(compiled),
+                   executed_dot_flops(text, pipeline_branch_weights(parallel_step.pipeline)))
 
 
 def _contender(name: str, mesh, size: str, params, batch) -> Contender:
@@ -177,7 +164,7 @@ def compare(case: Case, rounds: int, size: str) -> list[Contender]:
   config = peer_config(case.mesh, size)
   with jax.default_device(jax.devices()[0]):   # the same initial values as megajax's sharded init
     params = jax.device_get(jax.jit(lambda key: init_params(build_model(config), key))(jax.random.key(0)))
-  batch = _batch(config)
+  batch = next(data.make_iterator(config, 0, 1))   # the synthetic source's first global batch
   contenders = [_contender(name, mesh, size, params, batch) for name, mesh in case.peers]
   contenders.append(_contender("megajax", case.mesh, size, params, batch))
   for contender in contenders:          # one untimed step each: first-run allocations, caches

@@ -39,7 +39,7 @@ from megajax.flops import training_flops_per_token
 from megajax.launch.bench.timing import median_seconds
 from megajax.launch.bench.train import CompiledStep
 from megajax.model import ModelConfig
-from megajax.observe.hlo import collective_counts, executed_dot_flops, pipeline_branch_weights
+from megajax.observe.hlo import collective_counts, executed_dot_flops, pipeline_branch_weights, xla_cost
 from megajax.parallel.pipeline.executor import dp_edge_pieces
 from megajax.parallel.planner import fits
 from megajax.trainer import build_parallel_step
@@ -74,20 +74,15 @@ def _gradients(config, lowered_text: bool = False):
   return (parallel_step, lowered.compile()) + ((lowered.as_text(),) if lowered_text else ())
 
 
-def _weights(parallel_step):
-  return pipeline_branch_weights(parallel_step.pipeline) if parallel_step.pipeline is not None else None
-
-
 def _executed_flops(parallel_step, compiled) -> float:
   """Executed matmul FLOPs of one run, summed over the devices (the per-device count is the
   mean over the stages: the branch weights average them)."""
-  return executed_dot_flops(compiled.as_text(), _weights(parallel_step)) * parallel_step.mesh.size
+  weights = pipeline_branch_weights(parallel_step.pipeline)
+  return executed_dot_flops(compiled.as_text(), weights) * parallel_step.mesh.size
 
 
 def _xla_flops(parallel_step, compiled) -> float:
-  analysis = compiled.cost_analysis()
-  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-  return float(analysis.get("flops", float("nan"))) * parallel_step.mesh.size
+  return xla_cost(compiled)["flops"] * parallel_step.mesh.size
 
 
 def flops(remats: tuple) -> dict:
@@ -127,7 +122,7 @@ def dp_sync(grad_syncs: tuple) -> None:
   for grad_sync in grad_syncs:
     parallel_step, compiled, lowered = _gradients(_config(2, 2, 2, compute_dtype="bfloat16", grad_sync=grad_sync),
                                                   lowered_text=True)
-    text, mesh, weights = compiled.as_text(), parallel_step.mesh, _weights(parallel_step)
+    text, mesh, weights = compiled.as_text(), parallel_step.mesh, pipeline_branch_weights(parallel_step.pipeline)
     counts = collective_counts(text, mesh, executed=True, by_dtype=True, branch_weights=weights)
     nbytes = collective_counts(text, mesh, executed=True, by_dtype=True, nbytes=True, branch_weights=weights)
     layouts = jax.tree.leaves(parallel_step.layouts, is_leaf=lambda x: hasattr(x, "dp_dim"))

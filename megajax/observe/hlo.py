@@ -110,6 +110,14 @@ def collectives_by_group_size(text: str, devices: int) -> collections.Counter:
   return counts
 
 
+def xla_cost(compiled) -> dict:
+  """XLA's cost_analysis of a compiled program, per device: {"flops", "bytes"} (it counts a
+  loop body once: executed_dot_flops counts what runs)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost    # (a list on older jax)
+  return {"flops": float(cost.get("flops", float("nan"))), "bytes": float(cost.get("bytes accessed", float("nan")))}
+
+
 def computations(text: str) -> dict:
   """name -> body text of each computation of an HLO module ("ENTRY" for the entry one)."""
   found, name, lines = {}, None, []
@@ -227,11 +235,13 @@ def executed_dot_flops(text: str, branch_weights: dict | None = None) -> float:
   return total
 
 
-def pipeline_branch_weights(tables) -> dict:
+def pipeline_branch_weights(tables) -> dict | None:
   """The executor's two per-tick switches (their named scopes) -> the mean number of times a
   tick runs each branch, over the stages (megajax.parallel.pipeline.Tables: branch 0 idles,
   branch i + 1 runs program i). Per-device executed FLOPs with these weights are the mean over
-  the stages: times the devices, the whole mesh's."""
+  the stages: times the devices, the whole mesh's. tables=None (no pipeline): None."""
+  if tables is None:
+    return None
   branches = len(tables.programs) + 1
   def weights(table):
     table = np.asarray(table)

@@ -152,8 +152,7 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
     assert other_lowered.as_text() == lowered.as_text(), other.parallel
   step = lowered.compile()
   # No collective over a mesh axis of one device (megajax.parallel.collectives), on any mesh.
-  devices = config.parallel.dp * config.parallel.pp * config.parallel.tp
-  over_one = {key: n for key, n in collectives_by_group_size(step.as_text(), devices).items()
+  over_one = {key: n for key, n in collectives_by_group_size(step.as_text(), parallel_step.mesh.size).items()
               if key[0] != "collective-permute" and key[1] == 1}
   assert not over_one, f"collectives over groups of one device: {over_one}"
   losses, grad_norms = [], []
