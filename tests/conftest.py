@@ -38,6 +38,10 @@ if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
 # - XLA:CPU's classic (elemental) kernel emitters instead of its MLIR fusion emitters: about
 #   half the compile time again (the dp2-pp2-tp2 interleaved step on 2 busy cores: 22.4 ->
 #   11.0 s; tests/unit/test_parallel.py and test_probes.py from a cold cache: 164 -> 114 s).
+# - The kernels' LLVM module compiled as one, not split into 32 parts for parallel codegen:
+#   each part pays the module's and the target machine's set-up again, and a test worker has
+#   one core (2 workers on 2 cores) to run the parts on (the dp2-tp4 step 2.7 -> 2.0 s of CPU
+#   to compile, dp2-pp2-tp2 2.6 -> 2.2, dp8 1.65 -> 1.3). Codegen only: the same kernels.
 # Values may differ from XLA's default by rounding only (fused multiply-adds, the emitters' own
 # roundings); every comparison is between programs of this process or to a tolerance, and the
 # reference is compiled like what it checks. The one bitwise check across programs that these
@@ -49,6 +53,8 @@ if TESTS_ON == "cpu" and "xla_backend_optimization_level" not in _XLA_FLAGS:
   _XLA_FLAGS = f"{_XLA_FLAGS} --xla_backend_optimization_level=0"
 if TESTS_ON == "cpu" and "xla_cpu_use_fusion_emitters" not in _XLA_FLAGS:
   _XLA_FLAGS = f"{_XLA_FLAGS} --xla_cpu_use_fusion_emitters=false"
+if TESTS_ON == "cpu" and "xla_cpu_parallel_codegen_split_count" not in _XLA_FLAGS:
+  _XLA_FLAGS = f"{_XLA_FLAGS} --xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = _XLA_FLAGS
 
 import jax  # noqa: E402  (after XLA_FLAGS)
