@@ -42,11 +42,12 @@ if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
 #   each part pays the module's and the target machine's set-up again, and a test worker has
 #   one core (2 workers on 2 cores) to run the parts on (the dp2-tp4 step 2.7 -> 2.0 s of CPU
 #   to compile, dp2-pp2-tp2 2.6 -> 2.2, dp8 1.65 -> 1.3). Codegen only: the same kernels.
+#   It also keeps the one bitwise check across programs (a pipeline's sharded init, its layers
+#   stacked, = the single-device reference's init) exact with the classic emitters: split in
+#   parts, the two programs' random normals differed by an ulp in a few elements.
 # Values may differ from XLA's default by rounding only (fused multiply-adds, the emitters' own
 # roundings); every comparison is between programs of this process or to a tolerance, and the
-# reference is compiled like what it checks. The one bitwise check across programs that these
-# emitters would break (a pipeline's sharded init = the reference's init) compiles both inits
-# with XLA's default (tests.support.reference.INIT_COMPILER_OPTIONS). Processes the tests start
+# reference is compiled like what it checks. Processes the tests start
 # (the launcher, the drills, the benchmarks) get the same flags (tests.support.processes.child_env)
 # unless they ask for XLA's default (the default job's 100 full-width steps).
 if TESTS_ON == "cpu" and "xla_backend_optimization_level" not in _XLA_FLAGS:

@@ -29,19 +29,6 @@ from tests.support.once import once_per_run
 BATCH, SEQ, VOCAB = 16, 16, 64
 STEPS = 3
 
-# The tests compile with XLA:CPU's classic (elemental) kernel emitters, not its MLIR fusion
-# emitters (tests/conftest.py: about half the compile time). The states' initializations
-# checked here compile with XLA's default instead: "sharded init = reference init" is checked
-# bit for bit, and the classic emitters round a pipeline's stacked init and the reference's
-# differently (by an ulp), which the fusion emitters do not.
-INIT_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": True}
-
-
-def compiled_init(program, rng):
-  """`program(rng)` compiled with INIT_COMPILER_OPTIONS on CPU (XLA's default elsewhere)."""
-  return program.lower(rng).compile(INIT_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)(rng)
-
-
 def parallel_config(dp=1, tp=1, block="parallel", mode="none", microbatches=1, layers=2):
   c = default_config()
   c.model.num_layers = layers
@@ -108,9 +95,9 @@ def _single_device_reference(model_fields, rows, packed):
   model = GPT(ModelConfig.from_config(config.model))
   optimizer = make_optimizer(config)
   with jax.default_device(jax.devices()[0]):
-    # init_train_state's state, its parameters compiled like the sharded inits checked against them
-    # (so the model's init compiles once here, with INIT_COMPILER_OPTIONS).
-    params = compiled_init(jax.jit(functools.partial(init_params, model)), jax.random.key(0))
+    # init_train_state's state, its parameters by the model's own init (the sharded inits are
+    # checked against them bit for bit).
+    params = jax.jit(functools.partial(init_params, model))(jax.random.key(0))
     state = jax.jit(fresh_train_state, static_argnums=1)(params, optimizer)
     initial = jax.device_get(state.params)
     # One program (the step with its gradients): the first step's are the first gradients.
@@ -138,7 +125,7 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
       tuple(sorted(config.model.to_dict().items())), rows, packed)   # the same model, on one device
   parallel_step = parallel_step_for(config)
-  state = compiled_init(parallel_step.init_program(), jax.random.key(0))
+  state = parallel_step.init_program()(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
   model_params = lambda tree: parallel_step.model_params(jax.device_get(tree))
   for got, want in zip(jax.tree.leaves(model_params(state.params)), jax.tree.leaves(initial)):
