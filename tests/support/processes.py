@@ -15,10 +15,10 @@ from tests.support.once import once_per_run
 
 
 # The children of the tests compile like the tests themselves (tests/conftest.py: LLVM -O0, the
-# classic kernel emitters, one LLVM module): a job of the tiny models here spends its time compiling, not
-# stepping (the 2x2x2 default job's programs compile in about half the time; its quarter-width
-# step runs 0.1 -> 0.3 s). A child that runs many full-width steps (the default job's 100) asks
-# for optimized=True.
+# classic kernel emitters, one LLVM module): a job of the tiny models here spends its time
+# compiling, not stepping (the 2x2x2 default job's programs compile in about half the time; its
+# quarter-width step runs 0.1 -> 0.3 s). A child that runs many full-width steps (the default
+# job's 100) asks for optimized=True.
 CHILD_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                    "--xla_cpu_parallel_codegen_split_count=1")
 
