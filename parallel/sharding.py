@@ -281,7 +281,7 @@ def reduce_scatter_grads(grads, layouts, bucketed: bool | None = None):
     return _bucketed_reduce_scatter(grads, layouts)
   return jax.tree.map(
       lambda g, layout: collectives.psum(g, DP) if layout.dp_dim is None
-      else lax.psum_scatter(g, DP, scatter_dimension=layout.dp_dim, tiled=True),
+      else collectives.psum_scatter(g, DP, scatter_dimension=layout.dp_dim),
       grads, layouts)
 
 

@@ -20,6 +20,8 @@ import tempfile
 
 import pytest
 
+from tests.support import COMPILE_FLAGS, xla_flags   # (imports no jax: XLA_FLAGS are set below first)
+
 # Eight CPU devices in every test process (set before jax starts its backend), so every mesh
 # shape of the 3D step is testable; single-device tests pass devices=jax.devices()[:1].
 TEST_DEVICES = 8
@@ -50,12 +52,10 @@ if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
 # reference is compiled like what it checks. Processes the tests start
 # (the launcher, the drills, the benchmarks) get the same flags (tests.support.processes.child_env)
 # unless they ask for XLA's default (the default job's 100 full-width steps).
-if TESTS_ON == "cpu" and "xla_backend_optimization_level" not in _XLA_FLAGS:
-  _XLA_FLAGS = f"{_XLA_FLAGS} --xla_backend_optimization_level=0"
-if TESTS_ON == "cpu" and "xla_cpu_use_fusion_emitters" not in _XLA_FLAGS:
-  _XLA_FLAGS = f"{_XLA_FLAGS} --xla_cpu_use_fusion_emitters=false"
-if TESTS_ON == "cpu" and "xla_cpu_parallel_codegen_split_count" not in _XLA_FLAGS:
-  _XLA_FLAGS = f"{_XLA_FLAGS} --xla_cpu_parallel_codegen_split_count=1"
+# (tests.support.COMPILE_FLAGS; a flag already in XLA_FLAGS keeps its value.)
+if TESTS_ON == "cpu":
+  missing = {name: value for name, value in COMPILE_FLAGS.items() if name not in _XLA_FLAGS}
+  _XLA_FLAGS = f"{_XLA_FLAGS} {xla_flags(missing)}".strip()
 os.environ["XLA_FLAGS"] = _XLA_FLAGS
 
 import jax  # noqa: E402  (after XLA_FLAGS)

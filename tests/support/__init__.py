@@ -6,6 +6,17 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# XLA:CPU compile settings of the test processes and the processes they start (why each:
+# tests/conftest.py): flag name -> value.
+COMPILE_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
+                 "xla_cpu_parallel_codegen_split_count": "1"}
+
+
+def xla_flags(flags: dict) -> str:
+  """{"name": "value"} -> "--name=value ..." (XLA_FLAGS' form)."""
+  return " ".join(f"--{name}={value}" for name, value in flags.items())
+
+
 # The multi-process tests' small program, quick to compile: 2 layers, dp=2 x tp=4 without the
 # overlap rings, no pipeline (with 2 processes, the data-parallel replicas are the processes).
 SMALL_MESH = {"parallel.dp": 2, "parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.tp": 4,

@@ -10,7 +10,7 @@ import time
 import jax
 
 from megajax.launch.supervisor.jobs import free_port
-from tests.support import REPO
+from tests.support import COMPILE_FLAGS, REPO, xla_flags
 from tests.support.once import once_per_run
 
 
@@ -19,8 +19,7 @@ from tests.support.once import once_per_run
 # compiling, not stepping (the 2x2x2 default job's programs compile in about half the time; its
 # quarter-width step runs 0.1 -> 0.3 s). A child that runs many full-width steps (the default
 # job's 100) asks for optimized=True.
-CHILD_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                   "--xla_cpu_parallel_codegen_split_count=1")
+CHILD_XLA_FLAGS = xla_flags(COMPILE_FLAGS)
 
 
 def child_env(extra=None, optimized=False) -> dict:
