@@ -574,10 +574,13 @@ def _check_observe(config) -> None:
 
 # --- debug: fault drills (megajax.trainer.drills) ---------------------------------------------
 
+FAIL_MODES = ("kill", "hang")     # megajax.trainer.drills.FAIL_SIGNALS' keys
+
 def _debug() -> ml_collections.ConfigDict:
   d = ml_collections.ConfigDict()
-  d.fail_at_step = 0          # SIGKILL this process after that step (0: never).
-  d.fail_process = -1         # ... only this process (-1: every process).
+  d.fail_at_step = 0          # Fail this process after that step (0: never) ...
+  d.fail_process = -1         # ... only this process (-1: every process) ...
+  d.fail_mode = "kill"        # ... "kill": SIGKILL (a crash); "hang": SIGSTOP (a silent host).
   d.nonfinite_steps = ""      # "8,9,10" makes those steps' loss NaN.
   d.diagnose_slow_process = -1  # megajax-diagnose sees this process slow.
   # Straggler: the rank "dp,pp,tp" runs `slow_rank_work` extra matmuls of the hidden size
@@ -593,6 +596,8 @@ def _check_debug(config) -> None:
   check.non_negative_int(config, "debug.fail_at_step")
   check.require(isinstance(config.debug.fail_process, int) and config.debug.fail_process >= -1, "debug.fail_process",
            config.debug.fail_process, "must be a process index or -1", "e.g. 1, or -1 for every process")
+  check.require(config.debug.fail_mode in FAIL_MODES, "debug.fail_mode", config.debug.fail_mode,
+                f"must be one of {', '.join(FAIL_MODES)}", "kill (a crash) or hang (a process that stops answering)")
   steps = config.debug.nonfinite_steps
   check.require(isinstance(steps, str) and all(x.strip().isdigit() for x in steps.split(",") if x.strip()),
            "debug.nonfinite_steps", steps, "must be a comma-separated list of step numbers", "e.g. '8,9,10'")

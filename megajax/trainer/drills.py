@@ -6,7 +6,10 @@ the tests (and an operator rehearsing) can check that what should notice it does
   debug.nonfinite_steps="7,8,9"   those steps' batches get a NaN loss mask, as a corrupt batch
                                   would: the non-finite guard skips, then rolls back
   debug.fail_at_step=n            SIGKILL after step n (on debug.fail_process, -1: every
-                                  process), as a crash would: resume, the supervisor's restart
+                                  process), as a crash would: resume, the supervisor's restart;
+                                  with debug.fail_mode=hang SIGSTOP instead, as a host that
+                                  stops answering would: its heartbeat goes silent while the
+                                  others wait in the next step's collectives (hang detection)
   debug.slow_rank="dp,pp,tp"      that rank runs debug.slow_rank_work extra matmuls per step
                                   (from debug.slow_rank_from_step), as a slow GPU would:
                                   megajax-trace's straggler detection
@@ -42,17 +45,25 @@ class PoisonedBatches(Callback):
       loop.batch = {**loop.batch, "loss_mask": loop.batch["loss_mask"] * float("nan")}
 
 
+# debug.fail_mode -> the signal the process sends itself.
+FAIL_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+
+
 class Crash(Callback):
-  """debug.fail_at_step: SIGKILL after that step, on debug.fail_process (-1: every process);
-  last in the list, after that step's checkpoint."""
+  """debug.fail_at_step: SIGKILL (or, debug.fail_mode=hang, SIGSTOP) after that step, on
+  debug.fail_process (-1: every process); last in the list, after that step's checkpoint.
+  At a step, not at a moment: the drill lands where it should however fast the steps run.
+  Once per job: a supervisor's restart (MEGAJAX_ATTEMPT > 0) runs clean, as after a real fault."""
 
   def __init__(self, config: ml_collections.ConfigDict):
     d = config.debug
-    self.after = d.fail_at_step if d.fail_process in (-1, jax.process_index()) else 0
+    first_attempt = os.environ.get("MEGAJAX_ATTEMPT", "0") == "0"
+    self.after = d.fail_at_step if first_attempt and d.fail_process in (-1, jax.process_index()) else 0
+    self.signal = FAIL_SIGNALS[d.fail_mode]
 
   def after_step(self, loop: Loop) -> None:
     if self.after and loop.step == self.after and not loop.preempted:
-      os.kill(os.getpid(), signal.SIGKILL)
+      os.kill(os.getpid(), self.signal)
 
 
 def straggler_work(config: ml_collections.ConfigDict) -> Callable | None:

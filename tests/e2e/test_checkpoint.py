@@ -147,7 +147,7 @@ def test_killing_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
 
 
 def test_two_process_job_resumes_after_a_kill_and_restores_by_broadcast(tmp_path):
-  """2 processes x 4 devices, mesh (2,1,4): the data-parallel replicas are the processes.
+  """2 processes x 2 devices, mesh (2,1,2): the data-parallel replicas are the processes.
 
   Kill and resume: both processes die after step 8; the relaunched job resumes from the
   checkpoint both wrote and repeats the steps after it with the losses of before the crash

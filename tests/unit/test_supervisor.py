@@ -44,7 +44,7 @@ def test_elastic_layout_keeps_the_global_batch():
 
 @pytest.mark.parametrize("field, value", [("supervisor.heartbeat_timeout_s", 0.1),
                                           ("supervisor.command", "srun python train.py"),
-                                          ("debug.nonfinite_steps", "7;8")])
+                                          ("debug.nonfinite_steps", "7;8"), ("debug.fail_mode", "stop")])
 def test_supervisor_fields_are_validated(field, value):
   config = default_config()
   group, name = field.split(".")

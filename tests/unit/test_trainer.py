@@ -5,6 +5,8 @@ import gc
 import itertools
 import json
 import math
+import os
+import signal
 
 import jax
 import numpy as np
@@ -89,6 +91,25 @@ def test_fault_drills_poison_their_batches(tiny_config):
   assert drills.diagnose_slowed(tiny_config, 0) is False
   tiny_config.debug.diagnose_slow_process = 0
   assert drills.diagnose_slowed(tiny_config, 0) is True
+
+
+@pytest.mark.parametrize("mode,sent", [("kill", signal.SIGKILL), ("hang", signal.SIGSTOP)])
+def test_the_fail_drill_signals_after_its_step_on_the_first_attempt_only(tiny_config, monkeypatch, mode, sent):
+  """debug.fail_at_step: the signal of debug.fail_mode to this process after that step; a
+  supervisor's restart (MEGAJAX_ATTEMPT=1) and other processes run clean."""
+  tiny_config.debug.fail_at_step, tiny_config.debug.fail_mode = 2, mode
+  signals = []
+  monkeypatch.setattr(drills.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+  loop = _loop(tiny_config)
+  for attempt, process, want in (("0", -1, [(os.getpid(), sent)]), ("0", 0, [(os.getpid(), sent)]),
+                                 ("0", 1, []), ("1", -1, [])):
+    monkeypatch.setenv("MEGAJAX_ATTEMPT", attempt)
+    tiny_config.debug.fail_process = process
+    drill, signals[:] = drills.Crash(tiny_config), []
+    for step in (1, 2, 3):
+      loop.step = step
+      drill.after_step(loop)
+    assert signals == want, (attempt, process)
 
 
 def test_nonfinite_step_leaves_the_state_unchanged(tiny_config):
