@@ -89,6 +89,26 @@ def pytest_collection_modifyitems(items):
       item.add_marker(CPU_ONLY)
 
 
+# With `-n`, the e2e tests run one after another on one xdist worker while the others take the
+# in-process tests (and, once it is done, what is left). Their jobs are processes whose
+# collectives (gloo on CPU) wait for their peers: two such jobs side by side on 2 cores keep
+# descheduling each other's peers, and each wait burns CPU that the other worker's compiles need.
+PROCESS_TESTS = "tests/e2e/"
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """xdist's default `load` scheduling, but the e2e folder is one unit of work (one worker)."""
+  if config.getvalue("dist") != "load":
+    return None             # a --dist the user chose
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ProcessTestsOnOneWorker(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return PROCESS_TESTS if nodeid.startswith(PROCESS_TESTS) else nodeid
+
+  return ProcessTestsOnOneWorker(config, log)
+
+
 # Python's cyclic garbage collector, not XLA, took a sixth of the unit tests' time: tracing
 # allocates millions of objects, and every few tests the heap (the compiled programs, jaxprs
 # and caches kept so far: 300-500k objects) had grown enough for a full collection to walk it
