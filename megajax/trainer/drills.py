@@ -49,7 +49,7 @@ class PoisonedBatches(Callback):
 FAIL_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 
 
-class Crash(Callback):
+class FailAtStep(Callback):
   """debug.fail_at_step: SIGKILL (or, debug.fail_mode=hang, SIGSTOP) after that step, on
   debug.fail_process (-1: every process); last in the list, after that step's checkpoint.
   At a step, not at a moment: the drill lands where it should however fast the steps run.

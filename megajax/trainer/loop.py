@@ -150,7 +150,7 @@ def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, pree
       callbacks.MetricsLog(config, parallel_step, guard),                # metrics.jsonl, progress
       *([evaluation] if evaluation else []),                             # train.eval_every: held-out loss
       callbacks.Checkpointing(checkpointer, guard),                      # the checkpointer's cadence
-      drills.Crash(config),                                              # debug.fail_at_step: after the save
+      drills.FailAtStep(config),                                         # debug.fail_at_step: after the save
       callbacks.GarbageCollection(config.runtime.gc_every_steps),         # after the step's work is queued
   ]
 

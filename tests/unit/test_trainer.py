@@ -105,7 +105,7 @@ def test_the_fail_drill_signals_after_its_step_on_the_first_attempt_only(tiny_co
                                  ("0", 1, []), ("1", -1, [])):
     monkeypatch.setenv("MEGAJAX_ATTEMPT", attempt)
     tiny_config.debug.fail_process = process
-    drill, signals[:] = drills.Crash(tiny_config), []
+    drill, signals[:] = drills.FailAtStep(tiny_config), []
     for step in (1, 2, 3):
       loop.step = step
       drill.after_step(loop)
