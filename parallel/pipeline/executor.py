@@ -110,6 +110,23 @@ def _group_key(group: tuple) -> str:
   return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
 
 
+def _written_after(residuals: dict, backward_out, never) -> dict:
+  """The forward slot's residual vectors, each made to wait for the backward slot's output
+  (XLA:CPU). The tick reads the backward's slot of a residual buffer and writes the forward's
+  slot of the same buffer; unordered, XLA:CPU's copy insertion (which, unlike XLA:GPU's, runs
+  no LoopScheduleLinearizer) copies the whole buffer twice per tick to keep the read safe.
+  Once the write depends on what consumed the read, the buffer is updated in place (the
+  default 2x2x2 job: 0.25 -> 0.18 s a step, 29.9 -> 23.0 MiB of temporaries). Each waits on
+  an output that varies over no more mesh axes than it does (an order must not widen a value's
+  type); a group no output fits is left unordered."""
+  outputs = jax.tree.leaves(backward_out)
+
+  def wait(value):
+    fits = [out for out in outputs if varying_axes(out) | varying_axes(never) <= varying_axes(value)]
+    return after(value, fits[0], never) if fits else value
+  return {key: wait(value) for key, value in residuals.items()}
+
+
 def _with_rows(first, rows: int):
   """[rows, ...] typed like `first` (dtype, the mesh axes it varies over), `first`'s rows on top."""
   out = to_varying(jnp.zeros((rows, *first.shape[1:]), first.dtype), tuple(varying_axes(first)))
@@ -332,6 +349,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     with jax.named_scope(BACKWARD_SLOT):
       grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents_in, kept,
                                            carry["grads"], carry["stats"], op, microbatch(op["b_microbatch"]))
+    backward_out = (cotangent, grads)
     with jax.named_scope("pp send-recv"):
       if ordered_collectives:  # both sends after the backward slot, the forward's first
         activation = send_forward(after(activation, (cotangent, grads), never))
@@ -342,6 +360,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
                cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),
                grads=grads, stats=stats)
     if "residuals" in carry:
+      if ordered_collectives:
+        residuals = _written_after(residuals, backward_out, never)
       new["residuals"] = {key: lax.dynamic_update_index_in_dim(buffer, residuals[key], op["f_res_slot"], 0)
                           for key, buffer in carry["residuals"].items()}
     return new

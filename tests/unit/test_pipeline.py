@@ -3,6 +3,7 @@ the two send rings in the compiled tick, the stacked parameter layout, the confi
 Its values against the reference: tests/integration/test_pipeline_reference.py.
 """
 
+import functools
 import re
 
 import jax
@@ -164,11 +165,17 @@ def test_decoupled_send_rings_over_pp():
   assert all(op != "conditional" for op, _ in (found[n] for n in downstream))
 
 
+@functools.cache
+def _four_stage_gradients():
+  """compiled_gradients((1, 4, 1), 4): a 4-stage 1F1B pipeline of 4 microbatches (shared)."""
+  return compiled_gradients((1, 4, 1), 4)
+
+
 def test_on_cpu_the_tick_orders_its_collectives():
   """XLA:CPU may start independent collectives in different orders on different devices (a
   rendezvous then waits until it aborts): the step on CPU devices runs the backward slot after
   the forward slot and both sends after the backward slot."""
-  _, compiled = compiled_gradients((1, 4, 1), 4)
+  _, compiled = _four_stage_gradients()
   body = next(c for c in re.split(r"\n(?=\S)", compiled.as_text()) if re.search(r" collective-permute(-start)?\(", c))
   found = instructions(body)
   def upstream(name):
@@ -182,6 +189,17 @@ def test_on_cpu_the_tick_orders_its_collectives():
   assert len(sends) == 2 and len(conditionals) >= 2
   for send in sends:                       # every slot's switch runs before either send
     assert conditionals <= upstream(send), (send, conditionals - upstream(send))
+
+
+def test_the_residual_buffers_are_updated_in_place():
+  """Each tick reads the backward's slot of a residual buffer and writes the forward's slot:
+  no copy of a whole buffer ([residual slots + 1, words] of uint words) in the compiled
+  program (XLA:CPU copied each twice per tick until the write waited for the read)."""
+  parallel_step, compiled = _four_stage_gradients()
+  rows = parallel_step.pipeline.residual_slots + 1
+  assert rows > 1
+  copies = re.findall(rf"= (u8|u16|u32)\[{rows},(\d+)\]\S* copy\(", compiled.as_text())
+  assert not copies, copies
 
 
 # --- The residuals a forward keeps for its backward (residuals.py).
