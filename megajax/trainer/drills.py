@@ -31,6 +31,7 @@ import ml_collections
 from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, to_varying
 from megajax.trainer.callbacks import Callback, Loop
+from megajax.trainer.heartbeat import supervisor_attempt
 
 
 class PoisonedBatches(Callback):
@@ -53,16 +54,20 @@ class FailAtStep(Callback):
   """debug.fail_at_step: SIGKILL (or, debug.fail_mode=hang, SIGSTOP) after that step, on
   debug.fail_process (-1: every process); last in the list, after that step's checkpoint.
   At a step, not at a moment: the drill lands where it should however fast the steps run.
+  The heartbeat is written first, so that it names the steps done as a host's that had been
+  beating all along would (the beat thread may not have written since the start-up, and a
+  worker whose beats show no step yet is judged by the start-up deadline, not the heartbeat's).
   Once per job: a supervisor's restart (MEGAJAX_ATTEMPT > 0) runs clean, as after a real fault."""
 
   def __init__(self, config: ml_collections.ConfigDict):
     d = config.debug
-    first_attempt = os.environ.get("MEGAJAX_ATTEMPT", "0") == "0"
-    self.after = d.fail_at_step if first_attempt and d.fail_process in (-1, jax.process_index()) else 0
+    self.after = d.fail_at_step if supervisor_attempt() == 0 and d.fail_process in (-1, jax.process_index()) else 0
     self.signal = FAIL_SIGNALS[d.fail_mode]
 
   def after_step(self, loop: Loop) -> None:
     if self.after and loop.step == self.after and not loop.preempted:
+      if loop.heartbeat:
+        loop.heartbeat.write()
       os.kill(os.getpid(), self.signal)
 
 

@@ -27,6 +27,12 @@ import time
 
 from megajax.observe.records import write_atomically
 
+
+def supervisor_attempt() -> int:
+  """This process's attempt under megajax-supervise (MEGAJAX_ATTEMPT, which its jobs set; 0
+  for the first attempt and for a process started without a supervisor)."""
+  return int(os.environ.get("MEGAJAX_ATTEMPT", "0"))
+
 HEARTBEAT_DIR = "heartbeats"
 REQUIRED_FIELDS = ("process", "time", "attempt", "step", "phase", "start_step", "rollbacks", "done")
 
@@ -81,13 +87,13 @@ class Heartbeat:
     self._lock = threading.Lock()
     self._errors: set = set()
     self._fields = {"process": process, "host": socket.gethostname(), "pid": os.getpid(),
-                    "attempt": int(os.environ.get("MEGAJAX_ATTEMPT", "0")), "step": 0, "phase": "start",
+                    "attempt": supervisor_attempt(), "step": 0, "phase": "start",
                     "step_time_s": None, "loss": None, "skipped_steps": 0, "rollbacks": 0, "start_step": 0,
                     "startup_s": None, "devices": devices, "done": False}
     self._scanner = _KeywordScanner(self._errors)
     std_logging.getLogger().addHandler(self._scanner)
     self._stop = threading.Event()
-    self._write()
+    self.write()
     self._thread = threading.Thread(target=self._beat, name="megajax-heartbeat", daemon=True)
     self._thread.start()
 
@@ -95,7 +101,8 @@ class Heartbeat:
     with self._lock:
       self._fields.update(fields)
 
-  def _write(self) -> None:
+  def write(self) -> None:
+    """Writes the beat now (the thread writes it every `interval` seconds)."""
     with self._lock:
       beat = {**self._fields, "time": time.time(), "errors": sorted(self._errors)}
     write_atomically(self._path, json.dumps(beat))
@@ -103,7 +110,7 @@ class Heartbeat:
   def _beat(self) -> None:
     while not self._stop.wait(self._interval):
       try:
-        self._write()
+        self.write()
       except OSError:     # a full or flaky filesystem: the supervisor sees a missed beat
         pass
 
@@ -113,6 +120,6 @@ class Heartbeat:
     std_logging.getLogger().removeHandler(self._scanner)
     self.update(done=done, phase="done" if done else self._fields["phase"])
     try:
-      self._write()
+      self.write()
     except OSError:     # the last beat is informative; never mask how the run ended
       pass

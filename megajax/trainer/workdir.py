@@ -41,6 +41,7 @@ import jax
 from jax._src import distributed
 
 from megajax.checkpoint.manager import free_space
+from megajax.trainer.heartbeat import supervisor_attempt
 
 LOCK_FILE = "lock"                 # the training job's (its process 0's)
 SUPERVISOR_LOCK_FILE = "supervisor.lock"   # megajax-supervise's, held across its attempts
@@ -193,7 +194,7 @@ def claim_workdir(workdir: str | None, timeout_s: float):
     check_workdir(workdir)
     if jax.process_index() == 0:
       lock = WorkdirLock(workdir)
-      lock.acquire(RELAUNCH_WAIT_S if int(os.environ.get("MEGAJAX_ATTEMPT", "0")) > 0 else 0.0)
+      lock.acquire(RELAUNCH_WAIT_S if supervisor_attempt() > 0 else 0.0)
   except WorkdirError as error:
     lock, problem = None, str(error)
   try:

@@ -352,7 +352,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     backward_out = (cotangent, grads)
     with jax.named_scope("pp send-recv"):
       if ordered_collectives:  # both sends after the backward slot, the forward's first
-        activation = send_forward(after(activation, (cotangent, grads), never))
+        activation = send_forward(after(activation, backward_out, never))
         cotangent = after(cotangent, activation, never)
       cotangent = send_backward(cotangent)
     # Arrivals are written at the tick's end, after every read of the tick.

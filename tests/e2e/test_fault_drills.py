@@ -24,11 +24,11 @@ import pytest
 
 from megajax.checkpoint import TrainingCheckpointer, load_params
 from megajax.config import load_config
-from megajax.trainer import build_parallel_step
 from tests.support import REPO, SMALL_MESH, config_flags
 from tests.support.once import once_per_run
 from tests.support.processes import HANG_S, child_env
 from tests.support.records import incidents, metrics
+from tests.support.reference import parallel_step_for
 
 # 2 processes x 2 CPU devices, mesh (2,1,2): the data-parallel replicas are the processes; the
 # default model at a quarter of its width and sequence (the faults do not depend on its size).
@@ -158,7 +158,7 @@ def _assert_checkpoints_finite(workdir, scratch):
   """Every checkpoint's state, restored onto the job's mesh (its 4 devices here), is finite (read
   from a copy in `scratch`: the reference run is shared with the other drills)."""
   config = load_config(os.path.join(REPO, "configs/default.py"), OVERRIDES)
-  parallel_step = build_parallel_step(config, jax.devices()[:config.parallel.dp * config.parallel.tp])
+  parallel_step = parallel_step_for(config)
   copy = shutil.copytree(workdir / "checkpoints", scratch / "checkpoints")
   checkpointer = TrainingCheckpointer(str(copy), config)
   steps = checkpointer.all_steps()

@@ -5,12 +5,13 @@ import re
 
 import pytest
 
-from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, MLP_CHOICES, NORM_CHOICES, REMAT_CHOICES, ConfigError,
-                            default_config, load_config, parse_mixture, uses_document_masking, validate)
+from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, FAIL_MODES, MLP_CHOICES, NORM_CHOICES,
+                            REMAT_CHOICES, ConfigError, default_config, load_config, parse_mixture, uses_document_masking, validate)
 from megajax.launch import train as train_command
 from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, MLP_INPUTS, NORM_MODULES
 from megajax.model import BLOCK_MODULES, REMAT_POLICIES
 from megajax.parallel.tensor_parallel import BLOCK_FUNCTIONS
+from megajax.trainer.drills import FAIL_SIGNALS
 from tests.support import REPO
 
 CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b"]
@@ -216,6 +217,7 @@ def test_every_name_a_choice_field_accepts_is_implemented():
   assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_IMPLS)
   assert set(NORM_CHOICES) == set(NORM_MODULES)
   assert set(MLP_CHOICES) == set(MLP_INPUTS) == set(MLP_ACTIVATIONS)
+  assert set(FAIL_MODES) == set(FAIL_SIGNALS)
 
 
 # Every way a config file can fail to give a config: (file text or None for no file, what the

@@ -95,14 +95,16 @@ def test_fault_drills_poison_their_batches(tiny_config):
 
 @pytest.mark.parametrize("mode,sent", [("kill", signal.SIGKILL), ("hang", signal.SIGSTOP)])
 def test_the_fail_drill_signals_after_its_step_on_the_first_attempt_only(tiny_config, monkeypatch, mode, sent):
-  """debug.fail_at_step: the signal of debug.fail_mode to this process after that step; a
-  supervisor's restart (MEGAJAX_ATTEMPT=1) and other processes run clean."""
+  """debug.fail_at_step: the heartbeat written, then the signal of debug.fail_mode to this
+  process after that step; a supervisor's restart (MEGAJAX_ATTEMPT=1) and other processes run
+  clean."""
   tiny_config.debug.fail_at_step, tiny_config.debug.fail_mode = 2, mode
   signals = []
   monkeypatch.setattr(drills.os, "kill", lambda pid, sig: signals.append((pid, sig)))
   loop = _loop(tiny_config)
-  for attempt, process, want in (("0", -1, [(os.getpid(), sent)]), ("0", 0, [(os.getpid(), sent)]),
-                                 ("0", 1, []), ("1", -1, [])):
+  loop.heartbeat = type("Beats", (), {"write": lambda self: signals.append("beat")})()
+  fired = ["beat", (os.getpid(), sent)]
+  for attempt, process, want in (("0", -1, fired), ("0", 0, fired), ("0", 1, []), ("1", -1, [])):
     monkeypatch.setenv("MEGAJAX_ATTEMPT", attempt)
     tiny_config.debug.fail_process = process
     drill, signals[:] = drills.FailAtStep(tiny_config), []
