@@ -11,11 +11,13 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from megajax.checkpoint import CheckpointError, TrainingCheckpointer, check_compatible, load_params
+from megajax.checkpoint import integrity
 from megajax.checkpoint.integrity import IntegrityError, checksums, fingerprints, sealed, unsealed
 from megajax.checkpoint.manager import _damaged, storage_refused
 from megajax.config import ConfigError, validate
@@ -115,6 +117,22 @@ def test_a_fingerprint_is_the_same_on_any_sharding_and_moves_with_any_change():
   flipped = x.at[3, 4, 5].set(np.float32(np.nextafter(x[3, 4, 5], np.inf)))
   swapped = x.at[0, 0, 0].set(x[0, 0, 1]).at[0, 0, 1].set(x[0, 0, 0])
   assert checksums(fingerprints({"x": flipped})) != want and checksums(fingerprints({"x": swapped})) != want
+
+
+def test_a_fingerprint_is_the_hash_checkpoints_were_saved_with():
+  """Each lane is the sum mod 2**32 of murmur3's finalizer over bits + flat index * multiplier
+  + offset (computed here in numpy, row-major): checkpoints saved by an earlier megajax verify."""
+  def mix(h):
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+  x = np.linspace(-3, 3, 4 * 5 * 3, dtype=np.float32).reshape(4, 5, 3)
+  bits, index = x.view(np.uint32).astype(np.uint64), np.arange(x.size, dtype=np.uint64).reshape(x.shape)
+  lanes = [int(mix((bits + index * m + o) & 0xFFFFFFFF).sum() % 2**32) for m, o in integrity._LANES]
+  assert checksums(fingerprints({"x": jnp.asarray(x)})) == {"x": f"{lanes[0]:08x}{lanes[1]:08x}"}
 
 
 @pytest.mark.parametrize("damage,restore_mode", [(d, "direct") for d in DAMAGES] + [("changed_values", "broadcast")])
