@@ -51,7 +51,7 @@ if "xla_force_host_platform_device_count" not in _XLA_FLAGS:
 # roundings); every comparison is between programs of this process or to a tolerance, and the
 # reference is compiled like what it checks. Processes the tests start
 # (the launcher, the drills, the benchmarks) get the same flags (tests.support.processes.child_env)
-# unless they ask for XLA's default (the default job's 100 full-width steps).
+# unless they ask for XLA's default (the default job's 70 full-width steps).
 # (tests.support.COMPILE_FLAGS; a flag already in XLA_FLAGS keeps its value.)
 if TESTS_ON == "cpu":
   missing = {name: value for name, value in COMPILE_FLAGS.items() if name not in _XLA_FLAGS}

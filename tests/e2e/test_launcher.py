@@ -77,13 +77,16 @@ def test_a_model_that_cannot_fit_is_one_line_and_leaves_no_workdir(tmp_path):
 
 # --- Training runs.
 
+DEFAULT_JOB_STEPS = 70
+
 
 def test_default_job_through_the_launcher(tmp_path):
-  """`megajax-train --config=configs/default.py`, its first 100 of 200 steps (the cosine
-  schedule set for 100): loss falls to <= 0.6x, metrics, a checkpoint and params written."""
+  """`megajax-train --config=configs/default.py` for 70 of its 200 steps (the cosine schedule
+  set for 70): loss falls to <= 0.6x (0.55x measured; 0.42x after 100), metrics, a checkpoint
+  and params written."""
   workdir = tmp_path / "run"
   result = run_module(["-m", "megajax.launch.train", "--config=configs/default.py", f"--workdir={workdir}",
-                       "--config.train.steps=100"], optimized=True)
+                       f"--config.train.steps={DEFAULT_JOB_STEPS}"], optimized=True)
   assert result.returncode == 0, result.stderr[-3000:]
   records = metrics(workdir)
   checkpoints = [r for r in records if "loss" not in r]
@@ -91,7 +94,7 @@ def test_default_job_through_the_launcher(tmp_path):
   records = [r for r in records if "loss" in r]
   for key in ("step", "loss", "tokens_per_sec", "tflops_per_device", "mfu"):
     assert all(key in r for r in records), key
-  assert records[0]["step"] == 1 and records[-1]["step"] == 100
+  assert records[0]["step"] == 1 and records[-1]["step"] == DEFAULT_JOB_STEPS
   assert records[-1]["loss"] <= 0.6 * records[0]["loss"], (records[0]["loss"], records[-1]["loss"])
   assert records[-1]["tokens_per_sec"] > 0 and records[-1]["tflops_per_device"] > 0
   if jax.default_backend() == "cpu":

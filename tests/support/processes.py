@@ -18,7 +18,7 @@ from tests.support.once import once_per_run
 # classic kernel emitters, one LLVM module): a job of the tiny models here spends its time
 # compiling, not stepping (the 2x2x2 default job's programs compile in about half the time; its
 # quarter-width step runs 0.1 -> 0.3 s). A child that runs many full-width steps (the default
-# job's 100) asks for optimized=True.
+# job's 70) asks for optimized=True.
 CHILD_XLA_FLAGS = xla_flags(COMPILE_FLAGS)
 
 
@@ -40,7 +40,7 @@ def child_env(extra=None, optimized=False) -> dict:
 # What a test waits for is an event: a child exits, a file appears, a heartbeat reaches a step.
 # HANG_S only ends a test whose child hangs (a deadlock, a lost collective) well before CI's own
 # limit; it is not a guess at this machine's speed: on a loaded 2-core machine the slowest
-# child here (the default job's 100 steps) ends within a fifth of it.
+# child here (the default job's 70 steps) ends within a fifth of it.
 HANG_S = 1500
 
 
