@@ -19,11 +19,11 @@ from tests.support.processes import launch_two_processes
 RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.train.steps=7",
        "--config.optimizer.warmup_steps=1", "--config.model.compute_dtype=float32",
        "--config.checkpoint.every_steps=0", "--config.checkpoint.save_params=False",
-       "--config.observe.trace_every=1", *config_flags({**SMALL_MESH, "parallel.tp": 4, "model.num_layers": 1})]
+       "--config.observe.trace_every=1", *config_flags({**SMALL_MESH, "parallel.tp": 4})]
 # tp=4, not SMALL_MESH's 2: the detector compares a rank's compute with its groups' medians,
-# and a group of 2 has its straggler in its median (a ratio of 2 at most). One layer, not 2:
-# half the compile, and the drill's work stands out further from a rank's own (its groups'
-# compute ratios 12-14, not 3-6; every collective of the step is still there, per layer).
+# and a group of 2 has its straggler in its median (a ratio of 2 at most). SMALL_MESH's one
+# layer: the drill's work stands out further from a rank's own than with two (its groups'
+# compute ratios 12-14, not 3-6), and every collective of the step is still there.
 
 
 SLOW = (1, 0, 2)
