@@ -16,7 +16,8 @@ from tests.support.records import metrics
 # no value), so that the readers meet it mid-run: saves in flight, old checkpoints removed.
 LIVE_JOB = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.parallel.dp=1",
             "--config.parallel.pp=1", "--config.parallel.tp=1", "--config.model.hidden_dim=32",
-            "--config.model.seq_len=32", "--config.model.num_layers=1", "--config.model.window=0", "--config.model.window_pattern=G",
+            "--config.model.seq_len=32", "--config.model.num_layers=1", "--config.model.window=0",
+            "--config.model.window_pattern=G",
             "--config.model.num_kv_heads=8", "--config.train.steps=40", "--config.optimizer.warmup_steps=2",
             "--config.train.log_every=1", "--config.checkpoint.every_steps=2", "--config.checkpoint.keep=2",
             "--config.debug.slow_rank=0,0,0", "--config.debug.slow_rank_work=800"]
