@@ -90,6 +90,7 @@ def unsealed(value, what: str, reason: str) -> dict:
 
 # Per lane: an odd multiplier of the flat index (distinct positions, distinct terms) and an offset.
 _LANES = ((0x9E3779B1, 0x85EBCA77), (0x7FEB352D, 0x27D4EB2F))
+_MULTIPLIERS, _OFFSETS = (np.array(column, np.uint32) for column in zip(*_LANES))
 
 
 def _mix(h):
@@ -126,8 +127,8 @@ def _fingerprint(x) -> jax.Array:
   Both lanes in one reduction over a leading lane axis: one kernel per array, not two (the
   program compiles in half the time: 57 arrays 0.46 -> 0.21 s on CPU; same sums, same bits)."""
   bits, index = _bits(x), _flat_index(x.shape)
-  lane = lambda values: np.array(values, np.uint32).reshape((len(_LANES),) + (1,) * x.ndim)
-  hashed = _mix(bits[None] + index[None] * lane([m for m, _ in _LANES]) + lane([o for _, o in _LANES]))
+  lanes = (len(_LANES),) + (1,) * x.ndim
+  hashed = _mix(bits[None] + index[None] * _MULTIPLIERS.reshape(lanes) + _OFFSETS.reshape(lanes))
   return jnp.sum(hashed, axis=tuple(range(1, x.ndim + 1)), dtype=jnp.uint32)
 
 

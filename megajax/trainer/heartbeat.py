@@ -27,14 +27,15 @@ import time
 
 from megajax.observe.records import write_atomically
 
+HEARTBEAT_DIR = "heartbeats"
+REQUIRED_FIELDS = ("process", "time", "attempt", "step", "phase", "start_step", "rollbacks", "done")
+
 
 def supervisor_attempt() -> int:
   """This process's attempt under megajax-supervise (MEGAJAX_ATTEMPT, which its jobs set; 0
   for the first attempt and for a process started without a supervisor)."""
   return int(os.environ.get("MEGAJAX_ATTEMPT", "0"))
 
-HEARTBEAT_DIR = "heartbeats"
-REQUIRED_FIELDS = ("process", "time", "attempt", "step", "phase", "start_step", "rollbacks", "done")
 
 # Words in a worker's own log lines that point at the cause of a failure (MegaScale 4.2:
 # the driver scans the logs for error keywords).

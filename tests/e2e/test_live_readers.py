@@ -12,8 +12,9 @@ from tests.support import REPO
 from tests.support.processes import HANG_S, child_env, run_module, wait_until
 from tests.support.records import metrics
 
-# A small one-device job (one layer, global: GPT-NeoX exports it) whose steps take a while (debug.slow_rank: extra matmuls that change
-# no value), so that the readers meet it mid-run: saves in flight, old checkpoints removed.
+# A small one-device job (one layer, global: GPT-NeoX exports it) whose steps take a while
+# (debug.slow_rank: extra matmuls that change no value), so that the readers meet it mid-run:
+# saves in flight, old checkpoints removed.
 LIVE_JOB = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.parallel.dp=1",
             "--config.parallel.pp=1", "--config.parallel.tp=1", "--config.model.hidden_dim=32",
             "--config.model.seq_len=32", "--config.model.num_layers=1", "--config.model.window=0",

@@ -21,9 +21,10 @@ def xla_flags(flags: dict) -> str:
 # overlap rings, no pipeline (with 2 processes, the data-parallel replicas are the processes and
 # each holds a tp group of 2 devices). One layer: what these tests check (restarts, restores,
 # reads, drills) is per state, not per layer, and a second layer cost a fifth of their CPU time
-# (the fault drills and tests/e2e/test_checkpoint.py: 159 -> 131 s). tp=2, not 4: on CPU every collective of a multi-process
-# job goes through gloo, also within a process, and 4 device threads per process on 2 cores
-# made a step 5x slower (~0.5 s vs ~0.1 s, the job's 2 x 4 threads polling for each other).
+# (the fault drills and tests/e2e/test_checkpoint.py: 159 -> 131 s). tp=2, not 4: on CPU every
+# collective of a multi-process job goes through gloo, also within a process, and 4 device
+# threads per process on 2 cores made a step 5x slower (~0.5 s vs ~0.1 s, the job's 2 x 4
+# threads polling for each other).
 SMALL_MESH = {"parallel.dp": 2, "parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.tp": 2,
               "parallel.tp_overlap": "none", "model.num_layers": 1}
 

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, FAIL_MODES, MLP_CHOICES, NORM_CHOICES,
-                            REMAT_CHOICES, ConfigError, default_config, load_config, parse_mixture, uses_document_masking, validate)
+                            REMAT_CHOICES, ConfigError, default_config, load_config, parse_mixture,
+                            uses_document_masking, validate)
 from megajax.launch import train as train_command
 from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, MLP_INPUTS, NORM_MODULES
 from megajax.model import BLOCK_MODULES, REMAT_POLICIES
