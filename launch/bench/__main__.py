@@ -6,7 +6,8 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench startup
   python -m megajax.launch.bench faults [--trials=20]
   python -m megajax.launch.bench planner [--measure_memory]
-  python -m megajax.launch.bench data [--data_batches=50] [--data_steps=20]
+  python -m megajax.launch.bench data [--data_batches=50] [--data_steps=20] [--data_words=200000]
+      [--data_tokens=20000000]
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
   python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
@@ -36,6 +37,10 @@ _CHECKPOINT_REPEATS = flags.DEFINE_integer("checkpoint_repeats", 5,
 _TRIALS = flags.DEFINE_integer("trials", 20, "Fault trials of the faults benchmark.")
 _DATA_BATCHES = flags.DEFINE_integer("data_batches", 50, "Batches the data benchmark's loader is timed over.")
 _DATA_STEPS = flags.DEFINE_integer("data_steps", 20, "Steps of the default job the data benchmark times.")
+_DATA_WORDS = flags.DEFINE_integer("data_words", 200_000, "Words in each of the data benchmark's 4 text files "
+                                   "(its prepare rows).", lower_bound=1000)
+_DATA_TOKENS = flags.DEFINE_integer("data_tokens", 20_000_000, "Tokens in the token file the data benchmark's "
+                                    "loader and step read (rows of 2048: at least 100,000).", lower_bound=100_000)
 _SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the train (MFU) benchmark.")
 _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
 _WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
@@ -67,7 +72,7 @@ BENCHMARKS = {
     "faults": lambda bench: bench.faults(_TRIALS.value),
     "observe": lambda bench: bench.observe(_REPEATS.value),
     "planner": lambda bench: bench.planner(_MEASURE_MEMORY.value),
-    "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value),
+    "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value, _DATA_WORDS.value, _DATA_TOKENS.value),
     "train": lambda bench: bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),

@@ -123,13 +123,13 @@ def _step_wait(path: str, steps: int) -> tuple[float, float]:
   return statistics.median(times), statistics.median(waits)
 
 
-def data(batches: int = 50, steps: int = 20) -> None:
+def data(batches: int = 50, steps: int = 20, words_per_file: int = 200_000, tokens: int = 20_000_000) -> None:
   logging.set_verbosity(logging.WARNING)
   root = tempfile.mkdtemp(prefix="megajax-bench-data-")
   try:
     print("\n== data: the input side against what the step consumes")
-    _prepare(root, _write_text_files(root, files=4, words_per_file=200_000))
-    path = _token_file(root, tokens=20_000_000)
+    _prepare(root, _write_text_files(root, files=4, words_per_file=words_per_file))
+    path = _token_file(root, tokens=tokens)
     delivered = _loader(path, batches)
     c = ModelConfig.from_config(load_config(os.path.join(CONFIGS_DIR, "gpt_1p3b.py")).model)
     need = 8 * PEAK_BF16_TFLOPS["h100"] * 1e12 * 0.55 / training_flops_per_token(c)

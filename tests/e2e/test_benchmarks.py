@@ -48,7 +48,8 @@ def test_pipeline_benchmark_prints_its_ratios():
 def test_data_benchmark_prints_the_input_side_against_the_step():
   """`python -m megajax.launch.bench data`: prepare and loader tokens/s side by side, the need
   of 8 GPUs of a 1.3B model, and the default job's wait for data as a share of its step."""
-  result = run_module(["-m", "megajax.launch.bench", "data", "--data_batches=5", "--data_steps=1"])
+  result = run_module(["-m", "megajax.launch.bench", "data", "--data_batches=5", "--data_steps=1",
+                       "--data_words=20000", "--data_tokens=1000000"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert re.search(r"prepare: bpe / bytes tokens/s \(1 worker\): [\d.]+", out)
