@@ -75,8 +75,11 @@ def reference(model_fields, rows=BATCH, packed=False):
   """Single device (megajax.reference_step), the whole batch as one microbatch, for the model
   whose config.model fields are `model_fields` ((name, value) pairs): the initial params, first
   gradients, losses, final params. Computed once per test run (the xdist workers share it:
-  tests.support.once), kept in memory once read."""
-  key = (model_fields, rows, packed)
+  tests.support.once), kept in memory once read.
+
+  Always without remat: a policy changes what the backward recomputes, not the math, so a
+  remat'd step is held to the plain model's numbers (one reference for every policy)."""
+  key = (tuple(sorted({**dict(model_fields), "remat": "none"}.items())), rows, packed)
 
   def make(path):
     path.mkdir()
@@ -122,11 +125,8 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   same_program: configs whose step must lower to this one's StableHLO, text for text (so this
   check's numbers are theirs; they are lowered, not compiled or run)."""
   rows = config.train.batch_size
-  # The same model on one device, without remat: a policy changes what the backward recomputes,
-  # not the math, so a remat'd step is held to the plain model's numbers (one reference for all).
-  model_fields = {**config.model.to_dict(), "remat": "none"}
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
-      tuple(sorted(model_fields.items())), rows, packed)
+      tuple(sorted(config.model.to_dict().items())), rows, packed)   # the same model, on one device
   parallel_step = parallel_step_for(config)
   state = parallel_step.init_program()(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
