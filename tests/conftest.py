@@ -26,12 +26,12 @@ from tests.support import COMPILE_FLAGS, xla_flags   # (imports no jax: XLA_FLAG
 # shape of the 3D step is testable; single-device tests pass devices=jax.devices()[:1].
 TEST_DEVICES = 8
 TESTS_ON = os.environ.get("MEGAJAX_TESTS_ON", "cpu")
-# numpy's OpenBLAS on one thread (before numpy loads; the processes the tests start inherit it):
-# its worker threads spin for a while after each threaded call (a norm of a model's parameters
-# in the reference checks), and on 2 cores the spinning took 13 s of CPU from the other worker.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 if TESTS_ON not in ("cpu", "gpu"):
   raise pytest.UsageError(f"MEGAJAX_TESTS_ON={TESTS_ON!r}: use cpu (the default) or gpu")
+# numpy's OpenBLAS on one thread (set before numpy loads; the processes the tests start inherit
+# it): its worker threads spin after threaded calls, and in a profile of the whole suite on
+# 2 cores that spinning (`blas_thread_server`) took 13 s of CPU from the other xdist worker.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 if TESTS_ON == "cpu":
   os.environ["JAX_PLATFORMS"] = "cpu"
 _XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
