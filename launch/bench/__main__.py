@@ -16,6 +16,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
       [--train_sizes=1.3b:2048] [--run_steps=30]
 """
 
+import gc
 import importlib
 import os
 import sys
@@ -25,6 +26,7 @@ from absl import app
 from absl import flags
 
 from megajax.config import default_config
+from megajax.launch.cli import freeze_imported_objects
 from megajax.launch.cluster import request_host_devices
 from megajax.launch.runtime import configure_runtime
 
@@ -86,6 +88,11 @@ def main(argv):
   if len(argv) != 2 or argv[1] not in BENCHMARKS:
     print(f"usage: python -m megajax.launch.bench {{{'|'.join(BENCHMARKS)}}}", file=sys.stderr)
     sys.exit(2)
+  # No automatic garbage collection while benchmarks build and time their programs (timeit's
+  # practice: a collection inside a timed run is noise; timing.median_seconds collects before
+  # it times), and none walking the imports' objects.
+  freeze_imported_objects()
+  gc.disable()
   request_host_devices(8)   # CPU: enough devices for every mesh of the benchmarks (ignored on GPU)
   # The launcher's start-up settings apply to the benchmarks too: on a GPU the XLA flag preset
   # (before jax starts its backend) and a compilation cache shared by the benchmark runs.

@@ -1,5 +1,6 @@
 """Wall-clock timing, the one timer the benchmarks (megajax.launch.bench) share."""
 
+import gc
 import statistics
 import time
 
@@ -16,6 +17,7 @@ def median_seconds(fn, *args, repeats: int, warmed: bool = False) -> float:
   `warmed`: the caller has run it already)."""
   if not warmed:
     jax.block_until_ready(fn(*args))
+  gc.collect()   # what died in cycles so far, before the timed runs (the benchmarks run without automatic collections)
   times = []
   for _ in range(repeats):
     start = time.perf_counter()

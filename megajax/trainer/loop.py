@@ -63,20 +63,21 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
           progress: bool | None = None, devices=None) -> TrainResult:
   """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
   validate(config)
-  # --- A config its devices cannot hold, by the cost model's estimate: refused before the
-  # workdir, the data or any compile (the step's build compiles small programs), in an instant.
-  check_fits(config, jax.devices() if devices is None else devices)
-  # --- The workdir, this job's alone from before anything is written into it to the export: a
-  # second job on it, or one it cannot write, fails here with a WorkdirError (workdir.py).
-  with claim_workdir(workdir, config.supervisor.startup_timeout_s):
-    return _train(config, workdir, progress, devices)
+  # --- Python's garbage collector: collections at the same steps on every process
+  # (runtime.gc_every_steps), from the run's start.
+  with callbacks.manual_garbage_collection(config.runtime.gc_every_steps):
+    # --- A config its devices cannot hold, by the cost model's estimate: refused before the
+    # workdir, the data or any compile (the step's build compiles small programs), in an instant.
+    check_fits(config, jax.devices() if devices is None else devices)
+    # --- The workdir, this job's alone from before anything is written into it to the export:
+    # a second job on it, or one it cannot write, fails here with a WorkdirError (workdir.py).
+    with claim_workdir(workdir, config.supervisor.startup_timeout_s):
+      return _train(config, workdir, progress, devices)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: bool | None, devices) -> TrainResult:
   outcome = {"finished": False}       # the heartbeat's last beat reads it as the stack closes
   with contextlib.ExitStack() as cleanup:    # everything opened below closes in reverse, always
-    # --- Python's garbage collector: collections at the same steps on every process (runtime.gc_every_steps).
-    cleanup.enter_context(callbacks.manual_garbage_collection(config.runtime.gc_every_steps))
     # --- Watching the compiles: every one of this run's, for the persistent cache's hits and misses.
     cache = cleanup.enter_context(CompilationCacheCounter())
 
