@@ -32,17 +32,18 @@ SLOW = (1, 0, 2)
 # CPU "devices" are threads sharing 2 cores (and the other test worker's): in one step of a
 # clean run a rank's compute has been up to 2.4x its groups' medians, and a slow step's dp
 # peer 5x its own usual (the straggler's ratio then fell under 2 with 200 rounds of work).
-# With 1000 rounds the drill's rank measured 35-45x its groups' medians in every slow step
-# under 3 busy processes: the threshold sits 7x under that and 2x over the clean noise, and
+# With 1000 rounds the drill's rank measured 60-95x its groups' medians in every slow step
+# under 3 busy processes: the threshold sits 12x under that and 2x over the clean noise, and
 # the detector takes several traced steps and flags only persistent stragglers.
 THRESHOLD = 5.0
 CLEAN, SLOW_STEPS = [2, 3], [5, 6, 7]
 
 
 def traced_job(workdir, *overrides):
-  # Optimized (XLA's default -O2): the drill's extra work is matmuls, which -O0 leaves as fast
-  # while it slows the rest of the step, and the slow rank would not stand out.
-  codes, errors = launch_two_processes([*RUN, f"--workdir={workdir}", *overrides], optimized=True)
+  # The tests' compile flags (LLVM -O0, classic emitters): 4 CPU-s less than XLA's default -O2,
+  # and the drill's rank stands out further (35-45x its groups' medians at -O2: -O0 slows its
+  # matmul loop more than the rest of the step).
+  codes, errors = launch_two_processes([*RUN, f"--workdir={workdir}", *overrides])
   assert codes == [0, 0], errors
   return workdir
 
