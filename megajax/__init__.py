@@ -19,7 +19,11 @@ import gc as _gc
 
 # Importing the package imports jax, flax, optax, orbax and grain: Python's automatic collections
 # ran 376 times meanwhile, walking the objects the import had made so far and finding nothing to
-# free. Paused while the package imports (then one collection walks them), as they were after.
+# free. Paused while the package imports, as they were after. Then the objects made so far (the
+# import's, mostly) go straight to the oldest generation (frozen, then unfrozen into it), where
+# the first young collection would have moved them after walking all of them (0.1 s of CPU at
+# every process's start); not when the process has frozen objects of its own (a pre-fork
+# server): unfreezing would undo that.
 # With the commands' own settings (launch.cli.freeze_imported_objects, runtime.gc_every_steps
 # from the run's start) a small megajax-train job's collections took 0.95 -> 0.18 s of CPU.
 _collecting = _gc.isenabled()
@@ -34,6 +38,9 @@ try:
   from megajax.sampling import generate
   from megajax.trainer import TrainResult, build_model, train
 finally:
+  if _gc.get_freeze_count() == 0:
+    _gc.freeze()
+    _gc.unfreeze()
   if _collecting:
     _gc.enable()
 

@@ -240,14 +240,17 @@ def test_every_preset_flag_exists_in_this_jaxlib_and_xla_accepts_them():
 
 def test_importing_megajax_leaves_no_global_trace():
   """A fresh process that imports the package and every library in it: no jax event listener
-  registered, no XLA backend started (the trainer counts compiles only while it trains)."""
-  code = ("from jax._src import monitoring, xla_bridge\n"
+  registered, no XLA backend started (the trainer counts compiles only while it trains), the
+  garbage collector on and nothing left frozen (the import's objects stay collectable)."""
+  code = ("import gc\n"
+          "from jax._src import monitoring, xla_bridge\n"
           "import megajax, megajax.trainer, megajax.observe, megajax.checkpoint, megajax.launch.cli\n"
           "import megajax.parallel.planner.calibration, megajax.launch.supervisor, megajax.launch.bench.pipeline\n"
-          "print(len(monitoring.get_event_listeners()), xla_bridge.backends_are_initialized())\n")
+          "print(len(monitoring.get_event_listeners()), xla_bridge.backends_are_initialized(), gc.isenabled(), "
+          "gc.get_freeze_count())\n")
   result = run_module(["-c", code])
   assert result.returncode == 0, result.stderr[-2000:]
-  assert result.stdout.split() == ["0", "False"]
+  assert result.stdout.split() == ["0", "False", "True", "0"]
 
 
 def test_sample_cli_on_damaged_params_falls_back_or_is_one_line(two_checkpoints):
