@@ -23,7 +23,8 @@ RUN = ["-m", "megajax.launch.train", "--config=configs/default.py", "--config.tr
 # tp=4, not SMALL_MESH's 2: the detector compares a rank's compute with its groups' medians,
 # and a group of 2 has its straggler in its median (a ratio of 2 at most). SMALL_MESH's one
 # layer: the drill's work stands out further from a rank's own than with two (its groups'
-# compute ratios with 200 rounds of work were 12-14, not 3-6), and every collective of the step is still there.
+# compute ratios with 200 rounds of work were 12-14, not 3-6), and every collective of the
+# step is still there.
 
 
 SLOW = (1, 0, 2)
