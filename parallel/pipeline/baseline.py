@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from megajax.model import ModelConfig
 from megajax.parallel import sharding
 from megajax.parallel.mesh import DP, PP, TP, to_varying
-from megajax.parallel.pipeline.executor import STAT_NAMES, stage_params, sum_over_stages
+from megajax.parallel.pipeline.executor import STAT_NAMES, row_at, stage_params, sum_over_stages
 from megajax.parallel.pipeline.stacking import LAYERS
 from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
                                               vocab_parallel_embed)
@@ -42,7 +42,7 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
       received, stats = carry
       index = jnp.clip(t - stage, 0, m - 1)            # the microbatch this stage holds now
       valid = (t - stage >= 0) & (t - stage < m)
-      mb = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), split)
+      mb = jax.tree.map(lambda x: row_at(x, index), split)
       x = jnp.where(stage == 0, vocab_parallel_embed(full["embedding"], mb["inputs"], c), received)
       positions = positions_of(mb)
       for j in range(rows):                             # row j is layer stage * rows + j

@@ -127,6 +127,30 @@ def _written_after(residuals: dict, backward_out, never) -> dict:
   return {key: wait(value) for key, value in residuals.items()}
 
 
+# Every traced index below is a slot, chunk, row or microbatch read from the tables: never
+# negative. Without allow_negative_indices=False, lax wraps each traced start around (a
+# compare, an add and a select per index, in every branch of every tick): ~900 ops traced per
+# 2x2x2 step, and as many in its HLO.
+def rows_at(x, start, size: int):
+  """x[start:start + size] (axis 0), `start` traced."""
+  return lax.dynamic_slice_in_dim(x, start, size, allow_negative_indices=False)
+
+
+def row_at(x, index):
+  """x[index] (axis 0), `index` traced."""
+  return lax.dynamic_index_in_dim(x, index, keepdims=False, allow_negative_indices=False)
+
+
+def with_rows_at(x, rows, start):
+  """x with x[start:start + len(rows)] = rows (axis 0), `start` traced."""
+  return lax.dynamic_update_slice_in_dim(x, rows, start, 0, allow_negative_indices=False)
+
+
+def with_row_at(x, row, index):
+  """x with x[index] = row (axis 0), `index` traced."""
+  return lax.dynamic_update_index_in_dim(x, row, index, 0, allow_negative_indices=False)
+
+
 def _with_rows(first, rows: int):
   """[rows, ...] typed like `first` (dtype, the mesh axes it varies over), `first`'s rows on top."""
   out = to_varying(jnp.zeros((rows, *first.shape[1:]), first.dtype), tuple(varying_axes(first)))
@@ -230,10 +254,11 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   empty_message = activation_buffer(1)[0]
 
   def microbatch(index):
-    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), microbatches)
+    return jax.tree.map(lambda x: row_at(x, index), microbatches)
 
   def chunk_params(layers, chunk):
-    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, chunk * k, k), layers)
+    start = chunk * k
+    return jax.tree.map(lambda x: rows_at(x, start, k), layers)
 
   def add_chunk_grads(grads, chunk_grads, shared_grads, chunk):
     """Add one backward's gradients at the chunk's rows: as they are ("step": the dp
@@ -245,9 +270,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     reduced = sharding.to_master_dtype({LAYERS: chunk_grads, **shared_grads}, {n: params[n] for n in names})
     if grad_sync == "microbatch":
       reduced = sharding.reduce_scatter_grads(reduced, {n: layouts[n] for n in names})
-    def add_rows(buffer, g):
-      rows = lax.dynamic_slice_in_dim(buffer, chunk * k, k) + g
-      return lax.dynamic_update_slice_in_dim(buffer, rows, chunk * k, axis=0)
+    start = chunk * k
+    add_rows = lambda buffer, g: with_rows_at(buffer, rows_at(buffer, start, k) + g, start)
     grads = dict(grads)
     grads[LAYERS] = jax.tree.map(add_rows, grads[LAYERS], reduced[LAYERS])
     for name in shared_grads:
@@ -278,7 +302,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     run = chunk_forward(program, c, overlap, z_loss)
     def branch(stash, op, mb):
       shared = {name: full[name] for name in _shared_names(program, c)}
-      args = (chunk_params(layers, op["f_chunk"]), shared, stash[op["f_in_slot"]], mb)
+      args = (chunk_params(layers, op["f_chunk"]), shared, row_at(stash, op["f_in_slot"]), mb)
       if program in splits:    # the forward, keeping what its backward reads
         (out, _), packed = splits[program].forward(*args, words=residual_words)
         residuals = {_group_key(group): vector for group, vector in packed.items()}
@@ -299,12 +323,12 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       else:
         # The forward from the stashed input (rerun, or the last chunk's first run), then its backward.
         loss_fn = lambda chunk_layers, shared, x: run(chunk_layers, shared, x, mb)
-        out, vjp_fn, new_stats = jax.vjp(loss_fn, chunk_layers, shared, stash[op["b_in_slot"]], has_aux=True)
+        out, vjp_fn, new_stats = jax.vjp(loss_fn, chunk_layers, shared, row_at(stash, op["b_in_slot"]), has_aux=True)
       if program.last:     # the loss: seed its backward with 1, count its statistics
         cotangent = to_varying(jnp.ones((), out.dtype), tuple(varying_axes(out)))
         stats = _matching(jax.tree.map(jnp.add, stats, new_stats), stats)
       else:
-        cotangent = cotangents[op["b_ct_slot"]]
+        cotangent = row_at(cotangents, op["b_ct_slot"])
       layer_grads, shared_grads, x_grad = vjp_fn(cotangent)
       grads = _matching(add_chunk_grads(grads, layer_grads, shared_grads, op["b_chunk"]), grads)
       return grads, stats, empty_message if program.first else _matching(x_grad, empty_message)
@@ -324,7 +348,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   def tick(carry, rows, forwards, backwards, dp_collective=None):
     """One tick; `dp_collective` (the head's gather, the tail's reduce-scatter) runs first on
     CPU, the forward slot waiting for it (XLA:GPU may run it under both slots)."""
-    op = {name: table[stage] for name, table in rows.items()}
+    op = {name: row_at(table, stage) for name, table in rows.items()}
     stash, cotangents = carry["stash"], carry["cotangents"]
     if ordered_collectives and dp_collective is not None:
       stash = after(stash, dp_collective, never)
@@ -345,7 +369,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
         activation = send_forward(activation)
     # The backward's residuals read before the switch: a branch given the whole buffer
     # makes XLA copy it.
-    kept = {key: buffer[op["b_res_slot"]] for key, buffer in carry.get("residuals", {}).items()}
+    kept = {key: row_at(buffer, op["b_res_slot"]) for key, buffer in carry.get("residuals", {}).items()}
     with jax.named_scope(BACKWARD_SLOT):
       grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents_in, kept,
                                            carry["grads"], carry["stats"], op, microbatch(op["b_microbatch"]))
@@ -356,13 +380,13 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
         cotangent = after(cotangent, activation, never)
       cotangent = send_backward(cotangent)
     # Arrivals are written at the tick's end, after every read of the tick.
-    new = dict(stash=lax.dynamic_update_index_in_dim(stash, activation, op["recv_fwd"], 0),
-               cotangents=lax.dynamic_update_index_in_dim(cotangents, cotangent, op["recv_bwd"], 0),
+    new = dict(stash=with_row_at(stash, activation, op["recv_fwd"]),
+               cotangents=with_row_at(cotangents, cotangent, op["recv_bwd"]),
                grads=grads, stats=stats)
     if "residuals" in carry:
       if ordered_collectives:
         residuals = _written_after(residuals, backward_out, never)
-      new["residuals"] = {key: lax.dynamic_update_index_in_dim(buffer, residuals[key], op["f_res_slot"], 0)
+      new["residuals"] = {key: with_row_at(buffer, residuals[key], op["f_res_slot"])
                           for key, buffer in carry["residuals"].items()}
     return new
 
@@ -371,7 +395,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
         {name: table[first_tick:last_tick] for name, table in tables.per_stage.items()}
 
   def rows_of(tree, start, size):
-    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, size), tree)
+    return jax.tree.map(lambda x: rows_at(x, start, size), tree)
 
   ticks = tables.ticks
   head, tail = len(gather_starts), len(scatter_starts)
@@ -385,11 +409,12 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     def head_tick(carry_and_layers, xs):
       carry, layers = carry_and_layers
       rows, start = xs
-      shards = rows_of(params[LAYERS], k + start, gather_rows)
+      first_row = k + start
+      shards = rows_of(params[LAYERS], first_row, gather_rows)
       piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype,
                            in_turn=never if ordered_collectives else None)[LAYERS]
       # Into the stage's rows at once (no branch reads them before the head ends).
-      layers = jax.tree.map(lambda buffer, rows: lax.dynamic_update_slice_in_dim(buffer, rows, k + start, 0), layers, piece)
+      layers = jax.tree.map(lambda buffer, rows: with_rows_at(buffer, rows, first_row), layers, piece)
       return (tick(carry, rows, forwards, backwards, piece), layers), None
     layers = jax.tree.map(lambda first: _with_rows(first, k + rest), full[LAYERS])
     (carry, layers), _ = lax.scan(head_tick, (carry, layers), (head_rows, jnp.asarray(gather_starts, jnp.int32)))

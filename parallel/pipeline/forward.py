@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from megajax.model import ModelConfig
 from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
-from megajax.parallel.pipeline.executor import STAT_NAMES, chunk_forward, stage_params
+from megajax.parallel.pipeline.executor import STAT_NAMES, chunk_forward, row_at, rows_at, stage_params, with_row_at
 from megajax.parallel.pipeline.stacking import LAYERS, stacked_layer_order
 from megajax.parallel.pipeline.tables import Program
 from megajax.parallel.tensor_parallel import Overlap
@@ -87,9 +87,10 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
     round_, local = t // span, t % span
     index = local - stage                               # the microbatch this stage runs now
     held = jnp.clip(index, 0, m - 1)
-    mb = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, held, keepdims=False), split)
-    layers = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, round_ * k, k), full[LAYERS])
-    x = jnp.where(stage == 0, arrivals[held], received)
+    mb = jax.tree.map(lambda x: row_at(x, held), split)
+    first_row = round_ * k
+    layers = jax.tree.map(lambda x: rows_at(x, first_row, k), full[LAYERS])
+    x = jnp.where(stage == 0, row_at(arrivals, held), received)
     which = jnp.where((index >= 0) & (index < m), branch_of[round_, stage], 0)
     out, new_stats = lax.switch(which, branches, layers, x, mb)
     stats = _matching(jax.tree.map(jnp.add, stats, new_stats), zero_stats)
@@ -99,7 +100,7 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
     arrived = local - (p - 1)
     slot = jnp.clip(arrived, 0, m - 1)
     keep = (stage == 0) & (arrived >= 0) & (arrived < m)
-    arrivals = lax.dynamic_update_index_in_dim(arrivals, jnp.where(keep, received, arrivals[slot]), slot, 0)
+    arrivals = with_row_at(arrivals, jnp.where(keep, received, row_at(arrivals, slot)), slot)
     return (received, arrivals, stats), None
 
   arrivals = jnp.broadcast_to(message, (m, *message.shape))
