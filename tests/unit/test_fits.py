@@ -81,3 +81,15 @@ def test_over_the_device_is_refused_unless_forced(caplog):
     refuse_or_warn(needed, needed.total / 1.2, "test")
   refuse_or_warn(needed, needed.total / 1.2, "test", force=True)
   assert "running anyway (train.force_memory)" in caplog.text
+
+
+def test_the_estimate_follows_the_grad_sync_the_config_trains_with():
+  """parallel.grad_sync="step" holds full fp32 gradient sums per device, "microbatch" does not:
+  the memory check estimates the mode the config asks for."""
+  config = default_config()
+  config.parallel.dp, config.train.microbatches = 2, 4
+  by_mode = {}
+  for mode in ("step", "microbatch"):
+    config.parallel.grad_sync = mode
+    by_mode[mode] = estimate(config, "gpu").total
+  assert by_mode["step"] > by_mode["microbatch"]
