@@ -71,15 +71,15 @@ def relative_error(a, b):
 
 
 @functools.cache
-def reference(model_fields, rows=BATCH, packed=False):
-  """Single device (megajax.reference_step), the whole batch as one microbatch, for the model
-  whose config.model fields are `model_fields` ((name, value) pairs): the initial params, first
-  gradients, losses, final params. Computed once per test run (the xdist workers share it:
-  tests.support.once), kept in memory once read.
+def reference(model_fields, rows=BATCH, packed=False, microbatches=1):
+  """Single device (megajax.reference_step), the whole batch as one microbatch (or
+  `microbatches` accumulated), for the model whose config.model fields are `model_fields`
+  ((name, value) pairs): the initial params, first gradients, losses, final params. Computed
+  once per test run (the xdist workers share it: tests.support.once), kept in memory once read.
 
   Always without remat: a policy changes what the backward recomputes, not the math, so a
   remat'd step is held to the plain model's numbers (one reference for every policy)."""
-  key = (tuple(sorted({**dict(model_fields), "remat": "none"}.items())), rows, packed)
+  key = (tuple(sorted({**dict(model_fields), "remat": "none"}.items())), rows, packed, microbatches)
 
   def make(path):
     path.mkdir()
@@ -91,8 +91,8 @@ def reference(model_fields, rows=BATCH, packed=False):
     return pickle.load(f)
 
 
-def _single_device_reference(model_fields, rows, packed):
-  config = parallel_config()
+def _single_device_reference(model_fields, rows, packed, microbatches):
+  config = parallel_config(microbatches=microbatches)
   config.model.update(dict(model_fields))
   config.train.batch_size = rows
   model = GPT(ModelConfig.from_config(config.model))
@@ -114,7 +114,8 @@ def _single_device_reference(model_fields, rows, packed):
   return initial, first_grads, (losses, grad_norms), jax.device_get(state.params)
 
 
-def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=False, same_program=()):
+def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=False, same_program=(),
+                             reference_microbatches=1):
   """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the
   reference (the whole batch at once: the math is the same for any number of microbatches).
 
@@ -122,11 +123,13 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   rtol. A bias gradient component near Adam's eps (1e-6) turns a 1e-9 difference in summation
   order into a 1e-3 difference in its step, so a leaf may exceed what the whole model does.
   packed=True: both steps train on packed rows (fixed_batch(packed=True)).
+  reference_microbatches: the reference accumulates that many (its sums in the order of the
+  config's microbatches; 1, the whole batch, serves every microbatch count of a model).
   same_program: configs whose step must lower to this one's StableHLO, text for text (so this
   check's numbers are theirs; they are lowered, not compiled or run)."""
   rows = config.train.batch_size
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
-      tuple(sorted(config.model.to_dict().items())), rows, packed)   # the same model, on one device
+      tuple(sorted(config.model.to_dict().items())), rows, packed, reference_microbatches)   # the same model, on one device
   parallel_step = parallel_step_for(config)
   state = parallel_step.init_program()(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
