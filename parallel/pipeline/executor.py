@@ -129,8 +129,8 @@ def _written_after(residuals: dict, backward_out, never) -> dict:
 
 # Every traced index below is a slot, chunk, row or microbatch read from the tables: never
 # negative. Without allow_negative_indices=False, lax wraps each traced start around (a
-# compare, an add and a select per index, in every branch of every tick): ~900 ops traced per
-# 2x2x2 step, and as many in its HLO.
+# compare, an add and a select per index, in every branch of every tick): the tests' 2x2x2
+# step lowered to 13,164 StableHLO ops with them, 10,832 without.
 def rows_at(x, start, size: int):
   """x[start:start + size] (axis 0), `start` traced."""
   return lax.dynamic_slice_in_dim(x, start, size, allow_negative_indices=False)

@@ -171,6 +171,7 @@ class SplitChunk:
     for i, value in zip(self.recomputed, jaxpr_as_fun(self.recompute_jaxpr)(*jax.tree.leaves((layers, shared, x, mb)))):
       residuals[i] = value
     for leaf in self.stashed:
-      residuals[leaf.index] = _from_words(jax.lax.slice_in_dim(packed[leaf.group], leaf.offset, leaf.offset + leaf.words), leaf)
+      words = jax.lax.slice_in_dim(packed[leaf.group], leaf.offset, leaf.offset + leaf.words)
+      residuals[leaf.index] = _from_words(words, leaf)
     return jax.tree.unflatten(self.pullback, residuals)
 

@@ -128,8 +128,8 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   same_program: configs whose step must lower to this one's StableHLO, text for text (so this
   check's numbers are theirs; they are lowered, not compiled or run)."""
   rows = config.train.batch_size
-  initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(
-      tuple(sorted(config.model.to_dict().items())), rows, packed, reference_microbatches)   # the same model, on one device
+  initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(   # the same model, on one device
+      tuple(sorted(config.model.to_dict().items())), rows, packed, reference_microbatches)
   parallel_step = parallel_step_for(config)
   state = parallel_step.init_program()(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
