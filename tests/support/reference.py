@@ -115,7 +115,7 @@ def _single_device_reference(model_fields, rows, packed, microbatches):
 
 
 def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=False, same_program=(),
-                             reference_microbatches=1):
+                             accumulated_reference=False):
   """Sharded init, first gradients, 3 LAMB steps' losses, gradient norms and final params vs the
   reference (the whole batch at once: the math is the same for any number of microbatches).
 
@@ -123,13 +123,14 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
   rtol. A bias gradient component near Adam's eps (1e-6) turns a 1e-9 difference in summation
   order into a 1e-3 difference in its step, so a leaf may exceed what the whole model does.
   packed=True: both steps train on packed rows (fixed_batch(packed=True)).
-  reference_microbatches: the reference accumulates that many (its sums in the order of the
-  config's microbatches; 1, the whole batch, serves every microbatch count of a model).
+  accumulated_reference=True: the reference accumulates the config's microbatches, summing in
+  their order (by default the whole batch at once: one reference for every microbatch count).
   same_program: configs whose step must lower to this one's StableHLO, text for text (so this
   check's numbers are theirs; they are lowered, not compiled or run)."""
   rows = config.train.batch_size
+  microbatches = config.train.microbatches if accumulated_reference else 1
   initial, ref_grads, (ref_losses, ref_grad_norms), ref_params = reference(   # the same model, on one device
-      tuple(sorted(config.model.to_dict().items())), rows, packed, reference_microbatches)
+      tuple(sorted(config.model.to_dict().items())), rows, packed, microbatches)
   parallel_step = parallel_step_for(config)
   state = parallel_step.init_program()(jax.random.key(0))
   # Compared on the host: the pipeline's stacked layers are unstacked with numpy slicing.
