@@ -62,8 +62,29 @@ def _chunk(s_local: int, chunks: int) -> int:
   return s_local // chunks
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x, w, out_dtype):
+  """x [b, s, k] @ w [k, f], its backward written out rather than left to autodiff: the
+  weight gradient as einsum("bsk,bsf->kf", x, dy), the input gradient as dy @ w.T. Autodiff's
+  transpose contracts the tokens into a [f, k] product and transposes that, a dot XLA:CPU
+  leaves to Eigen at half the speed of its YNNPACK matmuls (52 vs 24 ms for [4096, 512] x
+  [4096, 2048] on 2 cores); the same dots for a GPU."""
   return jnp.einsum("bsk,kf->bsf", x, w, preferred_element_type=out_dtype)
+
+
+def _matmul_fwd(x, w, out_dtype):
+  return _matmul(x, w, out_dtype), (x, w)
+
+
+def _matmul_bwd(out_dtype, residuals, d_out):
+  # In the cotangent's dtype, as autodiff of the plain matmul would (fp32 for the head's logits).
+  x, w = residuals
+  d_x = jnp.einsum("bsf,kf->bsk", d_out, w.astype(d_out.dtype)).astype(x.dtype)
+  d_w = jnp.einsum("bsk,bsf->kf", x.astype(d_out.dtype), d_out).astype(w.dtype)
+  return _weight_cotangent(d_x, x), _weight_cotangent(d_w, w)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _ring_all_gather(x, fn, chunks: int):
