@@ -206,6 +206,11 @@ TRAVERSAL_CHOICES = ("depth_first", "breadth_first")
 GRAD_SYNC_CHOICES = ("step", "microbatch")
 
 
+def dp_bucket_bytes(config) -> int:
+  """parallel.dp_bucket_mb in bytes: the most one ZeRO collective carries (0: one per leaf)."""
+  return int(config.parallel.dp_bucket_mb * 2**20)
+
+
 def _parallel() -> ml_collections.ConfigDict:
   p = ml_collections.ConfigDict()
   p.dp = 1
@@ -233,6 +238,11 @@ def _parallel() -> ml_collections.ConfigDict:
   # reduce-scattered as they come, so only the 1/dp shard is carried (the low-memory option,
   # m times the dp traffic).
   p.grad_sync = "step"
+  # ZeRO's collectives over dp: the gathered parameters (in the order the forward uses them)
+  # and the gradients (in the order the backward makes them) packed into all-gathers and
+  # reduce-scatters of at most this many MiB each, a leaf larger than that alone; 0: one
+  # collective per leaf. Fewer, larger collectives: each costs a launch and a rendezvous.
+  p.dp_bucket_mb = 32.0
   return p
 
 
@@ -245,6 +255,7 @@ def _check_parallel(config) -> None:
   check.choice(config, "parallel.traversal", TRAVERSAL_CHOICES)
   check.choice(config, "parallel.grad_sync", GRAD_SYNC_CHOICES)
   check.boolean(config, "parallel.pipeline_recompute")
+  check.non_negative_number(config, "parallel.dp_bucket_mb", "use a size in MiB, e.g. 32 (0: one collective per leaf)")
 
   # Tensor + sequence parallelism: heads, KV heads, MLP units, vocabulary and sequence split over tp.
   kv_heads = m.num_kv_heads or m.num_heads

@@ -127,44 +127,85 @@ def to_master_dtype(grads, params_like):
 
 # Inside the shard_map: ZeRO's gather of the parameters and scatter of the gradients.
 
-def gather_params(params, layouts, compute_dtype=None, in_turn=None):
-  """dp shards -> this tp rank's full parameters, one all-gather over dp per leaf.
+def gather_params(params, layouts, compute_dtype=None, in_turn=None, bucket_bytes: int = 0, start_after=None):
+  """dp shards -> this tp rank's full parameters: all-gathers over dp, the leaves packed into
+  buckets of at most `bucket_bytes` gathered bytes each (parallel.dp_bucket_mb; a larger
+  leaf goes alone; 0: one all-gather per leaf), in the order the forward pass uses them.
 
-  With a `compute_dtype` the leaves of gathers_in_compute_dtype are cast to it on the shard
-  and gathered in it (None: every leaf in its master dtype, e.g. where a gathered leaf's
-  cotangent would be summed before its conversion: the GPipe baseline's tick scan).
+  A bucket holds leaves of one kind only (dtype and the mesh axes they vary over: shard_map's
+  types) and is one all-gather of their shards laid end to end; each leaf is cut out of the
+  gathered rows. With a `compute_dtype` the leaves of gathers_in_compute_dtype are cast to it
+  on the shard and gathered in it (None: every leaf in its master dtype, e.g. where a gathered
+  leaf's cotangent would be summed before its conversion: the GPipe baseline's tick scan).
   Leaves ZeRO could not split are marked per-device on dp, like the gathered ones: every
   gradient then comes back per device and reduce_scatter_grads does the one dp reduction.
+  `start_after`: (deps, never) for mesh.after: no gather starts before `deps` are computed.
   `in_turn` (XLA:CPU inside a loop, where independent collectives may start in a different
   order on each device): a condition false at run time (mesh.after); each gather then waits
-  for the one before, the leaves taken from the least varying (a dependency must not add
+  for the one before, the kinds taken from the least varying (a dependency must not add
   mesh axes to a leaf).
   """
-  previous = None
-
-  @jax.named_scope("dp all-gather")    # trace scopes name each collective kind (megajax.observe.traces)
-  def gather(path, p, layout):
-    nonlocal previous
-    if compute_dtype is not None and gathers_in_compute_dtype(tuple(k.key for k in path)):
-      p = p.astype(compute_dtype)
-    if in_turn is not None and previous is not None and varying_axes(previous) <= varying_axes(p) | {DP}:
-      p = after(p, previous, in_turn)
-    gathered = to_varying(p, (DP,)) if layout.dp_dim is None else lax.all_gather(p, DP, axis=layout.dp_dim, tiled=True)
-    previous = gathered if in_turn is not None else None
-    return gathered
-
-  if in_turn is not None:
-    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-    flat_layouts = treedef.flatten_up_to(layouts)
-    order = sorted(range(len(paths)), key=lambda i: (len(varying_axes(paths[i][1]) | {DP}), i))
-    out = [None] * len(paths)
-    for i in order:
-      out[i] = gather(paths[i][0], paths[i][1], flat_layouts[i])
-    return treedef.unflatten(out)
+  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  flat_layouts = treedef.flatten_up_to(layouts)
+  keys = [tuple(k.key for k in path) for path, _ in paths]
+  leaves = [p.astype(compute_dtype) if compute_dtype is not None and gathers_in_compute_dtype(key) else p
+            for key, (_, p) in zip(keys, paths)]
+  out = [to_varying(p, (DP,)) if layout.dp_dim is None else None for p, layout in zip(leaves, flat_layouts)]
   # Traced in the order the forward pass needs them (a dict would be walked alphabetically).
-  ordered = sorted(params, key=_forward_order)
-  return {name: jax.tree_util.tree_map_with_path(gather, {name: params[name]}, {name: layouts[name]})[name]
-          for name in ordered}
+  split = sorted((i for i, layout in enumerate(flat_layouts) if layout.dp_dim is not None),
+                 key=lambda i: (_forward_order(keys[i][0]), i))
+  previous = None
+  with jax.named_scope("dp all-gather"):    # trace scopes name each collective kind (megajax.observe.traces)
+    for bucket in _buckets(split, leaves, bucket_bytes, scale=lax.axis_size(DP)):
+      parts = [leaves[i] for i in bucket]
+      if start_after is not None:
+        deps, never = start_after
+        needs = varying_axes(jax.tree.leaves(deps)[0]) | varying_axes(never)
+        if needs <= varying_axes(parts[0]) | {DP}:
+          parts = [after(x, deps, never) for x in parts]
+      if in_turn is not None and previous is not None and varying_axes(previous) <= varying_axes(parts[0]) | {DP}:
+        parts = [after(x, previous, in_turn) for x in parts]
+      gathered = _packed_all_gather(parts, [flat_layouts[i].dp_dim for i in bucket])
+      previous = gathered[-1] if in_turn is not None else None
+      for i, leaf in zip(bucket, gathered):
+        out[i] = leaf
+  return treedef.unflatten(out)
+
+
+def _buckets(indices: list[int], leaves: list, bucket_bytes: int, scale: int = 1) -> list[list[int]]:
+  """`indices` (in the order the collectives should go) cut into buckets: consecutive leaves
+  of one kind (dtype, varying mesh axes) up to `bucket_bytes` together, counting each leaf's
+  bytes times `scale` (a shard's: dp, its gathered size); kinds from the least varying
+  (mesh.after's rule), each in the given order. 0: a bucket per leaf."""
+  kind = lambda i: (len(varying_axes(leaves[i])), tuple(sorted(varying_axes(leaves[i]))), str(leaves[i].dtype))
+  buckets = []
+  for group in sorted({kind(i) for i in indices}):
+    current, size = [], 0
+    for i in (i for i in indices if kind(i) == group):
+      nbytes = leaves[i].size * leaves[i].dtype.itemsize * scale
+      if current and size + nbytes > bucket_bytes:
+        buckets.append(current)
+        current, size = [], 0
+      current.append(i)
+      size += nbytes
+    buckets.append(current)
+  return buckets
+
+
+def _packed_all_gather(shards: list, dp_dims: list[int]) -> list:
+  """[lax.all_gather(shard, DP, axis=dim, tiled=True) for each shard] in one collective: the
+  shards flattened end to end, gathered into rows [dp, n], each leaf cut out of the rows and
+  its dp pieces put back along its dimension."""
+  if len(shards) == 1:
+    return [lax.all_gather(shards[0], DP, axis=dp_dims[0], tiled=True)]
+  dp = lax.axis_size(DP)
+  rows = lax.all_gather(jnp.concatenate([x.ravel() for x in shards]), DP, axis=0)     # [dp, n]
+  offsets = np.cumsum([0] + [x.size for x in shards])
+  out = []
+  for x, dim, start, stop in zip(shards, dp_dims, offsets[:-1], offsets[1:]):
+    pieces = jnp.moveaxis(rows[:, start:stop].reshape(dp, *x.shape), 0, dim)      # [..., dp, x.shape[dim], ...]
+    out.append(pieces.reshape(*x.shape[:dim], dp * x.shape[dim], *x.shape[dim + 1:]))
+  return out
 
 
 # ZeRO's gathers one layer ahead (pp = 1). The parameters stay gathered for the whole step
@@ -197,24 +238,22 @@ def _gradient_to(sink, value):
 _gradient_to.defvjp(lambda sink, value: (value, None), lambda _, cotangent: (cotangent, None))
 
 
-def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered: bool = False):
+def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered: bool = False, bucket_bytes: int = 0):
   """For loss_sums(gather_ahead=...): (params, names, issued_after) -> (params with the leaves
-  `names` added, issued_after), gathered as gather_params does, each shard's gather depending
-  on `issued_after` (mesh.after, `never`: false at run time) so that none starts earlier;
-  a gathered leaf's gradient goes to its entry of `sinks` (gathered_zeros: the step
-  differentiates w.r.t. them). Names not in `shards` (a tied head) are skipped. A shard
-  that does not vary over every mesh axis of `issued_after` (tp-replicated LayerNorm
-  scales and biases: the activations vary over tp) is issued at once instead: a dependency
-  would make it vary over tp too, and it is small.
+  `names` added, issued_after), gathered as gather_params does (in buckets of `bucket_bytes`),
+  each gather depending on `issued_after` (mesh.after, `never`: false at run time) so that
+  none starts earlier; a gathered leaf's gradient goes to its entry of `sinks`
+  (gathered_zeros: the step differentiates w.r.t. them). Names not in `shards` (a tied head)
+  are skipped. Shards that do not vary over every mesh axis of `issued_after` (tp-replicated
+  LayerNorm scales and biases: the activations vary over tp) are issued at once instead: a
+  dependency would make them vary over tp too, and they are small.
   `ordered` (XLA:CPU): the group's gathers one after another, and what comes next waits for
   them: the returned `issued_after` (the layer's input) and the group's own leaves."""
   def ahead(params, names, issued_after):
     names = [name for name in names if name in shards and name not in params]
-    needs = varying_axes(jax.tree.leaves(issued_after)[0]) | varying_axes(never)
-    ordered_shards = jax.tree.map(lambda x: after(x, issued_after, never) if needs <= varying_axes(x) | {DP} else x,
-                                  {name: shards[name] for name in names})
-    gathered = gather_params(ordered_shards, {name: layouts[name] for name in names}, compute_dtype,
-                             in_turn=never if ordered else None)
+    gathered = gather_params({name: shards[name] for name in names}, {name: layouts[name] for name in names},
+                             compute_dtype, in_turn=never if ordered else None, bucket_bytes=bucket_bytes,
+                             start_after=(issued_after, never))
     if ordered and names:
       last = max(jax.tree.leaves(gathered), key=lambda x: len(varying_axes(x)))
       waits = lambda x: after(x, last, never) if varying_axes(last) <= varying_axes(x) else x
@@ -224,16 +263,18 @@ def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered: b
   return ahead
 
 
-def first_microbatch_gathering(loss, shards, layouts, compute_dtype, sinks, ordered: bool = False):
+def first_microbatch_gathering(loss, shards, layouts, compute_dtype, sinks, ordered: bool = False,
+                               bucket_bytes: int = 0):
   """For megajax.reference_step.accumulate_gradients(first_microbatch=...): microbatch ->
   ((objective, stats), gradients w.r.t. the gathered parameters, the gathered parameters),
   the gathers issued inside `loss(params, microbatch, gather_ahead=...)`'s forward one layer
-  ahead. `sinks`: gathered_zeros of the same arguments; `ordered`: layer_ahead_gathers'."""
+  ahead. `sinks`: gathered_zeros of the same arguments; `ordered`, `bucket_bytes`:
+  layer_ahead_gathers'."""
   def first(microbatch):
     never = microbatch["inputs"][0, 0] < 0      # token ids are never negative: false, opaque to XLA
 
     def objective(sinks):
-      ahead = layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered)
+      ahead = layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered, bucket_bytes)
       gathered = {}
       def gather_ahead(params, names, issued_after):
         params, issued_after = ahead(params, names, issued_after)
@@ -264,68 +305,62 @@ def gradient_accumulators(like):
 
 
 @jax.named_scope("dp reduce-scatter")
-def reduce_scatter_grads(grads, layouts, bucketed: bool | None = None):
+def reduce_scatter_grads(grads, layouts, bucket_bytes: int = 0, ordered: bool | None = None):
   """Per-device gradients -> their dp sum, each dp rank keeping its shard (no all-reduce).
 
-  One reduce-scatter per leaf, so that each can start as soon as the backward pass has
-  made its gradient. `bucketed` (default: on CPU across processes) packs the leaves into one
-  reduce-scatter (and one psum) per group of leaves instead, run one after the other
-  (_bucketed_reduce_scatter; the same values): XLA:CPU runs independent collectives
-  concurrently, and its gloo reduce-scatters on one communicator take their message slots
-  from a shared counter in whatever order their threads get there. Two processes can then
-  wait on different slots: a 30 s timeout whose error path hangs (jax-ml/jax#40831).
+  The leaves go in the order the backward pass makes them (the head's first), packed into
+  reduce-scatters of at most `bucket_bytes` each (parallel.dp_bucket_mb; a larger leaf goes
+  alone; 0: one per leaf), a bucket holding leaves of one kind (dtype, varying mesh axes), so
+  that each can start as soon as the backward has made its leaves. Leaves with no dp split:
+  one psum for them all. `ordered` (default: on CPU across processes): each collective waits
+  for the one before (the same values): XLA:CPU runs independent collectives concurrently,
+  and its gloo reduce-scatters on one communicator take their message slots from a shared
+  counter in whatever order their threads get there. Two processes can then wait on
+  different slots: a 30 s timeout whose error path hangs (jax-ml/jax#40831).
   """
-  if bucketed is None:
-    bucketed = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
-  if bucketed:
-    return _bucketed_reduce_scatter(grads, layouts)
-  return jax.tree.map(
-      lambda g, layout: collectives.psum(g, DP) if layout.dp_dim is None
-      else collectives.psum_scatter(g, DP, scatter_dimension=layout.dp_dim),
-      grads, layouts)
-
-
-def _bucketed_reduce_scatter(grads, layouts):
-  """reduce_scatter_grads with one collective per group of leaves, one after the other, same
-  values: each leaf split along its dp dimension into dp rows [dp, n], the rows of a group's
-  leaves side by side, one tiled reduce-scatter over the rows; leaves with no dp split, one psum."""
-  leaves, treedef = jax.tree.flatten(grads)
+  if ordered is None:
+    ordered = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+  paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  leaves = [leaf for _, leaf in paths]
   leaf_layouts = treedef.flatten_up_to(layouts)
-  dp = lax.axis_size(DP)
+  backward = sorted(range(len(leaves)), key=lambda i: (_forward_order(paths[i][0][0].key), i), reverse=True)
   out = list(leaves)
   previous = None
 
   def in_turn(x):
     # A data dependency on the previous collective's result (x + 0 * r: not folded away for
     # floats) so that XLA:CPU starts this collective only after that one has finished. (Not
-    # where it would make x vary over more mesh axes; groups go from the least varying.)
-    if previous is None or not varying_axes(previous) <= varying_axes(x):
+    # where it would make x vary over more mesh axes; kinds go from the least varying.)
+    if not ordered or previous is None or not varying_axes(previous) <= varying_axes(x):
       return x
     return x + (previous * 0).astype(x.dtype)
 
-  # Packed together only leaves of one dtype that vary over the same mesh axes (shard_map's
-  # types: a tp-replicated leaf must not come back tp-varying).
-  kinds = [(str(g.dtype), tuple(sorted(varying_axes(g)))) for g in leaves]
-  for group in sorted(set(kinds), key=lambda k: (len(k[1]), k)):
-    members = [i for i, k in enumerate(kinds) if k == group]
-    scattered = [i for i in members if leaf_layouts[i].dp_dim is not None]
-    summed = [i for i in members if leaf_layouts[i].dp_dim is None]
-    if scattered:
-      moved = [jnp.moveaxis(leaves[i], leaf_layouts[i].dp_dim, 0) for i in scattered]
-      rows = jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1)
-      mine = lax.psum_scatter(in_turn(rows), DP, scatter_dimension=0, tiled=True)[0]
-      previous = mine[0]
-      offsets = np.cumsum([0] + [m.size // dp for m in moved])
-      for i, m, start, stop in zip(scattered, moved, offsets[:-1], offsets[1:]):
-        shard = mine[start:stop].reshape((m.shape[0] // dp, *m.shape[1:]))
-        out[i] = jnp.moveaxis(shard, 0, leaf_layouts[i].dp_dim)
-    if summed:
-      total = collectives.psum(in_turn(jnp.concatenate([leaves[i].ravel() for i in summed])), DP)
-      previous = total[0]
-      offsets = np.cumsum([0] + [leaves[i].size for i in summed])
-      for i, start, stop in zip(summed, offsets[:-1], offsets[1:]):
-        out[i] = total[start:stop].reshape(leaves[i].shape)
+  scattered = [i for i in backward if leaf_layouts[i].dp_dim is not None]
+  for bucket in _buckets(scattered, leaves, bucket_bytes):
+    shards = _packed_reduce_scatter([in_turn(leaves[i]) for i in bucket], [leaf_layouts[i].dp_dim for i in bucket])
+    previous = shards[-1].ravel()[0]
+    for i, shard in zip(bucket, shards):
+      out[i] = shard
+  summed = [i for i in backward if leaf_layouts[i].dp_dim is None]
+  if summed:    # one all-reduce of them all (a variadic psum)
+    for i, total in zip(summed, collectives.psum([in_turn(leaves[i]) for i in summed], DP)):
+      out[i] = total
   return treedef.unflatten(out)
+
+
+def _packed_reduce_scatter(leaves: list, dp_dims: list[int]) -> list:
+  """[psum_scatter(leaf, DP, scatter_dimension=dim, tiled=True) for each leaf] in one
+  collective: each leaf split along its dp dimension into rows [dp, n], the rows of the
+  leaves side by side, one reduce-scatter over the rows."""
+  if len(leaves) == 1:
+    return [lax.psum_scatter(leaves[0], DP, scatter_dimension=dp_dims[0], tiled=True)]
+  dp = lax.axis_size(DP)
+  moved = [jnp.moveaxis(x, dim, 0) for x, dim in zip(leaves, dp_dims)]
+  rows = jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1)
+  mine = lax.psum_scatter(rows, DP, scatter_dimension=0, tiled=True)[0]
+  offsets = np.cumsum([0] + [m.size // dp for m in moved])
+  return [jnp.moveaxis(mine[start:stop].reshape((m.shape[0] // dp, *m.shape[1:])), 0, dim)
+          for m, dim, start, stop in zip(moved, dp_dims, offsets[:-1], offsets[1:])]
 
 
 def tensor_norms(layouts) -> TensorNorms:

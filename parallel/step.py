@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import ConfigError, uses_document_masking, wants_probes
+from megajax.config import ConfigError, dp_bucket_bytes, uses_document_masking, wants_probes
 from megajax.layers.kernels import lowering_for
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
@@ -194,7 +194,7 @@ class ParallelStep:
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
                                          self.overlap, c.train.z_loss, probes, c.parallel.grad_sync,
-                                         ordered_collectives=self.platform == "cpu")
+                                         ordered_collectives=self.platform == "cpu", bucket_bytes=dp_bucket_bytes(c))
     # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
     loss = jax.named_scope("forward")(
         functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
@@ -202,8 +202,9 @@ class ParallelStep:
     # (sharding.layer_ahead_gathers); the later microbatches use what it gathered.
     sinks = sharding.gathered_zeros(params, self.layouts, self.model.config.compute_dtype)
     first = sharding.first_microbatch_gathering(loss, params, self.layouts, self.model.config.compute_dtype, sinks,
-                                                ordered=self.platform == "cpu")
-    reduce_scatter = functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts)
+                                                ordered=self.platform == "cpu", bucket_bytes=dp_bucket_bytes(c))
+    reduce_scatter = functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts,
+                                       bucket_bytes=dp_bucket_bytes(c))
     if c.parallel.grad_sync == "microbatch":
       # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
       # only this device's 1/dp shard, shaped like the master shard (m collectives per leaf).
@@ -292,9 +293,11 @@ class ParallelStep:
     c = self.config
     if self.pipeline is not None:
       stats = pipeline_loss_sums(params, batch, self.layouts, c.parallel.pp, c.parallel.virtual_stages,
-                                 c.train.microbatches, self.model.config, self.overlap)
+                                 c.train.microbatches, self.model.config, self.overlap,
+                                 bucket_bytes=dp_bucket_bytes(c))
     else:
-      full_params = sharding.gather_params(params, self.layouts, self.model.config.compute_dtype)
+      full_params = sharding.gather_params(params, self.layouts, self.model.config.compute_dtype,
+                                           bucket_bytes=dp_bucket_bytes(c))
       microbatches = split_microbatches(batch, c.train.microbatches)
       # One microbatch's activations at a time, as in training; the zeros are typed like the
       # batch (inside the shard_map the sums vary over dp as it does).

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from megajax.config import default_config
+from megajax.config import default_config, dp_bucket_bytes
 from megajax.launch.bench.timing import median_seconds
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import make_mesh
@@ -41,7 +41,8 @@ def _gradient_temp_bytes(config, baseline: bool) -> tuple[int, int]:
   parallel_step = build_parallel_step(config, devices)
   fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=config.parallel.pp,
                          virtual_stages=config.parallel.virtual_stages, microbatches=config.train.microbatches,
-                         c=parallel_step.model.config, overlap=parallel_step.overlap, z_loss=0.0) if baseline else None
+                         c=parallel_step.model.config, overlap=parallel_step.overlap, z_loss=0.0,
+                         bucket_bytes=dp_bucket_bytes(config)) if baseline else None
   state, batch = parallel_step.abstract_inputs()
   compiled = parallel_step.summed_gradients(fn).lower(state.params, batch).compile()
   return compiled.memory_analysis().temp_size_in_bytes, parallel_step.pipeline.stash_slots

@@ -24,9 +24,10 @@ from megajax.reference_step import split_microbatches
 
 
 def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages: int, microbatches: int,
-                             c: ModelConfig, overlap: Overlap, z_loss: float):
+                             c: ModelConfig, overlap: Overlap, z_loss: float, bucket_bytes: int = 0):
   """Same contract as megajax.parallel.pipeline.pipeline_gradients, for a pipeline with one chunk
-  per stage (with more, a stage's rows are not consecutive layers)."""
+  per stage (with more, a stage's rows are not consecutive layers); its dp collectives in
+  buckets of `bucket_bytes` like the pipeline's."""
   if virtual_stages != 1:
     raise ValueError(f"virtual_stages={virtual_stages}: the GPipe-by-autodiff baseline runs one chunk per stage")
   p, m = stages, microbatches
@@ -62,5 +63,5 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
 
   # Gathered in fp32: the tick scan sums each layer's cotangents over the ticks, which a leaf
   # gathered in the compute dtype would sum in it (the executor sums per backward, in fp32).
-  grads, stats = jax.grad(objective, has_aux=True)(stage_params(params, layouts))
-  return sum_over_stages(sharding.reduce_scatter_grads(grads, layouts), stats)
+  grads, stats = jax.grad(objective, has_aux=True)(stage_params(params, layouts, bucket_bytes=bucket_bytes))
+  return sum_over_stages(sharding.reduce_scatter_grads(grads, layouts, bucket_bytes), stats)

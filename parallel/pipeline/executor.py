@@ -166,12 +166,13 @@ def _assemble_rows(first, rows: int, pieces, starts: tuple):
   return out
 
 
-def stage_params(params, layouts, compute_dtype=None, in_turn=None):
+def stage_params(params, layouts, compute_dtype=None, in_turn=None, bucket_bytes: int = 0):
   """ZeRO gather -> this stage's rows and this tp rank's shards, marked per device on pp like
   everything a stage computes: a pp-invariant input's gradient would otherwise be summed
-  over pp inside the backward, a collective only its stage runs. `compute_dtype`, `in_turn`:
-  megajax.parallel.sharding.gather_params'."""
-  return jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gather_params(params, layouts, compute_dtype, in_turn))
+  over pp inside the backward, a collective only its stage runs. `compute_dtype`, `in_turn`,
+  `bucket_bytes`: megajax.parallel.sharding.gather_params'."""
+  return jax.tree.map(lambda x: to_varying(x, (PP,)),
+                      sharding.gather_params(params, layouts, compute_dtype, in_turn, bucket_bytes))
 
 
 def sum_over_stages(grads: dict, stats: dict):
@@ -210,14 +211,16 @@ def dp_edge_pieces(tables: Tables, dp: int, grad_sync: str) -> tuple:
 
 
 def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, overlap: Overlap,
-                       z_loss: float, probes=None, grad_sync: str = "step", ordered_collectives: bool = False):
+                       z_loss: float, probes=None, grad_sync: str = "step", ordered_collectives: bool = False,
+                       bucket_bytes: int = 0):
   """This device's summed gradient shards (ZeRO-2, pipeline layout) and loss stats over the
   whole batch (summed over dp and pp). `grad_sync` (megajax.config.GRAD_SYNC_CHOICES): the dp
   reduce-scatter once per step, or after each backward. `probes`
   (megajax.observe.probes, bound to the step; the batch then has "rows"): perturb_at="stage:<s>"
   perturbs what stage s sends on. `ordered_collectives` (XLA:CPU): the tick's collectives in
   one order on every device: the head's or tail's dp collective, forward slot, backward
-  slot, then the two sends (see the module docstring)."""
+  slot, then the two sends (see the module docstring). `bucket_bytes` (parallel.dp_bucket_mb):
+  the most one dp all-gather or reduce-scatter carries (0: one per leaf)."""
   p, k = tables.schedule.stages, tables.layers_per_chunk
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
   stage = lax.axis_index(PP)
@@ -234,7 +237,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   (gather_rows, gather_starts), (scatter_rows, scatter_starts) = dp_edge_pieces(tables, lax.axis_size(DP), grad_sync)
   rest = (tables.schedule.virtual_stages - 1) * k                      # rows of the other chunks
   first_rows = {**params, LAYERS: jax.tree.map(lambda x: x[:k] if gather_starts else x, params[LAYERS])}
-  full = stage_params(first_rows, layouts, c.compute_dtype)
+  full = stage_params(first_rows, layouts, c.compute_dtype, bucket_bytes=bucket_bytes)
   never = microbatches["inputs"][0, 0, 0] < 0     # token ids are never negative: false at run time
 
   def activation_buffer(slots):
@@ -269,7 +272,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     names = [LAYERS, *shared_grads]
     reduced = sharding.to_master_dtype({LAYERS: chunk_grads, **shared_grads}, {n: params[n] for n in names})
     if grad_sync == "microbatch":
-      reduced = sharding.reduce_scatter_grads(reduced, {n: layouts[n] for n in names})
+      reduced = sharding.reduce_scatter_grads(reduced, {n: layouts[n] for n in names}, bucket_bytes)
     start = chunk * k
     add_rows = lambda buffer, g: with_rows_at(buffer, rows_at(buffer, start, k) + g, start)
     grads = dict(grads)
@@ -412,7 +415,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       first_row = k + start
       shards = rows_of(params[LAYERS], first_row, gather_rows)
       piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype,
-                           in_turn=never if ordered_collectives else None)[LAYERS]
+                           in_turn=never if ordered_collectives else None, bucket_bytes=bucket_bytes)[LAYERS]
       # Into the stage's rows at once (no branch reads them before the head ends).
       layers = jax.tree.map(lambda buffer, rows: with_rows_at(buffer, rows, first_row), layers, piece)
       return (tick(carry, rows, forwards, backwards, piece), layers), None
@@ -430,14 +433,14 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     def tail_tick(carry, xs):
       rows, start = xs
       sums = rows_of(carry["grads"][LAYERS], k + start, scatter_rows)
-      piece = sharding.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]},
-                                            bucketed=True if ordered_collectives else None)[LAYERS]
+      piece = sharding.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]}, bucket_bytes,
+                                            ordered=True if ordered_collectives else None)[LAYERS]
       return tick(carry, rows, forwards, backwards, piece), piece
     carry, pieces = lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))
   grads = carry["grads"]
   if grad_sync == "step":   # one dp reduce-scatter per leaf and piece for the step (before the pp sum: on shards)
     first_chunk = {**grads, LAYERS: jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS])}
-    grads = sharding.reduce_scatter_grads(first_chunk, layouts)
+    grads = sharding.reduce_scatter_grads(first_chunk, layouts, bucket_bytes)
     if tail:
       grads = {**grads, LAYERS: jax.tree.map(lambda first, shard, piece: _assemble_rows(first, shard.shape[0], piece,
                                                                                         scatter_starts),

@@ -48,9 +48,10 @@ def chunk_programs(c: ModelConfig, stages: int, virtual_stages: int) -> list[Pro
 
 
 def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int, microbatches: int,
-                       c: ModelConfig, overlap: Overlap, z_loss: float = 0.0) -> dict:
+                       c: ModelConfig, overlap: Overlap, z_loss: float = 0.0, bucket_bytes: int = 0) -> dict:
   """This device's loss statistics {"nll_sum", "z_sum", "tokens"} over its dp shard of the
-  batch, summed over dp and pp: the forward of megajax.parallel.pipeline.pipeline_gradients."""
+  batch, summed over dp and pp: the forward of megajax.parallel.pipeline.pipeline_gradients
+  (`bucket_bytes`: its dp all-gathers', parallel.dp_bucket_mb)."""
   p, v, m = stages, virtual_stages, microbatches
   programs = chunk_programs(c, p, v)
   k = c.num_layers // (p * v)
@@ -59,7 +60,7 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
   branch_of = jnp.asarray([[1 + distinct.index(programs[r * p + s]) for s in range(p)] for r in range(v)],
                           jnp.int32)
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
-  full = stage_params(params, layouts, c.compute_dtype)
+  full = stage_params(params, layouts, c.compute_dtype, bucket_bytes=bucket_bytes)
   stage = lax.axis_index(PP)
   split = split_microbatches(batch, m)                  # [m, b, S]
   b, seq = split["inputs"].shape[1:]

@@ -15,7 +15,7 @@ import pickle
 import jax
 import numpy as np
 
-from megajax.config import default_config
+from megajax.config import default_config, dp_bucket_bytes
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.observe.hlo import collectives_by_group_size
 from megajax.optim import make_optimizer
@@ -211,10 +211,11 @@ def compiled_gradients(mesh, m, baseline=False, packed=False, ordered_collective
   if baseline:
     fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=mesh[1], virtual_stages=1,
                            microbatches=m, c=parallel_step.model.config, overlap=parallel_step.overlap,
-                           z_loss=config.train.z_loss)
+                           z_loss=config.train.z_loss, bucket_bytes=dp_bucket_bytes(config))
   elif ordered_collectives is not None:
     fn = functools.partial(pipeline_gradients, layouts=parallel_step.layouts, tables=parallel_step.pipeline,
                            c=parallel_step.model.config, overlap=parallel_step.overlap, z_loss=config.train.z_loss,
-                           grad_sync=config.parallel.grad_sync, ordered_collectives=ordered_collectives)
+                           grad_sync=config.parallel.grad_sync, ordered_collectives=ordered_collectives,
+                           bucket_bytes=dp_bucket_bytes(config))
   state, batch = parallel_step.abstract_inputs()
   return parallel_step, parallel_step.summed_gradients(fn).lower(state.params, batch).compile()

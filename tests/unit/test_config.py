@@ -57,6 +57,8 @@ INVALID = [
     ("data.source", "web", "data.source"),
     ("model.mlp_dim", -8, "model.mlp_dim"),
     ("parallel.grad_sync", "bucket", "parallel.grad_sync"),
+    ("parallel.dp_bucket_mb", -1.0, "parallel.dp_bucket_mb"),
+    ("parallel.dp_bucket_mb", float("nan"), "parallel.dp_bucket_mb"),
     ("parallel.tp_overlap", "async", "parallel.tp_overlap"),
     ("parallel.tp_overlap_chunks", 0, "parallel.tp_overlap_chunks"),
     ("parallel.tp_overlap_chunks", 3, "parallel.tp_overlap_chunks"),  # 128-token sequence: 3 does not divide

@@ -9,7 +9,7 @@ import pytest
 from megajax.config import ConfigError, default_config
 from megajax.parallel import TP, all_gather_matmul, local_batch_slice, make_mesh, matmul_reduce_scatter
 from megajax.parallel.mesh import DP, _host_split
-from megajax.parallel.sharding import Layout, reduce_scatter_grads
+from megajax.parallel.sharding import Layout, gather_params, reduce_scatter_grads
 
 
 def mesh_config(dp, pp, tp):
@@ -95,16 +95,25 @@ def test_collective_matmuls_equal_the_plain_collectives(tp, chunks):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_bucketed_gradient_reduce_scatter_equals_one_per_leaf():
-  """ZeRO's gradient reduce-scatter packed into one collective per group of leaves (what CPU
-  jobs across processes use) keeps each dp rank the same shard of the same sum as one
-  collective per leaf: leaves split on dim 0, on a dim also split over tp, on a middle dim,
-  unsplit (psum), bf16, and tp-replicated leaves (which must stay tp-replicated)."""
+def _bucketing_case():
+  """Leaves split over dp on dim 0, on a dim also split over tp, on a middle dim, unsplit,
+  bf16, and tp-replicated ones (which must stay tp-replicated): (mesh, layouts, per-device
+  keys, per-dp-rank keys, dtypes)."""
   mesh = make_mesh(mesh_config(4, 1, 2))
   per_device = {"a": ((8, 6), Layout(None, 0)), "b": ((4, 8), Layout(1, 1)), "c": ((3, 5), Layout(None, None)),
                 "d": ((2, 8, 4), Layout(None, 1)), "e": ((4, 3), Layout(None, 0))}
   per_dp_rank = {"f": ((4, 6), Layout(None, 0)), "g": ((5,), Layout(None, None))}
-  dtypes = {"d": jnp.bfloat16}
+  return mesh, per_device, per_dp_rank, {"d": jnp.bfloat16}
+
+
+# Bucket sizes: one per leaf; some leaves of a kind together; every leaf of a kind in one.
+BUCKETS = (0, 200, 1 << 20)
+
+
+def test_bucketed_gradient_reduce_scatter_equals_one_per_leaf():
+  """ZeRO's gradient reduce-scatter packed into buckets (parallel.dp_bucket_mb), in order or
+  not, keeps each dp rank the same shard of the same sum as one collective per leaf."""
+  mesh, per_device, per_dp_rank, dtypes = _bucketing_case()
   layouts = {k: layout for k, (_, layout) in (per_device | per_dp_rank).items()}
   keys = iter(jax.random.split(jax.random.key(0), len(layouts)))
   # Small integers: every order of summation gives the same floats, so the two must match exactly.
@@ -114,17 +123,55 @@ def test_bucketed_gradient_reduce_scatter_equals_one_per_leaf():
   grads = (make(per_device, 8), make(per_dp_rank, 4))
   specs = ({k: P((DP, TP)) for k in per_device}, {k: P(DP) for k in per_dp_rank})
 
-  def run(bucketed):
+  def run(bucket_bytes, ordered=False):
     def body(tree):
       local = jax.tree.map(lambda x: x[0], tree)
-      out = reduce_scatter_grads(local[0] | local[1], layouts, bucketed=bucketed)
+      out = reduce_scatter_grads(local[0] | local[1], layouts, bucket_bytes, ordered=ordered)
       return jax.tree.map(lambda x: x[None], ({k: out[k] for k in per_device}, {k: out[k] for k in per_dp_rank}))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs))(grads)
+    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs)).lower(grads).compile()
+    return compiled(grads), compiled.as_text().count(" reduce-scatter(")
 
-  one_per_leaf, bucketed = run(False), run(True)
-  for got, want in zip(jax.tree.leaves(bucketed), jax.tree.leaves(one_per_leaf)):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  (one_per_leaf, leaves), *packed = [run(0)] + [run(b, ordered) for b in BUCKETS[1:] for ordered in (False, True)]
+  for bucketed, collectives in packed:
+    assert collectives < leaves
+    for got, want in zip(jax.tree.leaves(bucketed), jax.tree.leaves(one_per_leaf)):
+      assert got.dtype == want.dtype and got.shape == want.shape
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # Kinds: fp32 on (dp, tp) [a, b, e], bf16 on (dp, tp) [d], fp32 on dp [f]; 200 bytes: [e, b], [a].
+  assert [n for _, n in packed] == [4, 4, 3, 3]
   # And the values are the dp sums: leaf "a" (split on dim 0) on dp rank 1, tp rank 0.
   total = grads[0]["a"].reshape(4, 2, 8, 6)[:, 0].sum(0)
-  np.testing.assert_array_equal(bucketed[0]["a"][1 * 2 + 0], total[2:4])
+  np.testing.assert_array_equal(one_per_leaf[0]["a"][1 * 2 + 0], total[2:4])
+
+
+def test_bucketed_parameter_gather_equals_one_per_leaf():
+  """ZeRO's parameter all-gather packed into buckets gives every leaf exactly as one
+  all-gather per leaf does, and fewer collectives."""
+  mesh, per_device, per_dp_rank, dtypes = _bucketing_case()
+  layouts = {k: layout for k, (_, layout) in (per_device | per_dp_rank).items()}
+  dp = mesh.shape[DP]
+  shard = lambda shape, layout: tuple(n // dp if i == layout.dp_dim else n for i, n in enumerate(shape))
+  keys = iter(jax.random.split(jax.random.key(1), len(layouts)))
+  shards = ({k: jax.random.normal(next(keys), (8, *shard(*per_device[k]))).astype(dtypes.get(k, jnp.float32))
+             for k in per_device},
+            {k: jax.random.normal(next(keys), (4, *shard(*per_dp_rank[k]))) for k in per_dp_rank})
+  in_specs = ({k: P((DP, TP)) for k in per_device}, {k: P(DP) for k in per_dp_rank})
+
+  def run(bucket_bytes):
+    def body(tree):
+      local = jax.tree.map(lambda x: x[0], tree)
+      out = gather_params(local[0] | local[1], layouts, bucket_bytes=bucket_bytes)
+      return jax.tree.map(lambda x: x[None], ({k: out[k] for k in per_device}, {k: out[k] for k in per_dp_rank}))
+    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs)).lower(shards).compile()
+    return compiled(shards), compiled.as_text().count(" all-gather(")
+
+  (one_per_leaf, leaves), *packed = [run(b) for b in BUCKETS]
+  assert leaves == 5 and [n for _, n in packed] == [4, 3]   # 200 gathered bytes: [a], [b, e], [d], [f]
+  for bucketed, _ in packed:
+    for got, want in zip(jax.tree.leaves(bucketed), jax.tree.leaves(one_per_leaf)):
+      assert got.dtype == want.dtype and got.shape == want.shape
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # Leaf "d" (split on its middle dim): dp rank r's shard is rows r*2 .. r*2+1 of that dim.
+  for r in range(dp):
+    np.testing.assert_array_equal(np.asarray(one_per_leaf[0]["d"][0][:, 2 * r:2 * r + 2], np.float32),
+                                  np.asarray(shards[0]["d"][r * 2], np.float32))
