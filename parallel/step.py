@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import ConfigError, dp_bucket_bytes, uses_document_masking, wants_probes
+from megajax.config import ConfigError, dp_bucket_bytes, pipeline_recompute, uses_document_masking, wants_probes
 from megajax.layers.kernels import lowering_for
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
@@ -111,7 +111,7 @@ class ParallelStep:
     if mesh.shape[PP] > 1:
       p = config.parallel
       schedule = simulate(p.schedule, p.pp, p.virtual_stages, config.train.microbatches, p.traversal)
-      tables = pipeline.Tables.build(schedule, model.config, p.pipeline_recompute)
+      tables = pipeline.Tables.build(schedule, model.config, pipeline_recompute(config, platform))
       params_like = jax.eval_shape(functools.partial(pipeline.to_pipeline_params, stages=p.pp,
                                                      virtual_stages=p.virtual_stages), params_like)
       layouts = pipeline.pipeline_layouts(layouts)

@@ -18,12 +18,13 @@ cotangent to stage s-1. The rings run every tick (a collective cannot sit in a b
 idle slots send zeros. The last chunk's forward slot idles: its backward slot runs the loss's
 forward and backward together and counts the statistics.
 
-  backward = parallel.pipeline_recompute=False (the default): the pullback of the chunk's
+  backward = parallel.pipeline_recompute=False (the GPU default): the pullback of the chunk's
              forward rebuilt from the residuals its forward slot kept (residuals.py: what
              model.remat saves, as without a pipeline; weight casts and position tables are
              rebuilt, not kept per microbatch). No forward runs twice.
-             parallel.pipeline_recompute=True: jax.vjp of the chunk program on its stashed
-             input, the forward rerun (the low-memory option: one input kept per microbatch-chunk).
+             parallel.pipeline_recompute=True (the CPU default): jax.vjp of the chunk program on
+             its stashed input, the forward rerun (the low-memory option: one input kept per
+             microbatch-chunk; on CPU also the faster one, config.pipeline_recompute).
   stash    = [slots + 1, b, s/tp, hidden]: a received activation waits in its slot from
              arrival to its forward (to its backward when rerun, and for the last chunk);
              slots are assigned in Python, the extra one is a trash slot for ticks with

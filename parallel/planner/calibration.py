@@ -112,7 +112,7 @@ MEMORY_KNOWN_MISSES: dict[str, str] = {}
 
 
 def memory_case_config(case: MemoryCase):
-  """fp32 compute and remat none unless the case says otherwise (with pp = 1 XLA on CPU runs a
+  """fp32 compute, remat none and kept residuals unless the case says otherwise (with pp = 1 XLA on CPU runs a
   policy's recomputation early, measured equal to none; the pipeline's residual slots hold what
   the policy saves), plain collectives."""
   config = default_config()
@@ -120,6 +120,7 @@ def memory_case_config(case: MemoryCase):
   config.model.seq_len, config.model.vocab_size, config.model.window = 64, 256, 0
   config.model.compute_dtype, config.model.remat = "float32", "none"
   config.parallel.tp_overlap = "none"
+  config.parallel.pipeline_recompute = False     # the residuals unless the case reruns (the GPU default)
   return apply_overrides(config, case.overrides)
 
 

@@ -29,25 +29,27 @@ import jax
 import ml_collections
 import psutil
 
+from megajax.config import pipeline_recompute
 from megajax.config_checks import ConfigError
 from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model, memory
 from megajax.parallel.planner.cost_model import GB, Plan
 from megajax.parallel.planner.memory import Memory
 
-def plan_of(config: ml_collections.ConfigDict) -> Plan:
-  """The cost model's Plan for a megajax config (its own block and attention, no switches changed)."""
+def plan_of(config: ml_collections.ConfigDict, platform: str = "gpu") -> Plan:
+  """The cost model's Plan for a megajax config (its own block and attention, no switches
+  changed) as it runs on `platform` (an unset parallel.pipeline_recompute is the platform's)."""
   c, p, t = config.model, config.parallel, config.train
   opts = cost_model.Optimizations(ptb=c.block != "serial", swa=True, fused_ops=c.attention_impl != "xla",
                                   lamb=config.optimizer.name == "lamb")
   return Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches), t.batch_size, opts,
-              "megajax", p.grad_sync, p.pipeline_recompute, p.schedule, p.traversal)
+              "megajax", p.grad_sync, pipeline_recompute(config, platform), p.schedule, p.traversal)
 
 
 def estimate(config: ml_collections.ConfigDict, platform: str) -> Memory:
   """Bytes per device of the config's step. On CPU with remat none whatever model.remat says:
   XLA:CPU's scheduler runs the recomputation early, measured equal to none (calibration.py)."""
-  return memory.memory(ModelConfig.from_config(config.model), plan_of(config),
+  return memory.memory(ModelConfig.from_config(config.model), plan_of(config, platform),
                            remat="none" if platform == "cpu" else None)
 
 
