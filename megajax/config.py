@@ -206,6 +206,13 @@ TRAVERSAL_CHOICES = ("depth_first", "breadth_first")
 GRAD_SYNC_CHOICES = ("step", "microbatch")
 
 
+def tp_overlap(config, platform: str) -> str:
+  """parallel.tp_overlap, or where unset the measured default of `platform` ("cpu": "none";
+  "gpu" / "cuda": "collective_matmul")."""
+  value = config.parallel.tp_overlap
+  return ("none" if platform == "cpu" else "collective_matmul") if value is None else value
+
+
 def pipeline_recompute(config, platform: str) -> bool:
   """parallel.pipeline_recompute, or where unset the measured default of `platform` ("cpu":
   rerun the chunk's forward; "gpu" / "cuda": read the kept residuals)."""
@@ -225,8 +232,11 @@ def _parallel() -> ml_collections.ConfigDict:
   p.tp = 1
   # How tensor-parallel collectives meet the matmuls: "none" (all-gather, then matmul),
   # "collective_matmul" (ppermute rings fused with the matmul chunks, MegaScale Fig. 3c) or
-  # "xla" (plain collectives + XLA's windowed-einsum rewrite on GPU).
-  p.tp_overlap = "collective_matmul"
+  # "xla" (plain collectives + XLA's windowed-einsum rewrite on GPU). Unset (None): chosen by
+  # measurement per platform (tp_overlap(config, platform)): collective_matmul on GPUs, none
+  # on CPU, where a collective is a copy with nothing to hide it under (bench peer, dp=2 tp=4:
+  # 2613 vs 2970 ms a step; jit Megatron-TP 2667).
+  p.tp_overlap = ml_collections.config_dict.placeholder(str)
   p.tp_overlap_chunks = 2  # Sequence chunks per ring step (2: one per ring direction).
   # Pipeline (pp > 1): the layers are cut into pp * virtual_stages chunks, stage s holding
   # chunks s, s + pp, ...; train.microbatches microbatches flow through them in this order.
@@ -259,7 +269,8 @@ def _check_parallel(config) -> None:
   m, p, t = config.model, config.parallel, config.train
   for field in ("parallel.dp", "parallel.pp", "parallel.tp", "parallel.tp_overlap_chunks", "parallel.virtual_stages"):
     check.positive_int(config, field)
-  check.choice(config, "parallel.tp_overlap", TP_OVERLAP_CHOICES)
+  if p.tp_overlap is not None:
+    check.choice(config, "parallel.tp_overlap", TP_OVERLAP_CHOICES)
   check.choice(config, "parallel.schedule", SCHEDULE_CHOICES)
   check.choice(config, "parallel.traversal", TRAVERSAL_CHOICES)
   check.choice(config, "parallel.grad_sync", GRAD_SYNC_CHOICES)
@@ -283,7 +294,7 @@ def _check_parallel(config) -> None:
                 "(extra ids are never seen)")
   check.require(m.seq_len % p.tp == 0, "model.seq_len", m.seq_len,
                 f"sequence parallelism splits it over parallel.tp={p.tp}", "use a multiple of parallel.tp")
-  if p.tp_overlap == "collective_matmul":
+  if p.tp_overlap in (None, "collective_matmul"):     # unset: a GPU runs collective matmul
     check.require(m.seq_len % (p.tp * p.tp_overlap_chunks) == 0, "parallel.tp_overlap_chunks", p.tp_overlap_chunks,
                   f"each device's {m.seq_len // p.tp}-token sequence shard must split into this many chunks",
                   f"use a divisor of {m.seq_len // p.tp}, "

@@ -39,7 +39,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import ConfigError, dp_bucket_bytes, pipeline_recompute, uses_document_masking, wants_probes
+from megajax.config import (ConfigError, dp_bucket_bytes, pipeline_recompute, tp_overlap, uses_document_masking,
+                            wants_probes)
 from megajax.layers.kernels import lowering_for
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
@@ -123,7 +124,7 @@ class ParallelStep:
 
   @property
   def overlap(self) -> Overlap:
-    return Overlap(self.config.parallel.tp_overlap, self.config.parallel.tp_overlap_chunks)
+    return Overlap(tp_overlap(self.config, self.platform), self.config.parallel.tp_overlap_chunks)
 
   @property
   def state_shardings(self):
@@ -322,4 +323,4 @@ class ParallelStep:
   @property
   def compiler_options(self) -> dict | None:
     """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"."""
-    return XLA_WINDOWED_EINSUM_OPTIONS if self.config.parallel.tp_overlap == "xla" else None
+    return XLA_WINDOWED_EINSUM_OPTIONS if self.overlap.mode == "xla" else None

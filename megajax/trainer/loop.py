@@ -227,7 +227,7 @@ def _describe(config, parallel_step: ParallelStep, state) -> None:
   logging.info("%s", data.describe_data(config))
   logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
                config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
-               *parallel_step.mesh.devices.shape, config.parallel.tp_overlap)
+               *parallel_step.mesh.devices.shape, parallel_step.overlap.mode)
   if parallel_step.pipeline is not None:
     tables = parallel_step.pipeline
     schedule = tables.schedule
