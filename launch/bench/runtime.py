@@ -12,8 +12,8 @@ dp gradient sync cost at run time, on CPU (8 host devices), side by side.
               conditional as its costliest branch. Goal: residuals <= 1.02x for none and dots.
   dp sync     dp2-pp2-tp2 v=2 m=4, bf16 compute: the reduce-scatters, all-gathers and
               all-reduces over dp one step executes and their bytes per device, by dtype, for
-              parallel.grad_sync="step" and "microbatch", next to the gradient buckets (the
-              leaves reduce-scattered over dp), and where the pipeline moves them: the first
+              parallel.grad_sync="step" and "microbatch", next to the leaves they carry
+              (in buckets, parallel.dp_bucket_mb), and where the pipeline moves them: the first
               chunk's rows and the shared leaves before / after the tick scan, the other
               chunks' in pieces in its head / tail ticks (executor.dp_edge_pieces). Goal:
               every gradient byte reduce-scattered once per step ("step"), the parameter
@@ -118,7 +118,7 @@ def _dp_row(counts: dict, nbytes: dict, op: str, dtype: str) -> tuple[float, flo
 def dp_sync(grad_syncs: tuple) -> None:
   print("\n== dp sync: collectives over dp one step executes, per device (dp2-pp2-tp2 v=2 m=4, bf16 compute, "
         "gradient program)")
-  print(f"{'grad_sync':10} {'op':15} {'dtype':6} {'count/step':>11} {'KiB/step':>10} {'buckets':>8}")
+  print(f"{'grad_sync':10} {'op':15} {'dtype':6} {'count/step':>11} {'KiB/step':>10} {'leaves':>8}")
   for grad_sync in grad_syncs:
     parallel_step, compiled, lowered = _gradients(_config(2, 2, 2, compute_dtype="bfloat16", grad_sync=grad_sync),
                                                   lowered_text=True)
@@ -127,10 +127,10 @@ def dp_sync(grad_syncs: tuple) -> None:
     nbytes = collective_counts(text, mesh, executed=True, by_dtype=True, nbytes=True, branch_weights=weights)
     layouts = jax.tree.leaves(parallel_step.layouts, is_leaf=lambda x: hasattr(x, "dp_dim"))
     scattered = sum(layout.dp_dim is not None for layout in layouts)
-    buckets = {"reduce-scatter": scattered, "all-reduce": len(layouts) - scattered, "all-gather": scattered}
+    leaves = {"reduce-scatter": scattered, "all-reduce": len(layouts) - scattered, "all-gather": scattered}
     for op, dtype in sorted({(k[0], k[3]) for k in counts if k[1] == "dp"}):
       count, size = _dp_row(counts, nbytes, op, dtype)
-      print(f"{grad_sync:10} {op:15} {dtype:6} {count:>11.2f} {size / 2**10:>10.1f} {buckets.get(op, ''):>8}")
+      print(f"{grad_sync:10} {op:15} {dtype:6} {count:>11.2f} {size / 2**10:>10.1f} {leaves.get(op, ''):>8}")
     gathers = {k[3] for k in counts if k[:2] == ("all-gather", "dp")}
     # What the program asks for, before XLA's passes (every all_gather, tp's too: the dp ones
     # gather the parameters, tp's gather activations in the compute dtype).

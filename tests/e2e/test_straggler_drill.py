@@ -112,4 +112,5 @@ def test_alignment_recovers_a_clock_skew(drill):
         op.start, op.end = op.start + 7e6, op.end + 7e6
   assert analysis.align(skewed)[1] == pytest.approx(shift - 7e6, abs=1e3)
   spreads = analysis.collective_end_spreads(skewed)
-  assert spreads.size > 50 and np.median(spreads) < 20e3
+  # 37 cross-process collectives in the step (fewer since ZeRO's go in buckets, parallel.dp_bucket_mb).
+  assert spreads.size >= 30 and np.median(spreads) < 20e3
