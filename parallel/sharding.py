@@ -154,18 +154,22 @@ def gather_params(params, layouts, compute_dtype=None, in_turn=None, bucket_byte
   # Traced in the order the forward pass needs them (a dict would be walked alphabetically).
   split = sorted((i for i, layout in enumerate(flat_layouts) if layout.dp_dim is not None),
                  key=lambda i: (_forward_order(keys[i][0]), i))
+  if start_after is not None:
+    deps, never = start_after
+    needs = varying_axes(jax.tree.leaves(deps)[0]) | varying_axes(never)
   previous = None
+
+  def ordered(x):
+    """The bucket's buffer (or lone shard), made to wait for what it must follow."""
+    if start_after is not None and needs <= varying_axes(x) | {DP}:
+      x = after(x, deps, never)
+    if previous is not None and varying_axes(previous) <= varying_axes(x) | {DP}:
+      x = after(x, previous, in_turn)
+    return x
+
   with jax.named_scope("dp all-gather"):    # trace scopes name each collective kind (megajax.observe.traces)
     for bucket in _buckets(split, leaves, bucket_bytes, scale=lax.axis_size(DP)):
-      parts = [leaves[i] for i in bucket]
-      if start_after is not None:
-        deps, never = start_after
-        needs = varying_axes(jax.tree.leaves(deps)[0]) | varying_axes(never)
-        if needs <= varying_axes(parts[0]) | {DP}:
-          parts = [after(x, deps, never) for x in parts]
-      if in_turn is not None and previous is not None and varying_axes(previous) <= varying_axes(parts[0]) | {DP}:
-        parts = [after(x, previous, in_turn) for x in parts]
-      gathered = _packed_all_gather(parts, [flat_layouts[i].dp_dim for i in bucket])
+      gathered = _packed_all_gather([leaves[i] for i in bucket], [flat_layouts[i].dp_dim for i in bucket], ordered)
       previous = gathered[-1] if in_turn is not None else None
       for i, leaf in zip(bucket, gathered):
         out[i] = leaf
@@ -192,14 +196,15 @@ def _buckets(indices: list[int], leaves: list, bucket_bytes: int, scale: int = 1
   return buckets
 
 
-def _packed_all_gather(shards: list, dp_dims: list[int]) -> list:
+def _packed_all_gather(shards: list, dp_dims: list[int], prepare=lambda x: x) -> list:
   """[lax.all_gather(shard, DP, axis=dim, tiled=True) for each shard] in one collective: the
   shards flattened end to end, gathered into rows [dp, n], each leaf cut out of the rows and
-  its dp pieces put back along its dimension."""
+  its dp pieces put back along its dimension. `prepare` maps what is gathered (the packed
+  buffer, or a lone shard) first: its ordering dependencies, once per collective."""
   if len(shards) == 1:
-    return [lax.all_gather(shards[0], DP, axis=dp_dims[0], tiled=True)]
+    return [lax.all_gather(prepare(shards[0]), DP, axis=dp_dims[0], tiled=True)]
   dp = lax.axis_size(DP)
-  rows = lax.all_gather(jnp.concatenate([x.ravel() for x in shards]), DP, axis=0)     # [dp, n]
+  rows = lax.all_gather(prepare(jnp.concatenate([x.ravel() for x in shards])), DP, axis=0)     # [dp, n]
   offsets = np.cumsum([0] + [x.size for x in shards])
   out = []
   for x, dim, start, stop in zip(shards, dp_dims, offsets[:-1], offsets[1:]):
@@ -331,14 +336,14 @@ def reduce_scatter_grads(grads, layouts, bucket_bytes: int = 0, ordered: bool | 
     # A data dependency on the previous collective's result (x + 0 * r: not folded away for
     # floats) so that XLA:CPU starts this collective only after that one has finished. (Not
     # where it would make x vary over more mesh axes; kinds go from the least varying.)
-    if not ordered or previous is None or not varying_axes(previous) <= varying_axes(x):
+    if previous is None or not varying_axes(previous) <= varying_axes(x):
       return x
     return x + (previous * 0).astype(x.dtype)
 
   scattered = [i for i in backward if leaf_layouts[i].dp_dim is not None]
   for bucket in _buckets(scattered, leaves, bucket_bytes):
-    shards = _packed_reduce_scatter([in_turn(leaves[i]) for i in bucket], [leaf_layouts[i].dp_dim for i in bucket])
-    previous = shards[-1].ravel()[0]
+    shards = _packed_reduce_scatter([leaves[i] for i in bucket], [leaf_layouts[i].dp_dim for i in bucket], in_turn)
+    previous = shards[-1].ravel()[0] if ordered else None
     for i, shard in zip(bucket, shards):
       out[i] = shard
   summed = [i for i in backward if leaf_layouts[i].dp_dim is None]
@@ -348,15 +353,15 @@ def reduce_scatter_grads(grads, layouts, bucket_bytes: int = 0, ordered: bool | 
   return treedef.unflatten(out)
 
 
-def _packed_reduce_scatter(leaves: list, dp_dims: list[int]) -> list:
+def _packed_reduce_scatter(leaves: list, dp_dims: list[int], prepare=lambda x: x) -> list:
   """[psum_scatter(leaf, DP, scatter_dimension=dim, tiled=True) for each leaf] in one
   collective: each leaf split along its dp dimension into rows [dp, n], the rows of the
-  leaves side by side, one reduce-scatter over the rows."""
+  leaves side by side, one reduce-scatter over the rows. `prepare`: as _packed_all_gather's."""
   if len(leaves) == 1:
-    return [lax.psum_scatter(leaves[0], DP, scatter_dimension=dp_dims[0], tiled=True)]
+    return [lax.psum_scatter(prepare(leaves[0]), DP, scatter_dimension=dp_dims[0], tiled=True)]
   dp = lax.axis_size(DP)
   moved = [jnp.moveaxis(x, dim, 0) for x, dim in zip(leaves, dp_dims)]
-  rows = jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1)
+  rows = prepare(jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1))
   mine = lax.psum_scatter(rows, DP, scatter_dimension=0, tiled=True)[0]
   offsets = np.cumsum([0] + [m.size // dp for m in moved])
   return [jnp.moveaxis(mine[start:stop].reshape((m.shape[0] // dp, *m.shape[1:])), 0, dim)
