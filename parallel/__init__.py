@@ -7,6 +7,7 @@
   pipeline/             pipeline schedules, the stacked layout, the tick executor, the baseline
   step.py               ParallelStep: the one jitted shard_map training step
   planner/              the cost model, its calibration and the 3D-parallelism search
+  deviceless.py         XLA's GPU compiler for described H100s / H200s, on a machine without one
 """
 
 from megajax.parallel.collective_matmul import (all_gather_matmul, column_parallel_linear, matmul_reduce_scatter,

@@ -58,6 +58,12 @@ XLA_WINDOWED_EINSUM_OPTIONS = {
     "xla_gpu_multi_streamed_windowed_einsum": True,
 }
 
+# tp_overlap="collective_matmul" on a GPU: XLA's DotMerger would merge the ring's per-chunk
+# matmuls (dots sharing the weight) into one dot over the concatenated chunks, which waits for
+# every hop: the permutes then run back to back with nothing under them (the deviceless H100
+# compile shows it: tests/integration/test_gpu_compile.py). Threshold 0: no dot is merged.
+COLLECTIVE_MATMUL_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelStep:
@@ -323,4 +329,8 @@ class ParallelStep:
   @property
   def compiler_options(self) -> dict | None:
     """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"."""
-    return XLA_WINDOWED_EINSUM_OPTIONS if self.overlap.mode == "xla" else None
+    if self.overlap.mode == "xla":
+      return XLA_WINDOWED_EINSUM_OPTIONS
+    if self.overlap.mode == "collective_matmul" and self.mesh.shape[TP] > 1 and self.platform in ("gpu", "cuda"):
+      return COLLECTIVE_MATMUL_OPTIONS
+    return None

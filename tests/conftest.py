@@ -104,11 +104,14 @@ PROCESS_TESTS = "tests/e2e/"
 # and its tests meet the programs their neighbours compiled in memory (the unit folder: 223 -> 208
 # CPU-s with -n 2). The integration tests stay one unit each: a module of them is minutes of work.
 UNIT_TESTS = "tests/unit/"
+# Integration modules whose tests read programs one fixture compiles (each compile is 15-25 s):
+# one worker, so each is compiled once.
+ONE_WORKER_MODULES = ("tests/integration/test_gpu_compile.py",)
 
 
 def pytest_xdist_make_scheduler(config, log):
-  """xdist's default `load` scheduling, but the e2e folder is one unit of work (one worker)
-  and each unit-test module one."""
+  """xdist's default `load` scheduling, but the e2e folder is one unit of work (one worker),
+  and so is each unit-test module and each of ONE_WORKER_MODULES."""
   if config.getvalue("dist") != "load":
     return None             # a --dist the user chose
   from xdist.scheduler import LoadScopeScheduling
@@ -117,7 +120,8 @@ def pytest_xdist_make_scheduler(config, log):
     def _split_scope(self, nodeid: str) -> str:
       if nodeid.startswith(PROCESS_TESTS):
         return PROCESS_TESTS
-      return nodeid.split("::")[0] if nodeid.startswith(UNIT_TESTS) else nodeid
+      module = nodeid.split("::")[0]
+      return module if nodeid.startswith(UNIT_TESTS) or module in ONE_WORKER_MODULES else nodeid
 
   return ScopesOnOneWorker(config, log)
 

@@ -12,6 +12,8 @@
   hlo.py             the compiled step's HLO text read: its collectives (axis, phase, dtype,
                      bytes) and the matmul FLOPs one run executes (loops times their trips,
                      the pipeline's slots weighed by its tables), which cost_analysis misses
+  schedule.py        a scheduled (GPU) module read: what compute runs while each asynchronous
+                     collective is in flight, per kind and mesh axis; the copies a loop makes
 
 The named scopes the traces classify by ("forward", "dp reduce-scatter", ...) are written
 where the step's code runs (megajax.parallel); the commands are megajax-trace and

@@ -18,7 +18,8 @@ def export_for_cuda(fn, *args) -> str:
   """The StableHLO module of `fn` exported for CUDA on this machine (the kernels' and cuDNN's
   custom calls allowed): runs the Triton and Mosaic GPU lowerings without a GPU."""
   checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (TRITON_CALL, MOSAIC_CALL, *CUDNN_CALLS)]
-  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)    # a jitted step keeps its compiler options
+  return jax.export.export(jitted, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 
 def tolerance(dtype) -> float:

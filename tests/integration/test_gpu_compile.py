@@ -1,0 +1,132 @@
+"""The real training step compiled for H100s on this CPU machine (megajax.parallel.deviceless):
+XLA's GPU compiler end to end (SPMD partitioning, fusion, Triton kernels, the latency-hiding
+scheduler, buffer assignment, PTX and cubin), read where a GPU would only show it in a
+profile: which collectives overlap compute, and how many bytes a device needs.
+
+A model wide enough that XLA's scheduler weighs the collectives against real kernels (hidden
+512, 256 tokens), two layers a chunk. Each program is compiled once per worker (~15-20 s on
+2 busy cores) and read by the checks that need it."""
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from megajax.config import default_config
+from megajax.layers.kernels import pallas_attention
+from megajax.observe.schedule import async_collectives, overlap_counts, synchronous_collectives
+from megajax.parallel import deviceless
+from tests.support.kernels import CUDNN_CALLS, TRITON_CALL
+
+MESHES = {   # (dp, pp, tp, virtual stages, microbatches)
+    "dp2-tp4": (2, 1, 4, 1, 2),
+    "2x2x2-v2": (2, 2, 2, 2, 4),
+}
+
+
+def gpu_config(mesh: str, impl: str):
+  dp, pp, tp, v, microbatches = MESHES[mesh]
+  c = default_config()
+  c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.virtual_stages = dp, pp, tp, v
+  c.model.num_layers, c.model.hidden_dim, c.model.num_heads = 2 * pp * v, 512, 4
+  c.model.seq_len, c.model.window, c.model.vocab_size = 256, 64, 1024
+  c.model.compute_dtype, c.model.attention_impl = "bfloat16", impl
+  c.train.batch_size, c.train.microbatches = dp * microbatches, microbatches
+  return c
+
+
+@functools.cache
+def compiled(mesh: str, impl: str, program: str = "train") -> deviceless.CompiledForGpu:
+  return deviceless.compile_for_gpu(gpu_config(mesh, impl), "h100-80g", program)
+
+
+def overlap_table(result) -> str:
+  """(kind, axis): overlapped / all, one line (what the closing note reports)."""
+  counts = overlap_counts(result.text, result.step.mesh)
+  return ", ".join(f"{kind} {axis} {done}/{total}" for (kind, axis), (done, total) in sorted(counts.items()))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cudnn"])
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_the_step_compiles_for_h100s_with_its_kernels_and_fits(mesh, impl):
+  """The 3D step for 8 described H100s: every layer's attention is compiled kernels (the Pallas
+  forward, dq and dk/dv as Triton kernels, or cuDNN's fused attention), and XLA's bytes per
+  device hold the state and fit the device."""
+  result = compiled(mesh, impl)
+  text = result.text
+  if impl == "pallas":
+    layers_per_device = result.step.config.model.num_layers // MESHES[mesh][1]
+    assert text.count(TRITON_CALL) >= 3 * layers_per_device
+  else:
+    assert all(f'custom_call_target="{name}"' in text for name in CUDNN_CALLS) and TRITON_CALL not in text
+  memory = result.compiled.memory_analysis()
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(result.step.abstract_inputs()[0])) \
+      // jax.tree.leaves(result.step.abstract_inputs()[0])[0].sharding.mesh.size
+  assert memory.argument_size_in_bytes >= state_bytes
+  assert memory.alias_size_in_bytes > 0          # the donated state is updated in place
+  assert 0 < result.bytes_per_device() < deviceless.GPU_TARGETS["h100-80g"].memory_bytes
+  print(f"{mesh} {impl}: compiled in {result.compile_seconds:.1f} s, {result.bytes_per_device() / 2**20:.1f} MiB "
+        f"a device; overlapped/all: {overlap_table(result)}")
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_every_collective_is_async_and_the_parallelism_collectives_overlap_compute(mesh):
+  """No collective blocks; ZeRO's dp gathers all overlap compute but the first (the first
+  layer's, with nothing before it to hide under), its reduce-scatters all do; the pipeline's
+  pp sends all do. What XLA's scheduler decides, read from the scheduled module."""
+  result = compiled(mesh, "pallas")
+  assert synchronous_collectives(result.text) == []
+  counts = overlap_counts(result.text, result.step.mesh)
+  gathers, gathers_total = counts[("all-gather", "dp")]
+  assert gathers >= gathers_total - 1 and gathers_total >= 2
+  assert counts[("reduce-scatter", "dp")][0] == counts[("reduce-scatter", "dp")][1] >= 1
+  if MESHES[mesh][1] > 1:
+    sends, sends_total = counts[("collective-permute", "pp")]
+    assert sends == sends_total >= 2
+
+
+def test_the_collective_matmul_ring_hides_every_hop_under_a_partial_matmul():
+  """tp_overlap=collective_matmul (the GPU default) on dp2-tp4: the ppermutes of the tp ring
+  have a kernel between their start and their done, all but at most one a layer (the
+  scheduler runs one permute of a kind at a time, and the two directions of a hop sometimes
+  queue: 1 of 104 here). Fails when XLA's DotMerger merges the ring's per-chunk matmuls back
+  into one dot after the last hop (38-45 of 100 hops then overlap nothing:
+  ParallelStep.compiler_options turns it off)."""
+  result = compiled("dp2-tp4", "pallas")
+  assert result.step.overlap.mode == "collective_matmul"
+  hops = [c for c in async_collectives(result.text, result.step.mesh)
+          if c.kind == "collective-permute" and c.axis == "tp"]
+  tp = MESHES["dp2-tp4"][2]
+  layers = result.step.config.model.num_layers
+  assert len(hops) >= 2 * layers * 2 * (tp - 1)     # two rings a layer's forward, both directions
+  exposed = [c.start.name for c in hops if not c.overlapped]
+  assert len(exposed) <= layers, exposed
+  print(f"dp2-tp4: {len(hops) - len(exposed)} of {len(hops)} ring hops overlap a kernel")
+
+
+def test_the_eval_step_compiles_for_h100s_with_no_gradient_collective():
+  """The held-out eval step on the pipeline's mesh: the forward alone (no reduce-scatter over
+  dp: there are no gradients) in less memory than the training step."""
+  evaluation = compiled("2x2x2-v2", "pallas", "eval")
+  counts = collections.Counter((c.kind, c.axis) for c in async_collectives(evaluation.text, evaluation.step.mesh))
+  assert counts[("reduce-scatter", "dp")] == 0 and counts[("all-gather", "dp")] >= 1
+  assert evaluation.text.count(TRITON_CALL) >= 1
+  assert evaluation.bytes_per_device() < compiled("2x2x2-v2", "pallas").bytes_per_device()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_portable_attention_kernels_compile_for_sm90_at_every_head_dim(d):
+  """pallas_attention's Triton forward and its dq, dk/dv backward kernels compiled to cubin
+  for sm_90 (bf16, GQA, a window below the length, an odd length padded to whole blocks): a
+  kernel whose tiles do not fit an SM's shared memory fails here as on the GPU."""
+  q = jax.ShapeDtypeStruct((1, 200, 4, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 200, 2, d), jnp.bfloat16)
+
+  def loss_and_grads(q, k, v):
+    attention = lambda q, k, v: pallas_attention(q, k, v, 72, interpret=False, backend="triton")
+    return jax.value_and_grad(lambda *qkv: jnp.sum(attention(*qkv).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  executable, seconds = deviceless.compile_function_for_gpu(loss_and_grads, q, kv, kv)
+  assert executable.as_text().count(TRITON_CALL) == 3     # the forward, dq, dk/dv
+  print(f"head dim {d}: the three kernels compiled in {seconds:.1f} s")
