@@ -22,6 +22,7 @@ import megajax.parallel
 from megajax.config import ConfigError, default_config, validate
 from megajax.config_checks import read_config_file
 from megajax.launch.cluster import expected_process_count, initialize_distributed, request_host_devices
+from megajax.launch.runtime import cpu_without_a_gpu
 from megajax.parallel import mesh_shape
 
 # megajax's own source folders (megajax/, layers/, launch/, ... install as one namespace).
@@ -91,9 +92,11 @@ def flags_parser(program: str):
   The --config file is read first (megajax.config_checks.read_config_file): ml_collections
   would report its faults as tracebacks, or a missing get_config as an unknown field.
   Parsing is the first thing a command does after its imports: their objects are frozen
-  then (freeze_imported_objects)."""
+  then (freeze_imported_objects), and a machine without a GPU is told so before jax starts a
+  backend (runtime.cpu_without_a_gpu)."""
   def parse(argv):
     freeze_imported_objects()
+    cpu_without_a_gpu()
     path = config_file_arg(argv[1:]) if "config" in flags.FLAGS else None
     if path is not None:
       try:

@@ -18,6 +18,12 @@ and when that is compute, the largest loss beside it).
                  paper (Megatron-LM / MegaScale's runtime, the one the paper measured).
   --explain      dp,pp,tp,v,b: one plan's full accounting instead of the search (memory by part,
                  one layer's operation times, the step by part, model FLOPs per GPU).
+  --compile      the config's own plan (its parallel.dp x pp x tp = --gpus) compiled for
+                 --hardware (h100-80g or h200-141g) by XLA's GPU compiler on this machine, no
+                 GPU needed (megajax.parallel.deviceless): XLA's bytes per device next to the
+                 planner's estimate, whether it fits, and the collectives that overlap compute.
+                 Before spending GPU time on a config: megajax-plan --config=configs/gpt_1_3b.py
+                 --gpus=1 --hardware=h100-80g --compile
 Each listed plan is followed by its memory and time by part and by what makes #1 faster than
 it; a legend and the modelled runtime (and how the other differs) come first. The best plan's
 config overrides (megajax-train --config.<field>=...) are printed before its step-time
@@ -29,10 +35,14 @@ planner`). Mistakes in flags or config are one line on stderr and exit code 2.
 from absl import app
 from absl import flags
 
+from megajax.config import ConfigError, pipeline_recompute, tp_overlap
 from megajax.launch import cli
 from megajax.launch.cli import define_config_flag, fail, flags_parser, validated_config
 from megajax.model import ModelConfig
-from megajax.parallel.planner import cost_model, plans, report
+from megajax.observe.schedule import overlap_counts
+from megajax.parallel import deviceless
+from megajax.parallel.mesh import mesh_shape
+from megajax.parallel.planner import cost_model, fits, plans, report
 
 PROGRAM = "megajax-plan"
 RUNTIMES = tuple(report.RUNTIMES)
@@ -45,6 +55,8 @@ _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaS
 _RUNTIME = flags.DEFINE_enum("runtime", "megajax", RUNTIMES, "Whose runtime executes the plan.")
 _REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
 _EXPLAIN = flags.DEFINE_string("explain", "", "dp,pp,tp,v,b: print this plan's full accounting instead of the search.")
+_COMPILE = flags.DEFINE_bool("compile", False, "Compile the config's own plan for --hardware without a GPU and "
+                              "print XLA's bytes per device next to the planner's.")
 flags.mark_flags_as_required(["config", "gpus"])
 flags.adopt_module_key_flags(cli)     # --config in this command's --help
 
@@ -68,6 +80,9 @@ def main(argv):
   if top < 1:
     _flag_error("top", top, "must be at least 1", "e.g. --top=5")
 
+  if _COMPILE.value:
+    _compile(config, gpus, hw)
+    return
   opts = cost_model.MEGATRON if _MEGATRON.value else cost_model.MEGASCALE
   c = ModelConfig.from_config(config.model)
   remat = _REMAT.value or c.remat
@@ -122,6 +137,46 @@ def _explain(c, gpus, batch, hw, opts, remat) -> None:
                 "sequence; pp x v dividing the layers; with v > 1, m a multiple of pp)",
                 "pick one megajax-plan lists")
   print("\n".join(report.explain(c, plan, hw, remat)))
+
+
+def _compile(config, gpus: int, hw) -> None:
+  """The config's plan compiled deviceless for `gpus` devices of `hw`: XLA's bytes per device
+  against the planner's (fits.estimate, what megajax-train checks before it starts)."""
+  if hw.name not in deviceless.GPU_TARGETS:
+    _flag_error("hardware", hw.name, "no deviceless target for it",
+                f"use --hardware={' or --hardware='.join(deviceless.GPU_TARGETS)} with --compile")
+  dp, pp, tp = mesh_shape(config)
+  if dp * pp * tp != gpus:
+    _flag_error("gpus", gpus, f"--compile compiles the config's own plan, dp x pp x tp = {dp * pp * tp}",
+                f"use --gpus={dp * pp * tp}, or set --config.parallel.dp/pp/tp to fill {gpus}")
+  try:
+    result = deviceless.compile_for_gpu(config, hw.name)
+  except ConfigError as error:
+    fail(PROGRAM, "config error", str(error))
+  except deviceless.DevicelessUnavailable as error:
+    fail(PROGRAM, "missing package", str(error))
+  memory = result.compiled.memory_analysis()
+  xla = result.bytes_per_device()
+  predicted = fits.estimate(config, "gpu")
+  limit = deviceless.GPU_TARGETS[hw.name].memory_bytes
+  gib = lambda nbytes: f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+  c = config.model
+  print(f"{PROGRAM} --compile: {ModelConfig.from_config(c).num_layers} layers, hidden {c.hidden_dim}, seq "
+        f"{c.seq_len}, batch {config.train.batch_size} in {config.train.microbatches} microbatches, remat {c.remat}, "
+        f"attention {c.attention_impl}; dp={dp} pp={pp} tp={tp} v={config.parallel.virtual_stages} "
+        f"(tp_overlap {tp_overlap(config, 'cuda')}, pipeline_recompute {pipeline_recompute(config, 'cuda')}) "
+        f"on {gpus} {hw.name}, compiled without a GPU in {result.compile_seconds:.1f} s")
+  print(f"  XLA      {gib(xla)} a device: arguments {gib(memory.argument_size_in_bytes)} (donated, aliased "
+        f"{gib(memory.alias_size_in_bytes)}), outputs {gib(memory.output_size_in_bytes)}, temporaries "
+        f"{gib(memory.temp_size_in_bytes)}")
+  print(f"  planner  {gib(predicted.total)} a device ({predicted.total / xla:.2f} of XLA's): state "
+        f"{gib(predicted.state)}, parameters and gradients {gib(predicted.params_temp)}, activations "
+        f"{gib(predicted.activations)}, logits {gib(predicted.logits)}, pipeline {gib(predicted.pipeline)}")
+  print(f"  fits     {'yes' if xla <= limit else 'NO'}: XLA's {gib(xla)} of the {gib(limit)} an {hw.name} reports "
+        f"(XLA's allocator takes 75% of it by default: XLA_PYTHON_CLIENT_MEM_FRACTION)")
+  counts = overlap_counts(result.text, result.step.mesh)
+  print("  overlap  " + ", ".join(f"{kind} {axis} {done}/{total}" for (kind, axis), (done, total) in sorted(counts.items())
+                                  if axis != "other") + " (collectives with compute between start and done / all)")
 
 
 parse_flags = flags_parser(PROGRAM)

@@ -202,6 +202,18 @@ def gpu_available(environ=None) -> bool:
   return cuda_plugin_installed() and (bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None)
 
 
+def cpu_without_a_gpu(environ=None) -> bool:
+  """With the CUDA plugin installed (the test extra brings it, for the deviceless GPU compile)
+  but no NVIDIA GPU and JAX_PLATFORMS unset, jax's platforms set to the CPU before any backend
+  starts: the plugin then skips its CUDA check, which on such a machine logs a traceback
+  ("Unable to load CUDA") before jax falls back to the CPU anyway. True when it did."""
+  environ = os.environ if environ is None else environ
+  if environ.get("JAX_PLATFORMS") or not cuda_plugin_installed() or gpu_available(environ):
+    return False
+  _set_jax_option("jax_platforms", "cpu")
+  return True
+
+
 def compilation_cache_path(setting: str, workdir: str, environ=None) -> tuple[str | None, str]:
   """(directory or None for off, where it came from) for runtime.compilation_cache_dir."""
   environ = os.environ if environ is None else environ

@@ -8,8 +8,12 @@ executable runs nowhere, but its scheduled module (`as_text()`) and its buffers
 (`memory_analysis()`) are the real ones: which collectives overlap which compute, what is
 copied, how many bytes a device needs.
 
-It needs the CUDA plugin's two wheels (`jax[cuda12-local]`: jax-cuda12-plugin and
-jax-cuda12-pjrt, no nvidia-* wheels, no driver); the test extra installs them.
+It needs the CUDA plugin's two wheels (jax-cuda12-plugin and jax-cuda12-pjrt at jaxlib's
+version, no nvidia-* wheels, no driver), kept out of the environment's import path in their own
+folder (`plugin_dir()`; `megajax-gpu-compiler --install` puts them there): installed beside jax,
+every process that imports jax would load them and print the CUDA stub's "Could not find cuda
+drivers" lines on stderr. `topology()` loads them from there when first asked, and registers
+the plugin with jax's CPU backend already running.
 
 What it cannot say: how fast anything runs (nothing executes, and without a GPU XLA does not
 autotune: Triton GEMMs take default tiles, cuDNN gets no workspace), nor what a Mosaic GPU
@@ -21,7 +25,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import math
+import os
+import sys
 import time
 
 import jax
@@ -90,6 +97,38 @@ def _target(name: str) -> GpuTarget:
   return GPU_TARGETS[name]
 
 
+class DevicelessUnavailable(RuntimeError):
+  """The CUDA plugin's wheels are not installed: nothing can compile for a GPU here."""
+
+
+PLUGIN_WHEELS = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
+
+
+def plugin_dir() -> str:
+  """Where the CUDA plugin's wheels live for this environment: $MEGAJAX_GPU_COMPILER, or
+  <sys.prefix>/megajax-gpu-compiler (inside the virtual environment)."""
+  return os.environ.get("MEGAJAX_GPU_COMPILER") or os.path.join(sys.prefix, "megajax-gpu-compiler")
+
+
+def _register_cuda_plugin() -> None:
+  """jax's CUDA plugin registered from plugin_dir() if jax has none (a GPU host's own install
+  is used as it is). Its CUDA version check is skipped: there is no CUDA here, nor needed."""
+  from jax._src import xla_bridge
+  if "cuda" in xla_bridge._topology_factories:        # registered at jax's start (a GPU host)
+    return
+  folder = plugin_dir()
+  if not os.path.isdir(os.path.join(folder, "jax_plugins")):
+    raise DevicelessUnavailable(
+        f"the deviceless GPU compile needs the CUDA plugin's wheels in {folder}: run megajax-gpu-compiler "
+        f"--install (pip installs {' and '.join(PLUGIN_WHEELS)} at jaxlib's version there, no driver needed)")
+  if folder not in sys.path:
+    sys.path.append(folder)
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  xla_bridge._discover_and_register_pjrt_plugins()     # jax's own discovery, if it has not run yet
+  if "cuda" not in xla_bridge._topology_factories:     # it ran before the folder was on the path
+    importlib.import_module("jax_plugins.xla_cuda12").initialize()
+
+
 @functools.cache
 def topology(target: str = "h100-80g", devices: int = GPUS_PER_HOST):
   """`devices` described GPUs in hosts of 8 (a process index each, as on a cluster)."""
@@ -98,12 +137,9 @@ def topology(target: str = "h100-80g", devices: int = GPUS_PER_HOST):
   if devices > GPUS_PER_HOST and devices % GPUS_PER_HOST:
     raise ConfigError("devices", devices, f"more than one host of {GPUS_PER_HOST} GPUs must fill whole hosts",
                       f"use a multiple of {GPUS_PER_HOST}")
-  try:
-    return topologies.get_topology_desc(platform="cuda", target_config=spec.target_config(),
-                                        topology=f"1x{hosts}x{min(devices, GPUS_PER_HOST)}")
-  except (ImportError, NotImplementedError, RuntimeError) as error:
-    raise RuntimeError("the deviceless GPU compile needs the CUDA plugin's wheels: pip install "
-                       f"'jax[cuda12-local]' (jax-cuda12-plugin and jax-cuda12-pjrt, no driver): {error}") from error
+  _register_cuda_plugin()
+  return topologies.get_topology_desc(platform="cuda", target_config=spec.target_config(),
+                                      topology=f"1x{hosts}x{min(devices, GPUS_PER_HOST)}")
 
 
 def gpu_devices(target: str = "h100-80g", devices: int = GPUS_PER_HOST) -> list:

@@ -23,6 +23,7 @@ import numpy as np
 from megajax.config import default_config, validate
 from megajax.flops import mfu, training_flops_per_token
 from megajax.launch.bench.timing import is_out_of_memory, median_seconds
+from megajax.parallel import deviceless
 from megajax.parallel.planner.fits import device_memory, estimate
 from megajax.trainer import build_parallel_step
 
@@ -111,6 +112,35 @@ def train_suite(size: str, seq: int, window: int, repeats: int) -> list[dict]:
     print(f"  {name}: " + (f"skipped ({done['error'][:80]})" if "error" in done else
                            f"{done['step_s'] * 1e3:.1f} ms/step, {done['tflops']:.1f} TFLOP/s, remat {done['remat']}"),
           flush=True)
+  return results
+
+
+# What `bench gpu` runs the suite with (WORKSPACE.md, "On a GPU machine without network"): the
+# 3B rows need more than XLA's default 75% of the device.
+GPU_MEMORY_FRACTION = 0.92
+
+
+def fit_on_gpu(size: str, seq: int, window: int, target: str) -> list[dict]:
+  """Each row of the suite compiled for one described GPU of `target` on this machine
+  (megajax.parallel.deviceless): the remat the GPU run would pick (`fitted`'s rule, at
+  GPU_MEMORY_FRACTION of the device), XLA's bytes beside the planner's, and whether they fit."""
+  gpu = deviceless.GPU_TARGETS[target]
+  limit = GPU_MEMORY_FRACTION * gpu.memory_bytes
+  window = window or seq // 4
+  print(f"MFU suite compiled for one {gpu.device_kind} without a GPU: {size} model, sequence {seq}, SWA window "
+        f"{window}; fits: XLA's bytes within {GPU_MEMORY_FRACTION:.0%} of {gpu.memory_bytes / 2**30:.1f} GiB", flush=True)
+  print(f"{'row':14}{'batch':>7}{'remat':>7}{'XLA GiB':>10}{'planner GiB':>13}{'fits':>6}{'compile s':>11}")
+  results = []
+  for row, name in enumerate(ROWS):
+    config = row_config(size, seq, window, row, on_gpu=True)
+    if estimate(config, "gpu").total > limit:
+      config.model.remat = "full"
+    compiled = deviceless.compile_for_gpu(config, target)
+    xla, planner = compiled.bytes_per_device(), estimate(config, "gpu").total
+    results.append({"row": name, "batch": config.train.batch_size, "remat": config.model.remat, "xla_bytes": xla,
+                    "planner_bytes": planner, "fits": xla <= limit, "compile_s": compiled.compile_seconds})
+    print(f"{name:14}{config.train.batch_size:>7}{config.model.remat:>7}{xla / 2**30:>10.2f}{planner / 2**30:>13.2f}"
+          f"{'yes' if xla <= limit else 'NO':>6}{compiled.compile_seconds:>11.1f}", flush=True)
   return results
 
 

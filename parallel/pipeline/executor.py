@@ -40,7 +40,10 @@ forward and backward together and counts the statistics.
              at the chunk's rows, and reduce-scattered over dp once (below).
              grad_sync="microbatch": reduce-scattered over dp right away (ZeRO-2) and added
              to this stage's shard. Either way embedding / head gradients are summed over pp
-             at the end (only their stages have any).
+             at the end (only their stages have any). The backward switch returns only its
+             slot's gradients (the chunk's k rows, the shared leaves; zeros when idle) and the
+             tick adds them to the carry outside it: accumulators handed through the switch
+             were copied whole in every branch on XLA:GPU (docs/deviceless.md).
 
 ZeRO per model chunk (MegaScale's dp overlap; dp_edge_pieces): before the scan only the
 first local chunk's rows and the shared leaves are gathered. The scan runs in three parts:
@@ -264,22 +267,60 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     start = chunk * k
     return jax.tree.map(lambda x: rows_at(x, start, k), layers)
 
-  def add_chunk_grads(grads, chunk_grads, shared_grads, chunk):
-    """Add one backward's gradients at the chunk's rows: as they are ("step": the dp
-    reduce-scatter waits for the chunk's last backward), or ("microbatch") reduce-scattered
-    over dp now (one call: the chunk's and the shared leaves' in one set, which CPU jobs across processes
-    pack and order) into the shard. In the master dtype first, as they come from the vjp (a
-    leaf gathered in the compute dtype: the conversion its cast's transpose made before)."""
-    names = [LAYERS, *shared_grads]
-    reduced = sharding.to_master_dtype({LAYERS: chunk_grads, **shared_grads}, {n: params[n] for n in names})
-    if grad_sync == "microbatch":
-      reduced = sharding.reduce_scatter_grads(reduced, {n: layouts[n] for n in names}, bucket_bytes)
-    start = chunk * k
-    add_rows = lambda buffer, g: with_rows_at(buffer, rows_at(buffer, start, k) + g, start)
+  # A backward slot's gradients: the chunk's k rows and every shared leaf any program uses, in
+  # the master dtype (as they come from the vjp, a leaf gathered in the compute dtype converted:
+  # what its cast's transpose did before), typed like the gathered parameters. The switch
+  # returns them and the tick adds them to the carry outside it: an accumulator handed through
+  # a switch whose branches use different operands is copied whole by XLA in every branch
+  # (the deviceless H100 compile of a 2x2x2 step: 2 x 8 MiB copies a backward slot).
+  shared_names = tuple(dict.fromkeys(name for program in tables.programs for name in _shared_names(program, c)))
+  grad_names = (LAYERS, *shared_names)
+  masters = {name: params[name] for name in grad_names}
+
+  def zero_grads(names=grad_names):
+    like = {name: gathered_like[name] for name in names}
+    if LAYERS in like:
+      like[LAYERS] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype), like[LAYERS])
+    axes = {name: gathered_like[name] for name in names}
+    return jax.tree.map(lambda x, master, typed: to_varying(jnp.zeros(x.shape, master.dtype), tuple(varying_axes(typed))),
+                        like, {name: masters[name] for name in names}, axes)
+
+  def chunk_grads_of(layer_grads, shared_grads):
+    produced = sharding.to_master_dtype({LAYERS: layer_grads, **shared_grads},
+                                        {name: masters[name] for name in (LAYERS, *shared_grads)})
+    missing = tuple(name for name in shared_names if name not in shared_grads)
+    return _matching({**zero_grads(missing), **produced}, zero_grads())
+
+  # Which backward branch produces which shared leaf (branch 0 idles): the tick adds a leaf's
+  # gradient only when its branch made one.
+  produces = {name: jnp.asarray([False] + [name in _shared_names(program, c) for program in tables.programs])
+              for name in shared_names}
+
+  def add_chunk_grads(grads, chunk_grads, op):
+    """Add one backward slot's gradients. "step": as they are, every leaf every tick (an idle
+    slot's are zeros; the dp reduce-scatter waits for the chunk's last backward): a lax.cond
+    around the add would copy the whole buffer in its pass-through branch, as the switch did.
+    "microbatch": reduce-scattered over dp first into the shard, under a cond that skips an
+    idle slot's (and a shared leaf its program does not use): no collective of zeros."""
+    branch = op["b_branch"]
+    start = op["b_chunk"] * k
+
+    def add(name, before):     # one leaf group: each cond hands only its own buffers through
+      reduced = {name: chunk_grads[name]}
+      if grad_sync == "microbatch":
+        reduced = sharding.reduce_scatter_grads(reduced, {name: layouts[name]}, bucket_bytes)
+      if name == LAYERS:
+        add_rows = lambda buffer, g: with_rows_at(buffer, rows_at(buffer, start, k) + g, start)
+        return _matching(jax.tree.map(add_rows, before, reduced[LAYERS]), before)
+      return _matching(jax.tree.map(jnp.add, before, reduced[name]), before)
+
     grads = dict(grads)
-    grads[LAYERS] = jax.tree.map(add_rows, grads[LAYERS], reduced[LAYERS])
-    for name in shared_grads:
-      grads[name] = jax.tree.map(jnp.add, grads[name], reduced[name])
+    for name in grad_names:
+      if grad_sync == "step":
+        grads[name] = add(name, grads[name])
+      else:
+        produced = branch > 0 if name == LAYERS else produces[name][branch]
+        grads[name] = lax.cond(produced, lambda g, name=name: add(name, g), lambda g: g, grads[name])
     return grads
 
   # parallel.pipeline_recompute=False: each non-last program's forward traced once with its
@@ -299,8 +340,14 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     carry["residuals"] = {
         _group_key(group): to_varying(jnp.zeros((tables.residual_slots + 1, words), group_dtype(group)), group[0])
         for group, words in residual_words.items()}
-  empty_residuals = {_group_key(group): to_varying(jnp.zeros((words,), group_dtype(group)), group[0])
-                     for group, words in residual_words.items()}
+  # What an idle slot returns is made inside its branch, not closed over: a switch returning a
+  # buffer from outside copies it (an 8 MiB residual vector a tick in the H100 compile).
+  def empty_residuals():
+    return {_group_key(group): to_varying(jnp.zeros((words,), group_dtype(group)), group[0])
+            for group, words in residual_words.items()}
+
+  def no_message():
+    return jnp.zeros_like(empty_message)
 
   def forward(program: Program, layers):
     run = chunk_forward(program, c, overlap, z_loss)
@@ -312,13 +359,13 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
         residuals = {_group_key(group): vector for group, vector in packed.items()}
       else:
         out, _ = run(*args)
-        residuals = empty_residuals
-      return _matching(out, empty_message), _matching(residuals, empty_residuals)
+        residuals = empty_residuals()
+      return _matching(out, empty_message), _matching(residuals, empty_residuals())
     return branch
 
   def backward(program: Program, layers):
     run = chunk_forward(program, c, overlap, z_loss)
-    def branch(stash, cotangents, residuals, grads, stats, op, mb):
+    def branch(stash, cotangents, residuals, stats, op, mb):
       chunk_layers = chunk_params(layers, op["b_chunk"])
       shared = {name: full[name] for name in _shared_names(program, c)}
       if program in splits:    # the pullback from the forward's residuals: no forward rerun
@@ -334,15 +381,15 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       else:
         cotangent = row_at(cotangents, op["b_ct_slot"])
       layer_grads, shared_grads, x_grad = vjp_fn(cotangent)
-      grads = _matching(add_chunk_grads(grads, layer_grads, shared_grads, op["b_chunk"]), grads)
-      return grads, stats, empty_message if program.first else _matching(x_grad, empty_message)
+      return (chunk_grads_of(layer_grads, shared_grads), stats,
+              no_message() if program.first else _matching(x_grad, empty_message))
     return branch
 
   def branches(layers, segment):
     """Both slots' branch lists reading chunk rows from `layers`; branch 0 idles, and so does a
     program the segment's tables never select (and a last program's forward: Tables.build)."""
-    forwards = [lambda stash, op, mb: (empty_message, empty_residuals)]
-    backwards = [lambda stash, cotangents, residuals, grads, stats, op, mb: (grads, stats, empty_message)]
+    forwards = [lambda stash, op, mb: (no_message(), empty_residuals())]
+    backwards = [lambda stash, cotangents, residuals, stats, op, mb: (zero_grads(), stats, no_message())]
     for i, program in enumerate(tables.programs):
       used = lambda prefix: bool((segment[prefix + "branch"] == i + 1).any())
       forwards.append(forward(program, layers) if not program.last and used("f_") else forwards[0])
@@ -375,8 +422,9 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     # makes XLA copy it.
     kept = {key: row_at(buffer, op["b_res_slot"]) for key, buffer in carry.get("residuals", {}).items()}
     with jax.named_scope(BACKWARD_SLOT):
-      grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents_in, kept,
-                                           carry["grads"], carry["stats"], op, microbatch(op["b_microbatch"]))
+      chunk_grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents_in, kept,
+                                                 carry["stats"], op, microbatch(op["b_microbatch"]))
+      grads = add_chunk_grads(carry["grads"], chunk_grads, op)
     backward_out = (cotangent, grads)
     with jax.named_scope("pp send-recv"):
       if ordered_collectives:  # both sends after the backward slot, the forward's first

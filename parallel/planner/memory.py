@@ -40,24 +40,25 @@ XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps
 # buffers): the weight of each of pipeline_terms' terms, non-negative least squares (relative
 # error) on XLA's bytes of memory_fit.PIPELINE_FIT_CASES: 72 configs (pp 2-4, dp 1-2, tp 1-2,
 # v 1-2, seq 64-128, b 1-2, h 128-256, 4-8 layers, bf16 and fp32, remat none / dots / full, both
-# executors and grad syncs; measured: memory_measured.py), rms 2.7%, worst 6.6%. The held-out
-# calibration.MEMORY_CASES are within 2.5%. Empirical weights, not buffer counts: a switch's
-# temporaries are its largest branch's, not the sum, so a term under a larger branch weighs 0
-# (the logits) and the working set of the branch that fills the
-# residual slots carries the rest (layer). tests/unit/test_planner.py refits them from the data.
-XLA_PIPELINE = dict(params=2.31,     # param-sized temporaries per stage param (branch gradient buffers)
-                    step_sum=0.16,   # grad_sync="step": the fp32 gradient sums, per stage param
-                    gather=0.57,     # dp > 1: per gathered param, in the dtype it is gathered in
-                    layer=4.64,      # remat none: of a chunk's non-score activations (XLA_KEPT)
-                    scores=3.34,     # remat none: of its attention scores
-                    saved=1.18,      # dots / full: of what the policy saves per layer of a chunk
-                    rebuilt=1.36,    # dots / full: of one layer's activations rebuilt in its backward
-                    rerun=1.53,      # pipeline_recompute: of a chunk's activations (XLA_KEPT, any
+# executors and grad syncs; measured: memory_measured.py), rms 4.5%, worst 11.8% (refitted when
+# the executor stopped copying its accumulators in every backward branch). The held-out
+# calibration.MEMORY_CASES: tests/integration/test_planner_memory.py. Empirical weights, not
+# buffer counts: a switch's temporaries are its largest branch's, not the sum, so a term under a
+# larger branch weighs 0 (the saved activations, the logits) and the working set of the branch
+# that fills the residual slots carries the rest (layer). tests/unit/test_planner.py refits them from the data.
+XLA_PIPELINE = dict(params=2.088,    # param-sized temporaries per stage param (branch gradient buffers)
+                    step_sum=0.223,  # grad_sync="step": the fp32 gradient sums, per stage param
+                    gather=0.305,    # dp > 1: per gathered param, in the dtype it is gathered in
+                    layer=6.423,     # remat none: of a chunk's non-score activations (XLA_KEPT)
+                    scores=6.795,    # remat none: of its attention scores
+                    saved=0.0,       # dots / full: of what the policy saves per layer of a chunk
+                    rebuilt=0.667,   # dots / full: of one layer's activations rebuilt in its backward
+                    rerun=0.888,     # pipeline_recompute: of a chunk's activations (XLA_KEPT, any
                                      # policy: its forward is rerun inside the backward's branch)
-                    residual=0.91,   # per residual slot (+ trash) of a chunk's vjp residuals: the scan's
+                    residual=0.437,  # per residual slot (+ trash) of a chunk's vjp residuals: the scan's
                                      # carry, updated in place (pipeline.executor._written_after)
-                    logits=0.0,      # of the logits
-                    message=2.48)    # buffers per stash / cotangent slot [b, s / tp, h]
+                    logits=0.003,    # of the logits
+                    message=5.718)   # buffers per stash / cotangent slot [b, s / tp, h]
 # ... and of its residual slots: a chunk's vjp residuals under remat none are
 # XLA_RESIDUALS_NONE x the XLA_KEPT bytes of its layers, measured (the residual buffer's words
 # in the lowered step) on 9 pipeline configs: 1.38-1.44.

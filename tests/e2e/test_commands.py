@@ -176,12 +176,26 @@ def test_plan_cli_explains_one_plan():
                                          (["--gpus=12290"], "--gpus=12290"),
                                          (["--gpus=8", "--batch=64"], "--gpus=8"),
                                          (["--gpus=256", "--batch=768", "--explain=8,4,8"], "--explain=8,4,8"),
-                                         (["--gpus=256", "--batch=768", "--explain=8,4,8,5,1"], "--explain=8,4,8,5,1")])
+                                         (["--gpus=256", "--batch=768", "--explain=8,4,8,5,1"], "--explain=8,4,8,5,1"),
+                                         (["--gpus=8", "--compile"], "--hardware=a100-80g"),
+                                         (["--gpus=3", "--hardware=h100-80g", "--compile"], "--gpus=3")])
 def test_plan_cli_bad_input_is_one_line_naming_the_flag(flags, flag):
   result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", *flags])
   assert result.returncode == 2
   error = result.stderr.strip().splitlines()
   assert len(error) == 1 and flag in error[0] and "; " in error[0], result.stderr
+
+
+def test_plan_cli_compiles_the_configs_plan_for_h100s_without_a_gpu():
+  """--compile: the config's own plan (dp=2 here) compiled by XLA's GPU compiler on this CPU
+  machine: XLA's bytes per device, the planner's beside them, the fit and the overlap."""
+  result = run_module(["-m", "megajax.launch.plan", "--config=configs/default.py", "--gpus=2", "--hardware=h100-80g",
+                       "--compile", "--config.parallel.dp=2", "--config.parallel.pp=1", "--config.parallel.tp=1"])
+  assert result.returncode == 0, result.stderr[-2000:]
+  out = result.stdout
+  assert "dp=2 pp=1 tp=1" in out and "on 2 h100-80g, compiled without a GPU" in out
+  assert "XLA " in out and "of XLA's" in out and "fits     yes" in out
+  assert "reduce-scatter dp 1/1" in out, out
 
 
 def test_eval_cli_evaluates_the_latest_checkpoint(two_checkpoints):

@@ -128,3 +128,18 @@ def test_configure_runtime_sets_the_cache(jax_options, tmp_path):
   jax_options.clear()
   runtime.configure_runtime(_config(compilation_cache_dir="none"), str(tmp_path), environ={"JAX_PLATFORMS": "cpu"})
   assert jax_options == {"jax_enable_compilation_cache": False}
+
+
+def test_a_machine_without_a_gpu_is_pinned_to_the_cpu_when_the_cuda_plugin_is_installed(monkeypatch, jax_options):
+  """The CUDA plugin (the test extra's) with no GPU: jax_platforms=cpu before any backend, so
+  the plugin skips its CUDA check (a logged traceback otherwise); never over a user's choice."""
+  monkeypatch.setattr(runtime, "cuda_plugin_installed", lambda: True)
+  monkeypatch.setattr(runtime, "gpu_available", lambda environ=None: False)
+  assert runtime.cpu_without_a_gpu({}) and jax_options == {"jax_platforms": "cpu"}
+  jax_options.clear()
+  assert not runtime.cpu_without_a_gpu({"JAX_PLATFORMS": "cuda"}) and jax_options == {}
+  monkeypatch.setattr(runtime, "gpu_available", lambda environ=None: True)
+  assert not runtime.cpu_without_a_gpu({}) and jax_options == {}
+  monkeypatch.setattr(runtime, "cuda_plugin_installed", lambda: False)
+  monkeypatch.setattr(runtime, "gpu_available", lambda environ=None: False)
+  assert not runtime.cpu_without_a_gpu({}) and jax_options == {}
