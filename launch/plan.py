@@ -22,8 +22,8 @@ and when that is compute, the largest loss beside it).
                  --hardware (h100-80g or h200-141g) by XLA's GPU compiler on this machine, no
                  GPU needed (megajax.parallel.deviceless): XLA's bytes per device next to the
                  planner's estimate, whether it fits, and the collectives that overlap compute.
-                 Before spending GPU time on a config: megajax-plan --config=configs/gpt_1_3b.py
-                 --gpus=1 --hardware=h100-80g --compile
+                 Before spending GPU time on a config: megajax-plan --config=configs/gpt_1p3b.py
+                 --gpus=8 --config.parallel.dp=8 --hardware=h100-80g --compile
 Each listed plan is followed by its memory and time by part and by what makes #1 faster than
 it; a legend and the modelled runtime (and how the other differs) come first. The best plan's
 config overrides (megajax-train --config.<field>=...) are printed before its step-time

@@ -328,7 +328,8 @@ class ParallelStep:
 
   @property
   def compiler_options(self) -> dict | None:
-    """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"."""
+    """XLA options the step compiles with: the windowed-einsum ones in tp_overlap="xla"; on a
+    GPU with tp > 1, DotMerger off in tp_overlap="collective_matmul" (COLLECTIVE_MATMUL_OPTIONS)."""
     if self.overlap.mode == "xla":
       return XLA_WINDOWED_EINSUM_OPTIONS
     if self.overlap.mode == "collective_matmul" and self.mesh.shape[TP] > 1 and self.platform in ("gpu", "cuda"):
