@@ -1,7 +1,9 @@
 """The runtime: parallelism over the (dp, pp, tp) mesh, and the planner that chooses a mesh.
 
   mesh.py               the (dp, pp, tp) mesh and the axis names every spec and collective uses
-  sharding.py           each parameter's layout; ZeRO's gather / reduce-scatter; whole-tensor norms
+  sharding.py           each parameter's layout (tp, then ZeRO's dp split); whole-tensor norms
+  zero.py               ZeRO inside the step: the parameters' all-gathers, the gradients' reduce-scatters
+  fused.py              a block's fused matmul operands: the compute form its forward reads a layer in
   collective_matmul.py  the parallel linears, with the collective fused into the matmul
   tensor_parallel.py    the model's forward pass on one device's shards (what trains)
   pipeline/             pipeline schedules, the stacked layout, the tick executor, the baseline

@@ -3,9 +3,9 @@
 Per device, one step is:
 
   1. ZeRO gather:  fp32 master shards --all-gather(dp)--> this tp rank's parameters, the
-                   linears' cast to the compute dtype first (sharding.gathers_in_compute_dtype).
+                   linears' cast to the compute dtype first (zero.gathers_in_compute_dtype).
                    pp = 1: inside the first microbatch's forward, each issued one layer ahead
-                   of its use (sharding.layer_ahead_gathers), kept for the later microbatches;
+                   of its use (zero.layer_ahead_gathers), kept for the later microbatches;
                    pp > 1: all of the stage's at the top of the step, before the tick scan.
   2. Forward/backward per microbatch: with pp = 1 a lax.scan over microbatches of the
                    tensor + sequence parallel model (megajax.parallel.tensor_parallel); with
@@ -44,7 +44,7 @@ from megajax.config import (ConfigError, dp_bucket_bytes, pipeline_recompute, tp
 from megajax.layers.kernels import lowering_for
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
-from megajax.parallel import pipeline, sharding
+from megajax.parallel import pipeline, sharding, zero
 from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, batch_sharding, batch_spec
 from megajax.parallel.pipeline import simulate
@@ -206,28 +206,31 @@ class ParallelStep:
     loss = jax.named_scope("forward")(
         functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
     # ZeRO's gathers run inside the first microbatch's forward, one layer ahead of use
-    # (sharding.layer_ahead_gathers); the later microbatches use what it gathered.
-    sinks = sharding.gathered_zeros(params, self.layouts, self.model.config.compute_dtype)
-    first = sharding.first_microbatch_gathering(loss, params, self.layouts, self.model.config.compute_dtype, sinks,
-                                                ordered=self.platform == "cpu", bucket_bytes=dp_bucket_bytes(c))
-    reduce_scatter = functools.partial(sharding.reduce_scatter_grads, layouts=self.layouts,
-                                       bucket_bytes=dp_bucket_bytes(c))
+    # (zero.layer_ahead_gathers), each layer in its compute form (megajax.parallel.fused:
+    # a fused matmul's kernels gathered as its operand); the later microbatches use what it gathered.
+    m = self.model.config
+    sinks = zero.gathered_zeros(params, self.layouts, m.compute_dtype, model=m)
+    first = zero.first_microbatch_gathering(loss, params, self.layouts, m.compute_dtype, sinks,
+                                                ordered=self.platform == "cpu", bucket_bytes=dp_bucket_bytes(c), model=m)
+    reduce_scatter = functools.partial(zero.reduce_scatter_grads, layouts=self.layouts,
+                                       bucket_bytes=dp_bucket_bytes(c), shards=params, model=m)
     if c.parallel.grad_sync == "microbatch":
       # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
       # only this device's 1/dp shard, shaped like the master shard (m collectives per leaf).
       # Gradients w.r.t. leaves gathered in the compute dtype come back in it: in the master
       # dtype again before the reduction (the conversion the cast's transpose made before).
+      master = zero.gathered_zeros(params, self.layouts, model=m)
       grads, stats = accumulate_gradients(loss, None, batch, c.train.microbatches, first_microbatch=first,
-                                          reduce_grads=lambda g: reduce_scatter(sharding.to_master_dtype(g, params)),
+                                          reduce_grads=lambda g: reduce_scatter(zero.to_master_dtype(g, master)),
                                           zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes)
     else:
       # grad_sync="step": the scan sums full local gradients (fp32, shaped like the gathered
       # parameters) over the microbatches between the first and the last; the last one's
-      # backward runs after it, and with it one reduce-scatter per leaf over dp for the whole
-      # step, each depending only on its own leaf's sum: XLA may start the head's while the
-      # first layers' backward runs.
+      # backward runs after it, and with it the reduce-scatters over dp for the whole step,
+      # each depending only on its own gradients: XLA may start the head's while the first
+      # layers' backward runs.
       grads, stats = accumulate_gradients(
-          loss, None, batch, c.train.microbatches, first_microbatch=first, zero_grads=sharding.gradient_accumulators(sinks),
+          loss, None, batch, c.train.microbatches, first_microbatch=first, zero_grads=zero.gradient_accumulators(sinks),
           probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)))
     # Captured statistics are global already (reduced over dp and tp where they were taken).
     return grads, {k: v if k == "capture" else collectives.psum(v, DP) for k, v in stats.items()}
@@ -248,19 +251,24 @@ class ParallelStep:
     if self.extra_work is not None:    # its scalar joins the loss times 0: XLA must compute it
       extra = self.extra_work(batch, state.step + 1)
       metrics["loss"] = metrics["loss"] + collectives.psum(0.0 * extra, (DP, PP, TP))
-    with jax.named_scope("optimizer"):
-      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
     metrics["learning_rate"] = learning_rate_schedule(self.config)(state.step)
-    # A non-finite loss, gradient or new parameter skips the update: the state passes through unchanged
-    # (the loss and norm are global, so every device decides alike; the trainer counts the
-    # skips and rolls back after train.nonfinite_rollback_after in a row).
-    # The new parameters too, so that no NaN or Inf can reach a checkpoint; checked here, in
-    # the step's own collective order, not by a separate program at save time.
-    params_norm = global_norm(params, sharding.tensor_norms(self.layouts))
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(params_norm)
-    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                             TrainState(state.step + 1, params, opt_state), state)
+    # A non-finite loss, gradient norm or learning rate skips the update: the state passes
+    # through unchanged (all three are global, so every device decides alike; the trainer
+    # counts the skips and rolls back after train.nonfinite_rollback_after in a row). With
+    # them finite, the new state is finite too: AdamW's and LAMB's moments of finite
+    # gradients whose squares sum finitely (the norm) are finite, their steps bounded (Adam's
+    # m / sqrt(v); LAMB's scaled to ||w||), short of an fp32 overflow past 3.4e38; so no NaN
+    # or Inf reaches a checkpoint. Decided before the update, as a branch: the update runs as
+    # it would unguarded, in place (a select of new and old values instead would take a
+    # second pass over the state, or copy the moments the update reads twice).
+    finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+              & jnp.isfinite(metrics["learning_rate"]))
+
+    def update(state):
+      with jax.named_scope("optimizer"):
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    new_state = lax.cond(finite, update, lambda state: state, state)
     metrics["skipped"] = 1 - finite.astype(jnp.int32)
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
 
@@ -303,18 +311,18 @@ class ParallelStep:
                                  c.train.microbatches, self.model.config, self.overlap,
                                  bucket_bytes=dp_bucket_bytes(c))
     else:
-      full_params = sharding.gather_params(params, self.layouts, self.model.config.compute_dtype,
-                                           bucket_bytes=dp_bucket_bytes(c))
+      full_params = zero.gather_params(params, self.layouts, self.model.config.compute_dtype,
+                                       bucket_bytes=dp_bucket_bytes(c), model=self.model.config)
       microbatches = split_microbatches(batch, c.train.microbatches)
       # One microbatch's activations at a time, as in training; the zeros are typed like the
       # batch (inside the shard_map the sums vary over dp as it does).
-      zero = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)
+      start = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)
 
       def one_microbatch(sums, microbatch):
         _, stats = jax.named_scope("forward")(loss_sums)(full_params, microbatch, self.model.config, self.overlap)
         return {k: sums[k] + stats[k] for k in sums}, None
 
-      stats, _ = lax.scan(one_microbatch, {"nll_sum": zero, "tokens": zero}, microbatches)
+      stats, _ = lax.scan(one_microbatch, {"nll_sum": start, "tokens": start}, microbatches)
       stats = {k: collectives.psum(v, DP) for k, v in stats.items()}
     return {"eval_loss_sum": stats["nll_sum"], "eval_tokens": stats["tokens"]}
 

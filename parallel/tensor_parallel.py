@@ -14,8 +14,9 @@ once, not its two norms' outputs (half the bytes), and runs both norms on the ga
 tokens (elementwise, repeated on every tp rank) before the two column matmuls; then the same
 fused row-parallel matmul: one all-gather, one reduce-scatter, like the parallel block.
 
-The parameters are the model's own pytree (megajax.model), each leaf this device's tp shard.
-The math and dtypes follow the Flax modules (the norms are the Flax modules themselves, the
+The parameters are the model's own pytree (megajax.model), each leaf this device's tp shard,
+a block's in its compute form (megajax.parallel.fused: the kernels of each fused matmul as
+one operand, as ZeRO gathers them). The math and dtypes follow the Flax modules (the norms are the Flax modules themselves, the
 MLP's activation megajax.layers.MLP_ACTIVATIONS), so the single-device model is the
 reference this path is tested against.
 """
@@ -28,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, MLP_INPUTS, rotary_embedding
+from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, rotary_embedding
 from megajax.model import REMAT_POLICIES, ModelConfig, norm
 from megajax.parallel.collective_matmul import column_parallel_apply, column_parallel_linear, row_parallel_linear
-from megajax.parallel import collectives
+from megajax.parallel import collectives, fused
 from megajax.parallel.mesh import TP
 
 
@@ -57,23 +58,27 @@ def _norm(params, x, c: ModelConfig):
   return norm(c, "norm").apply({"params": params}, x)
 
 
-def _columns(leaf):
-  """A kernel [hidden, ...features] as a matrix [hidden, features]."""
-  return leaf.reshape(leaf.shape[0], -1)
-
-
-def _fused_input(parts: list[dict], c: ModelConfig):
-  """The column-parallel [W1 | W2 | ...] matrix and bias, and each part's width."""
-  kernels = [_columns(p["kernel"]) for p in parts]
-  widths = [k.shape[1] for k in kernels]
-  kernel = jnp.concatenate(kernels, axis=1).astype(c.compute_dtype)
-  bias = jnp.concatenate([p["bias"].reshape(-1) for p in parts]).astype(c.compute_dtype) if c.use_bias else None
-  return kernel, bias, widths
-
-
 def _split(x, widths):
   offsets = [sum(widths[:i]) for i in range(1, len(widths))]
   return jnp.split(x, offsets, axis=-1)
+
+
+def _column_operand(p, name: str, c: ModelConfig):
+  """A columns operand of the layer's compute form (megajax.parallel.fused) in the compute
+  dtype, its bias [features] (the members' side by side; None without biases) and its
+  members' widths on this tp rank."""
+  operand = fused.operands(c)[name]
+  bias = (jnp.concatenate([p[module][linear]["bias"].reshape(-1) for module, linear in operand.members])
+          .astype(c.compute_dtype) if c.use_bias else None)
+  return p[name].astype(c.compute_dtype), bias, fused.member_widths(operand, c, lax.axis_size(TP))
+
+
+def _row_matmul(p, name: str, parts: list, c: ModelConfig, overlap: Overlap):
+  """The activations `parts` (one per member of the rows operand `name`) times that operand,
+  reduce-scattered over tp: the activations laid out as its rows (fused.interleave)."""
+  kernel = p[name]                                                        # [groups, rows / groups, hidden]
+  activations = fused.interleave(parts, kernel.shape[0])
+  return overlap.row(activations, kernel.reshape(-1, kernel.shape[-1]).astype(c.compute_dtype))
 
 
 def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=None, segment_ids=None):
@@ -96,19 +101,8 @@ def _observe(probe, captured: dict, tensor: str, x):
   return x
 
 
-def _out_kernel(attention: dict):
-  """Attention out kernel [h/n, d, hidden] -> [h/n * d, hidden]."""
-  kernel = attention["out"]["kernel"]
-  return kernel.reshape(-1, kernel.shape[-1])
-
-
 def _bias_sum(biases, c: ModelConfig):
   return sum(b.astype(c.compute_dtype) for b in biases) if c.use_bias else 0
-
-
-def _mlp_inputs(mlp: dict, c: ModelConfig) -> list[dict]:
-  """The MLP's input projections (wi; SwiGLU's wi_gate, wi_up) in the fused matmul's order."""
-  return [mlp[name] for name in MLP_INPUTS[c.mlp]]
 
 
 def _mlp_activation(columns: list, c: ModelConfig):
@@ -116,37 +110,31 @@ def _mlp_activation(columns: list, c: ModelConfig):
   return MLP_ACTIVATIONS[c.mlp](*columns)
 
 
-def _parallel_branches(p, x, fused, widths, positions, window, c: ModelConfig, overlap: Overlap, probe,
+def _parallel_branches(p, x, projected, widths, positions, window, c: ModelConfig, overlap: Overlap, probe,
                        segment_ids):
-  """Both parallel blocks from their fused column-parallel output [b, s, (q+k+v+mlp inputs)/n],
+  """Both parallel blocks from their column-parallel output [b, s, (q+k+v+mlp inputs)/n],
   bias added: attention and the MLP's activation -> one fused row-parallel matmul
   [Out; MLP-out] + reduce-scatter -> y = x + both branches. Returns (y, captured)."""
   attention, mlp = p["attention"], p["mlp"]
   captured = {}
-  q, k, v, *mlp_columns = _split(fused, widths)
+  q, k, v, *mlp_columns = _split(projected, widths)
   attended = _attention(q, k, v, positions, window, c, probe, captured, segment_ids)
-  activations = jnp.concatenate([_observe(probe, captured, "attn_out", attended),
-                                 _observe(probe, captured, "mlp_out", _mlp_activation(mlp_columns, c))], axis=-1)
-  out_kernel = jnp.concatenate([_out_kernel(attention), mlp["wo"]["kernel"]], axis=0).astype(c.compute_dtype)
-  out = overlap.row(activations, out_kernel)                              # [b, s/n, hidden]
+  parts = [_observe(probe, captured, "attn_out", attended),
+           _observe(probe, captured, "mlp_out", _mlp_activation(mlp_columns, c))]
+  out = _row_matmul(p, "w_out", parts, c, overlap)                        # [b, s/n, hidden]
   return x + out + _bias_sum([attention["out"].get("bias"), mlp["wo"].get("bias")], c), captured
 
 
-def _fused_parallel_input(p, c: ModelConfig):
-  """The column-parallel [Q|K|V|MLP-in] kernel and bias of a parallel block, each part's width."""
-  attention = p["attention"]
-  return _fused_input([attention["query"], attention["key"], attention["value"], *_mlp_inputs(p["mlp"], c)], c)
-
-
 def parallel_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None, segment_ids=None):
-  """y = x + Attn(N(x)) + MLP(N(x)): one all-gather, one reduce-scatter on tp.
-  Returns (y, the statistics `probe` captured: {} without one)."""
+  """y = x + Attn(N(x)) + MLP(N(x)): one all-gather, one reduce-scatter on tp. `p`: the
+  layer's compute form (megajax.parallel.fused). Returns (y, the statistics `probe`
+  captured: {} without one)."""
   y = _norm(p["norm"], x, c)                                              # [b, s/n, hidden]
-  kernel, bias, widths = _fused_parallel_input(p, c)
-  fused = overlap.column(y, kernel)                                       # [b, s, (q+k+v+mlp)/n]
+  kernel, bias, widths = _column_operand(p, "w_in", c)
+  projected = overlap.column(y, kernel)                                   # [b, s, (q+k+v+mlp)/n]
   if bias is not None:
-    fused = fused + bias
-  return _parallel_branches(p, x, fused, widths, positions, window, c, overlap, probe, segment_ids)
+    projected = projected + bias
+  return _parallel_branches(p, x, projected, widths, positions, window, c, overlap, probe, segment_ids)
 
 
 def parallel_two_norms_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None,
@@ -154,19 +142,19 @@ def parallel_two_norms_block(p, x, positions, window, c: ModelConfig, overlap: O
   """y = x + Attn(N1(x)) + MLP(N2(x)): x all-gathered once, both norms on the gathered
   tokens, then the parallel block's fused row-parallel matmul: one all-gather, one
   reduce-scatter on tp. Returns (y, the statistics `probe` captured: {} without one)."""
-  kernel, bias, widths = _fused_parallel_input(p, c)
-  qkv = sum(widths[:3])
-  attention_kernel, mlp_kernel = kernel[:, :qkv], kernel[:, qkv:]
+  attention_kernel, attention_bias, attention_widths = _column_operand(p, "w_attention_in", c)
+  mlp_kernel, mlp_bias, mlp_widths = _column_operand(p, "w_mlp_in", c)
   matmul = lambda a, w: jnp.einsum("bsk,kf->bsf", a, w)
 
   def branch_inputs(gathered):                                            # [b, tokens, hidden]
     return jnp.concatenate([matmul(_norm(p["attention_norm"], gathered, c), attention_kernel),
                             matmul(_norm(p["mlp_norm"], gathered, c), mlp_kernel)], axis=-1)
 
-  fused = overlap.column_apply(x, branch_inputs)                          # [b, s, (q+k+v+mlp)/n]
-  if bias is not None:
-    fused = fused + bias
-  return _parallel_branches(p, x, fused, widths, positions, window, c, overlap, probe, segment_ids)
+  projected = overlap.column_apply(x, branch_inputs)                      # [b, s, (q+k+v+mlp)/n]
+  if c.use_bias:
+    projected = projected + jnp.concatenate([attention_bias, mlp_bias])
+  return _parallel_branches(p, x, projected, attention_widths + mlp_widths, positions, window, c, overlap, probe,
+                            segment_ids)
 
 
 def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe=None, segment_ids=None):
@@ -174,21 +162,20 @@ def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, prob
   Returns (y, the statistics `probe` captured: {} without one)."""
   attention, mlp = p["attention"], p["mlp"]
   captured = {}
-  kernel, bias, widths = _fused_input([attention["query"], attention["key"], attention["value"]], c)
+  kernel, bias, widths = _column_operand(p, "w_qkv", c)
   qkv = overlap.column(_norm(p["attention_norm"], x, c), kernel)
   if bias is not None:
     qkv = qkv + bias
   q, k, v = _split(qkv, widths)
   attended = _observe(probe, captured, "attn_out",
                       _attention(q, k, v, positions, window, c, probe, captured, segment_ids))
-  z = x + overlap.row(attended, _out_kernel(attention).astype(c.compute_dtype)) \
-      + _bias_sum([attention["out"].get("bias")], c)
-  kernel, bias, widths = _fused_input(_mlp_inputs(mlp, c), c)
+  z = x + _row_matmul(p, "w_attention_out", [attended], c, overlap) + _bias_sum([attention["out"].get("bias")], c)
+  kernel, bias, widths = _column_operand(p, "w_mlp_in", c)
   hidden = overlap.column(_norm(p["mlp_norm"], z, c), kernel)             # [b, s, (mlp inputs)/n]
   if bias is not None:
     hidden = hidden + bias
   activation = _observe(probe, captured, "mlp_out", _mlp_activation(_split(hidden, widths), c))
-  out = overlap.row(activation, mlp["wo"]["kernel"].astype(c.compute_dtype))
+  out = _row_matmul(p, "w_mlp_out", [activation], c, overlap)
   return z + out + _bias_sum([mlp["wo"].get("bias")], c), captured
 
 
@@ -243,13 +230,15 @@ def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float)
 
 def apply_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, segment_ids=None):
   """One transformer block on this device's shards, recomputed in the backward if c.remat says so.
-  segment_ids: None, or the packed documents' [b, s] (full sequence)."""
-  return probed_block(p, x, positions, window, c, overlap, None, segment_ids)[0]
+  `p`: the layer's parameters as the model holds them (its compute form is made here: the
+  pipeline's chunks). segment_ids: None, or the packed documents' [b, s] (full sequence)."""
+  return probed_block(fused.to_compute_form(p, c), x, positions, window, c, overlap, None, segment_ids)[0]
 
 
 def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe, segment_ids=None):
-  """apply_block with a megajax.observe.probes.LayerProbe (or None): (y, {tensor: statistics}).
-  The perturbation and the residual's capture sit outside the remat: y is kept anyway."""
+  """One block from the layer's compute form `p`, with a megajax.observe.probes.LayerProbe (or
+  None): (y, {tensor: statistics}). The perturbation and the residual's capture sit outside
+  the remat: y is kept anyway."""
   block = lambda p, x: BLOCK_FUNCTIONS[c.block](p, x, positions, window, c, overlap, probe, segment_ids)
   if c.remat != "none":
     block = jax.checkpoint(block, policy=REMAT_POLICIES[c.remat])
@@ -257,6 +246,13 @@ def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, prob
   if probe is not None and probe.perturbed:
     y = probe.perturb(y)
   return _observe(probe, captured, "residual", y), captured
+
+
+def compute_form(params: dict, c: ModelConfig) -> dict:
+  """The model's parameters with every layer in its compute form (fused.to_compute_form), as
+  loss_sums reads them: for a caller holding whole parameters rather than ZeRO's gathers."""
+  return {name: fused.to_compute_form(value, c) if name.startswith("layer_") else value
+          for name, value in params.items()}
 
 
 def positions_of(batch):
@@ -279,12 +275,13 @@ def head_loss_sums(params, x, batch, c: ModelConfig, overlap: Overlap, z_loss: f
 def loss_sums(params, batch, c: ModelConfig, overlap: Overlap, z_loss: float = 0.0, probes=None,
               gather_ahead=None):
   """This device's (objective sum, stats) for its dp shard of the batch: embed -> blocks -> head.
-  A packed batch has "positions" and "segment_ids" [b, s] too (megajax.model.GPT).
+  `params`: each layer in its compute form (compute_form, or ZeRO's gathers). A packed batch
+  has "positions" and "segment_ids" [b, s] too (megajax.model.GPT).
 
   The pipeline (megajax.parallel.pipeline) runs the same pieces split into stages. With
   `probes` (megajax.observe.probes.Probes, bound to the step; the batch then has "rows") the stats
   also hold the captured statistics under "capture", {"<layer>:<tensor>": {...}}.
-  `gather_ahead` (megajax.parallel.sharding.layer_ahead_gathers): `params` starts empty and
+  `gather_ahead` (megajax.parallel.zero.layer_ahead_gathers): `params` starts empty and
   each leaf is gathered one layer ahead of its use, issued after the input of the layer
   before (which it returns, on XLA:CPU made to wait for the gathers).
   """

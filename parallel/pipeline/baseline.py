@@ -14,7 +14,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from megajax.model import ModelConfig
-from megajax.parallel import sharding
+from megajax.parallel import zero
 from megajax.parallel.mesh import DP, PP, TP, to_varying
 from megajax.parallel.pipeline.executor import STAT_NAMES, row_at, stage_params, sum_over_stages
 from megajax.parallel.pipeline.stacking import LAYERS
@@ -64,4 +64,4 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
   # Gathered in fp32: the tick scan sums each layer's cotangents over the ticks, which a leaf
   # gathered in the compute dtype would sum in it (the executor sums per backward, in fp32).
   grads, stats = jax.grad(objective, has_aux=True)(stage_params(params, layouts, bucket_bytes=bucket_bytes))
-  return sum_over_stages(sharding.reduce_scatter_grads(grads, layouts, bucket_bytes), stats)
+  return sum_over_stages(zero.reduce_scatter_grads(grads, layouts, bucket_bytes), stats)

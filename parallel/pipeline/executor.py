@@ -33,7 +33,7 @@ forward and backward together and counts the statistics.
   residuals = per group of mesh axes the values vary over, [slots + 1, words] uint16: a
              forward's residuals, packed, from its tick's end to its backward (the schedule's
              in-flight microbatch-chunks: Tables.residual_slots).
-  grads    = w.r.t. the gathered leaves, some in the compute dtype (sharding.gathers_in_compute_dtype),
+  grads    = w.r.t. the gathered leaves, some in the compute dtype (zero.gathers_in_compute_dtype),
              always summed in fp32:
              grad_sync="step" (the default): each backward's gradients are added in fp32 to
              this stage's full local gradients (shaped like the gathered stage parameters)
@@ -79,7 +79,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from megajax.model import ModelConfig
-from megajax.parallel import collectives, sharding
+from megajax.parallel import collectives, zero
 from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
 from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
 from megajax.parallel.pipeline.stacking import LAYERS
@@ -174,9 +174,9 @@ def stage_params(params, layouts, compute_dtype=None, in_turn=None, bucket_bytes
   """ZeRO gather -> this stage's rows and this tp rank's shards, marked per device on pp like
   everything a stage computes: a pp-invariant input's gradient would otherwise be summed
   over pp inside the backward, a collective only its stage runs. `compute_dtype`, `in_turn`,
-  `bucket_bytes`: megajax.parallel.sharding.gather_params'."""
+  `bucket_bytes`: megajax.parallel.zero.gather_params'."""
   return jax.tree.map(lambda x: to_varying(x, (PP,)),
-                      sharding.gather_params(params, layouts, compute_dtype, in_turn, bucket_bytes))
+                      zero.gather_params(params, layouts, compute_dtype, in_turn, bucket_bytes))
 
 
 def sum_over_stages(grads: dict, stats: dict):
@@ -251,11 +251,11 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   zero_stat = to_varying(jnp.zeros((), jnp.float32), (DP, PP))
   # "step": full local fp32 sums, typed like the gathered stage parameters; "microbatch": the
   # 1/dp shards, typed like the master shards (varying over pp as a stage computes).
-  gathered_like = jax.tree.map(lambda x: to_varying(x, (PP,)), sharding.gathered_zeros(params, layouts, c.compute_dtype))
+  gathered_like = jax.tree.map(lambda x: to_varying(x, (PP,)), zero.gathered_zeros(params, layouts, c.compute_dtype))
   carry = dict(
       stash=activation_buffer(tables.stash_slots + 1),
       cotangents=activation_buffer(tables.cotangent_slots + 1),
-      grads=(sharding.gradient_accumulators(gathered_like) if grad_sync == "step"
+      grads=(zero.gradient_accumulators(gathered_like) if grad_sync == "step"
              else jax.tree.map(lambda x: to_varying(jnp.zeros_like(x), (PP,)), params)),
       stats={name: zero_stat for name in STAT_NAMES})
   empty_message = activation_buffer(1)[0]
@@ -286,7 +286,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
                         like, {name: masters[name] for name in names}, axes)
 
   def chunk_grads_of(layer_grads, shared_grads):
-    produced = sharding.to_master_dtype({LAYERS: layer_grads, **shared_grads},
+    produced = zero.to_master_dtype({LAYERS: layer_grads, **shared_grads},
                                         {name: masters[name] for name in (LAYERS, *shared_grads)})
     missing = tuple(name for name in shared_names if name not in shared_grads)
     return _matching({**zero_grads(missing), **produced}, zero_grads())
@@ -308,7 +308,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     def add(name, before):     # one leaf group: each cond hands only its own buffers through
       reduced = {name: chunk_grads[name]}
       if grad_sync == "microbatch":
-        reduced = sharding.reduce_scatter_grads(reduced, {name: layouts[name]}, bucket_bytes)
+        reduced = zero.reduce_scatter_grads(reduced, {name: layouts[name]}, bucket_bytes)
       if name == LAYERS:
         add_rows = lambda buffer, g: with_rows_at(buffer, rows_at(buffer, start, k) + g, start)
         return _matching(jax.tree.map(add_rows, before, reduced[LAYERS]), before)
@@ -482,14 +482,14 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     def tail_tick(carry, xs):
       rows, start = xs
       sums = rows_of(carry["grads"][LAYERS], k + start, scatter_rows)
-      piece = sharding.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]}, bucket_bytes,
+      piece = zero.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]}, bucket_bytes,
                                             ordered=True if ordered_collectives else None)[LAYERS]
       return tick(carry, rows, forwards, backwards, piece), piece
     carry, pieces = lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))
   grads = carry["grads"]
   if grad_sync == "step":   # one dp reduce-scatter per leaf and piece for the step (before the pp sum: on shards)
     first_chunk = {**grads, LAYERS: jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS])}
-    grads = sharding.reduce_scatter_grads(first_chunk, layouts, bucket_bytes)
+    grads = zero.reduce_scatter_grads(first_chunk, layouts, bucket_bytes)
     if tail:
       grads = {**grads, LAYERS: jax.tree.map(lambda first, shard, piece: _assemble_rows(first, shard.shape[0], piece,
                                                                                         scatter_starts),

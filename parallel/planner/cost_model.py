@@ -179,13 +179,13 @@ def _local(shape, tp_dim, tp):
 
 
 def _zero_shard(shape, dp):
-  """Elements of one ZeRO shard: the largest dimension divisible by dp is split (sharding.py)."""
+  """Elements of one ZeRO shard: a dimension divisible by dp is split (sharding.py)."""
   size = math.prod(shape)
   return size // dp if dp > 1 and any(n % dp == 0 for n in shape) else size
 
 
 def gathers_in_compute_dtype(name: str, in_block: bool) -> bool:
-  """megajax.parallel.sharding.gathers_in_compute_dtype on param_leaves' names: the block's
+  """megajax.parallel.zero.gathers_in_compute_dtype on param_leaves' names: the block's
   linears (kernels and biases) and the untied head; not the norms or the embedding."""
   return name == "head" or (in_block and not name.split(".")[0].endswith("norm"))
 
@@ -405,7 +405,7 @@ def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, c
   syncs = m if plan.grad_sync == "microbatch" else 1
   if p == 1:
     # Each layer's gather issued one layer ahead in the first microbatch's forward
-    # (sharding.layer_ahead_gathers); each layer's reduce-scatter under the backward of the
+    # (zero.layer_ahead_gathers); each layer's reduce-scatter under the backward of the
     # layers before it (the last microbatch's, or each microbatch's with "microbatch").
     return (_pipelined(layers, t_gather / layers, forward / layers)
             + syncs * _pipelined(layers, t_scatter / (syncs * layers), backward / layers))

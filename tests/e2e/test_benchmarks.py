@@ -116,7 +116,7 @@ def test_peer_benchmark_compares_with_plain_jit():
   per mesh its peers (jax.jit + GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB and
   its collectives; the same first losses (no timing asserted). The jit DP peer's gradient sum
   is there: one combined all-reduce over the 8 devices; megajax's step has no collective over a
-  group of one, and its ZeRO collectives go in buckets."""
+  group of one, and its ZeRO collectives move fused operands whole and the rest in buckets."""
   result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--rounds=2",
                        "--peer_meshes=8x1x1,2x2x2"])
   assert result.returncode == 0, result.stderr[-3000:]
@@ -129,9 +129,10 @@ def test_peer_benchmark_compares_with_plain_jit():
       ("jit DP", "8x1x1"), ("jit Megatron-TP", "2x1x4"), ("megajax", "2x2x2")], out
   assert rows[0][2] == "all-reduce x8: 1"
   assert not any(" x1: " in f" {collectives}" for name, _, collectives in rows if name == "megajax"), rows
-  # ZeRO's collectives in buckets (parallel.dp_bucket_mb), not one per parameter (60 leaves):
-  # dp=8, 4 layers, one kind: a gather per forward group, one reduce-scatter.
+  # ZeRO's collectives, not one per parameter (60 leaves): dp=8, 4 parallel layers, one kind:
+  # one per fused operand (2 a layer) and other matrix (embedding, head), the other leaves in
+  # buckets (parallel.dp_bucket_mb): one per forward group's gather (5), one reduce-scatter.
   dp8 = dict(re.findall(r"([\w-]+ x\d+): (\d+)", rows[2][2]))
-  assert int(dp8["all-gather x8"]) == 5 and int(dp8["reduce-scatter x8"]) == 1, rows[2]
+  assert int(dp8["all-gather x8"]) == 8 + 2 + 5 and int(dp8["reduce-scatter x8"]) == 8 + 2 + 1, rows[2]
   spreads = [float(s) for s in re.findall(r"first losses agree to ([\d.e+-]+)", out)]
   assert len(spreads) == 2 and max(spreads) < 1e-5, spreads

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megajax.config import GRAD_SYNC_CHOICES, TP_OVERLAP_CHOICES
-from megajax.parallel import sharding
+from megajax.parallel import zero
 from megajax.parallel.step import XLA_WINDOWED_EINSUM_OPTIONS
 from tests.support.reference import (assert_matches_reference, fixed_batch, parallel_config, parallel_step_for,
                                      pipeline_config)
@@ -109,7 +109,7 @@ def _two_bf16_steps(config, fp32_gathers: bool, monkeypatch, compiler_options=No
   compiler_options: the step compiled with these XLA options."""
   with monkeypatch.context() as patch:
     if fp32_gathers:
-      patch.setattr(sharding, "gathers_in_compute_dtype", lambda path: False)
+      patch.setattr(zero, "gathers_in_compute_dtype", lambda path: False)
     parallel_step = parallel_step_for(config)
     state = parallel_step.init_state(jax.random.key(0))
     step = parallel_step.train_step(with_gradients=True)

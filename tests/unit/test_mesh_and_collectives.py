@@ -9,7 +9,8 @@ import pytest
 from megajax.config import ConfigError, default_config
 from megajax.parallel import TP, all_gather_matmul, local_batch_slice, make_mesh, matmul_reduce_scatter
 from megajax.parallel.mesh import DP, _host_split
-from megajax.parallel.sharding import Layout, gather_params, reduce_scatter_grads
+from megajax.parallel.sharding import Layout
+from megajax.parallel.zero import gather_params, reduce_scatter_grads
 
 
 def mesh_config(dp, pp, tp):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from megajax.config import TP_OVERLAP_CHOICES
-from megajax.parallel import sharding
+from megajax.parallel import fused, zero
 from tests.support.hlo import collective_counts, compiled_step_text, computations, mesh_groups, replica_groups
 from tests.support.reference import parallel_step_for, parallel_config, pipeline_config
 
@@ -63,19 +63,36 @@ def test_collective_matmul_leaves_only_permutes_in_the_blocks(block):
     assert three["collective-permute", "other", phase] == three["collective-permute", "dp", phase] == 0
 
 
+def _zero_parts(parallel_step) -> dict:
+  """What ZeRO moves in the step, counted from the model: per layer its fused operands
+  (megajax.parallel.fused: its members gathered whole, the result the operand), the other
+  matrices (the embedding, the head: one collective each) and the other leaves (norm scales,
+  biases: bucketed by kind)."""
+  c = parallel_step.model.config
+  operands = fused.operands(c).values()
+  members = sum(len(operand.members) for operand in operands)
+  leaves = len(jax.tree.leaves(parallel_step.layouts))
+  matrices = len([k for k in parallel_step.layouts if k in ("embedding", "head")])
+  return {"operands": len(operands) * c.num_layers, "matrices": matrices, "leaves": leaves,
+          "vectors": leaves - members * c.num_layers - matrices}
+
+
 def test_zero_reduce_scatters_gradients_and_never_all_reduces_them():
-  """ZeRO's collectives in buckets (parallel.dp_bucket_mb, 32 MiB: this model's leaves of one
-  kind fit one), never one per parameter: the gradients' reduce-scatters one per kind (fp32,
-  varying over dp and tp: the tp-split leaves; over dp only: the tp-replicated norms), the
-  parameters' all-gathers one per kind and forward group (the embedding with layer 0, layer
-  1, the final norm with the head: each holds both kinds). No all-reduce over dp but of scalars."""
+  """ZeRO's collectives, never one per parameter: one per fused operand (its members' shards
+  packed side by side: the gathered buffer is the operand, its gradient reduce-scattered as
+  it is), one per other matrix, and the other leaves in buckets (parallel.dp_bucket_mb,
+  32 MiB: this model's leaves of one kind fit one): the gradients' one per kind (fp32,
+  varying over dp and tp: the tp-split biases; over dp only: the tp-replicated norms), the
+  parameters' one per kind and forward group (the embedding with layer 0, layer 1, the final
+  norm with the head). No all-reduce over dp but of scalars."""
   # The serial block: in the parallel one the two output biases share one gradient, and XLA
   # rightly reduces it once.
   parallel_step, text = compiled_step_text(2, 4, "serial", "none", 2)
   counts = collective_counts(text, parallel_step.mesh)
-  leaves = len(jax.tree.leaves(parallel_step.layouts))
-  assert leaves > 20 and counts["reduce-scatter", "dp", "other"] == 2
-  assert counts["all-gather", "dp", "forward"] == 3 * 2        # the ZeRO parameter gather, in the forward
+  parts = _zero_parts(parallel_step)
+  assert parts == {"operands": 8, "matrices": 2, "leaves": 36, "vectors": 22}
+  assert counts["reduce-scatter", "dp", "other"] == 8 + 2 + 2
+  assert counts["all-gather", "dp", "forward"] == (1 + 4 + 2) + (4 + 2) + (1 + 1)   # in the forward
   # Prefetch: the program's first collective is a ZeRO parameter gather over dp.
   first = next(line for line in text.split("ENTRY", 1)[1].splitlines()
                if re.search(r" (all-gather|reduce-scatter|all-reduce|collective-permute)(-start)?\(", line))
@@ -123,7 +140,7 @@ def test_zero_gathers_are_issued_one_layer_ahead():
   compiled one: XLA keeps the order."""
   layers = 3
   config = parallel_config(2, 2, "serial", "none", layers=layers, microbatches=2)
-  config.parallel.dp_bucket_mb = 0.0    # one gather per leaf: each leaf's wait counted (buckets wait alike)
+  config.parallel.dp_bucket_mb = 0.0    # one gather per leaf or operand: each one's wait counted (buckets wait alike)
   parallel_step = parallel_step_for(config)
   state, batch = parallel_step.abstract_inputs()
   body = _shard_map_body(jax.make_jaxpr(parallel_step.summed_gradients())(state.params, batch).jaxpr)
@@ -140,11 +157,17 @@ def test_zero_gathers_are_issued_one_layer_ahead():
   waits = collections.Counter(_dots(ancestors(eqn, {}).values()) for eqn in body.eqns
                               if eqn.primitive.name == "all_gather" and "dp" in str(eqn.params["axis_name"]))
   layouts = parallel_step.layouts
+  # The gathers of a layer's tp-split values: each fused operand whole (its members all
+  # tp-split), then the other tp-split leaves one by one.
+  operands = fused.operands(parallel_step.model.config).values()
+  members = sum(len(operand.members) for operand in operands)
   split = {name: sum(layout.tp_dim is not None for layout in jax.tree.leaves(layouts[name])) for name in layouts}
+  split.update({name: split[name] - members + len(operands) for name in layouts if name.startswith("layer_")})
+  gathers = len(jax.tree.leaves(layouts)) - layers * (members - len(operands))
   levels = sorted(waits)
   assert len(levels) == layers and levels[0] == 0 and levels[2] == 2 * levels[1] > 0, waits
   assert waits[levels[1]] == split["layer_2"] and waits[levels[2]] == split["head"] == 1, waits
-  assert sum(waits.values()) == len(jax.tree.leaves(layouts))
+  assert sum(waits.values()) == gathers
   # Compiled: the gathers of layer 2 after some of the step's matmuls, the head's after more.
   text = parallel_step.summed_gradients().lower(state.params, batch).compile().as_text()
   bodies = computations(text)
@@ -155,7 +178,7 @@ def test_zero_gathers_are_issued_one_layer_ahead():
     dots += bool(re.search(r" (dot|convolution)\(", line) or matmuls.intersection(called))
     if re.search(r" all-gather(-start)?\(", line) and replica_groups(line) == mesh_groups(parallel_step.mesh, "dp"):
       after.append(dots)
-  assert len(after) == len(jax.tree.leaves(layouts))
+  assert len(after) == gathers
   after = sorted(after)
   assert after[0] == 0 and 0 < after[-1 - split["layer_2"]] < after[-1], after
 
@@ -200,13 +223,15 @@ def _shard_bytes(parallel_step):
 @pytest.mark.parametrize("grad_sync,per_step", [("step", 1), ("microbatch", 4)])
 def test_dp_reduce_scatters_once_per_step_or_per_microbatch(grad_sync, per_step):
   """m = 4 microbatches: "step" runs the fp32 gradient reduce-scatters once after the scan,
-  "microbatch" inside it, 4 times over (and 4 times the bytes); each time one per bucket
-  (parallel.dp_bucket_mb): here one per kind (tp-split leaves, tp-replicated ones)."""
+  "microbatch" inside it, 4 times over (and 4 times the bytes); each time one per fused
+  operand and other matrix, and one per bucket of the other leaves (parallel.dp_bucket_mb):
+  here one per kind (tp-split biases, tp-replicated norms)."""
   config = parallel_config(2, 2, "serial", "none", microbatches=4)
   config.parallel.grad_sync = grad_sync
   parallel_step, text = _compiled_step(config)
   counts, nbytes = _dp_collectives(parallel_step, text), _dp_collectives(parallel_step, text, nbytes=True)
-  assert counts == {("reduce-scatter", "dp", "other", "f32"): per_step * 2}
+  parts = _zero_parts(parallel_step)
+  assert counts == {("reduce-scatter", "dp", "other", "f32"): per_step * (parts["operands"] + parts["matrices"] + 2)}
   assert nbytes == {("reduce-scatter", "dp", "other", "f32"): per_step * _shard_bytes(parallel_step)}
 
 
@@ -236,11 +261,11 @@ def test_pipeline_dp_collectives_run_per_chunk_in_the_edge_ticks():
 # --- ZeRO gathers in the compute dtype.
 
 def test_zero_gathers_the_linears_in_the_compute_dtype(monkeypatch):
-  """compute_dtype=bfloat16 on dp2-tp2: one dp all-gather per leaf, those of the linears
-  (sharding.gathers_in_compute_dtype) in bf16, half the bytes of their fp32 gathers; the
-  LayerNorms and the embedding still fp32; every gradient still reduce-scattered in fp32.
-  Here (2 serial layers, hidden 32): 25 bf16 gathers of 25,216 bytes and 11 fp32 of 5,376 per
-  device and step, against 36 fp32 of 55,808."""
+  """compute_dtype=bfloat16 on dp2-tp2: one dp all-gather per fused operand and per other
+  leaf, those of the linears (zero.gathers_in_compute_dtype) in bf16, half the bytes of
+  their fp32 gathers; the LayerNorms and the embedding still fp32; every gradient still
+  reduce-scattered in fp32. Here (2 serial layers, hidden 32): 21 bf16 gathers of 25,216
+  bytes and 11 fp32 of 5,376 per device and step, against 32 fp32 of 55,808."""
   config = parallel_config(2, 2, "serial", "none")
   config.model.compute_dtype = "bfloat16"
   config.parallel.dp_bucket_mb = 0.0    # one collective per leaf: each leaf's dtype counted
@@ -248,7 +273,7 @@ def test_zero_gathers_the_linears_in_the_compute_dtype(monkeypatch):
   def dp_collectives(fp32_gathers: bool):
     with monkeypatch.context() as patch:
       if fp32_gathers:
-        patch.setattr(sharding, "gathers_in_compute_dtype", lambda path: False)
+        patch.setattr(zero, "gathers_in_compute_dtype", lambda path: False)
       parallel_step = parallel_step_for(config)
       # The program as JAX emits it: XLA:CPU's float normalization then runs the bf16 gathers in
       # fp32 (convert, gather, convert back; the same values), a backend choice GPUs do not make.
@@ -263,7 +288,7 @@ def test_zero_gathers_the_linears_in_the_compute_dtype(monkeypatch):
   _, fp32 = dp_collectives(True)
   state, _ = parallel_step.abstract_inputs()
   paths_and_leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
-  cast = [sharding.gathers_in_compute_dtype(tuple(k.key for k in path)) for path, _ in paths_and_leaves]
+  cast = [zero.gathers_in_compute_dtype(tuple(k.key for k in path)) for path, _ in paths_and_leaves]
   # What a dp all-gather returns: the leaf's tp shard, whole over dp.
   tp_shard = [int(np.prod(leaf.shape)) // (2 if layout.tp_dim is not None else 1)
               for (_, leaf), layout in zip(paths_and_leaves, jax.tree.leaves(parallel_step.layouts))]
@@ -271,10 +296,13 @@ def test_zero_gathers_the_linears_in_the_compute_dtype(monkeypatch):
   linears = sum(n for n, c in zip(tp_shard, cast) if c)
   others = sum(n for n, c in zip(tp_shard, cast) if not c)
   gather, scatter = ("all-gather", "dp", "other"), ("reduce-scatter", "dp", "other")
-  assert got["count"] == {gather + ("bf16",): sum(cast), gather + ("f32",): len(cast) - sum(cast),
-                          scatter + ("f32",): len(cast)}
+  parts = _zero_parts(parallel_step)
+  packed = parts["leaves"] - parts["vectors"] - parts["matrices"] - parts["operands"]   # members less operands
+  assert got["count"] == {gather + ("bf16",): sum(cast) - packed, gather + ("f32",): len(cast) - sum(cast),
+                          scatter + ("f32",): len(cast) - packed}
+  assert got["count"][gather + ("bf16",)] == 21 and got["count"][gather + ("f32",)] == 11
   assert got["bytes"][gather + ("bf16",)] == 2 * linears
   assert got["bytes"][gather + ("f32",)] == 4 * others
-  assert fp32["count"] == {gather + ("f32",): len(cast), scatter + ("f32",): len(cast)}
+  assert fp32["count"] == {gather + ("f32",): len(cast) - packed, scatter + ("f32",): len(cast) - packed}
   assert fp32["bytes"][gather + ("f32",)] == 4 * (linears + others)
   assert got["bytes"][scatter + ("f32",)] == fp32["bytes"][scatter + ("f32",)]

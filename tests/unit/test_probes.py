@@ -19,7 +19,7 @@ from megajax.layers import rotary_embedding, sliding_window_mask, xla_attention
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep, collectives, make_mesh
 from megajax.parallel.mesh import DP, batch_spec
-from megajax.parallel.tensor_parallel import loss_sums
+from megajax.parallel.tensor_parallel import compute_form, loss_sums
 from megajax.observe.records import ACTIVATIONS, METRICS
 from megajax.trainer import train
 from tests.support.records import jsonl
@@ -68,7 +68,8 @@ def forward(config, params, batch):
     probes = parallel_step.probes.bind(None) if parallel_step.probes else None    # step 0, the first step's key
     if probes:
       batch = {**batch, "rows": probes.rows(batch)}
-    _, stats = loss_sums(params, batch, parallel_step.model.config, parallel_step.overlap, probes=probes)
+    c = parallel_step.model.config
+    _, stats = loss_sums(compute_form(params, c), batch, c, parallel_step.overlap, probes=probes)
     out = {"loss": collectives.psum(stats["nll_sum"], DP) / collectives.psum(stats["tokens"], DP)}
     return {**out, **probes.metrics(stats["capture"])} if "capture" in stats else out
 
