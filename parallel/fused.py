@@ -108,6 +108,19 @@ def to_compute_form(layer: dict, c: ModelConfig, whole: dict | None = None, grou
   return out
 
 
+def from_compute_form(form: dict, like: dict, c: ModelConfig) -> dict:
+  """to_compute_form's transpose (groups = 1): a layer's compute form -> its parameters, each
+  operand cut into its members, shaped like `like`'s kernels (the layer's parameters or
+  their shapes). What the gradients w.r.t. a compute form go through to become the layer's."""
+  found = operands(c)
+  out = {name: dict(module) if isinstance(module, dict) else module
+         for name, module in form.items() if name not in found}
+  for name, operand in found.items():
+    for (module, linear), member in zip(operand.members, unpack(operand, form[name], kernels(like, operand))):
+      out[module][linear] = {**out[module][linear], "kernel": member}
+  return out
+
+
 def pack(operand: Operand, shards: list):
   """The members' dp shards (each split on its first dimension) -> what one device adds to the
   operand's all-gather: [hidden / dp, features] side by side, or [rows / dp, hidden] stacked."""

@@ -229,10 +229,10 @@ def vocab_parallel_cross_entropy_sums(logits, targets, loss_mask, z_loss: float)
 
 
 def apply_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, segment_ids=None):
-  """One transformer block on this device's shards, recomputed in the backward if c.remat says so.
-  `p`: the layer's parameters as the model holds them (its compute form is made here: the
-  pipeline's chunks). segment_ids: None, or the packed documents' [b, s] (full sequence)."""
-  return probed_block(fused.to_compute_form(p, c), x, positions, window, c, overlap, None, segment_ids)[0]
+  """One transformer block on this device's shards from the layer's compute form `p`
+  (megajax.parallel.fused), recomputed in the backward if c.remat says so. segment_ids: None,
+  or the packed documents' [b, s] (full sequence)."""
+  return probed_block(p, x, positions, window, c, overlap, None, segment_ids)[0]
 
 
 def probed_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, probe, segment_ids=None):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from megajax.config import default_config, dp_bucket_bytes
 from megajax.launch.bench.timing import median_seconds
 from megajax.model import GPT, ModelConfig, init_params
-from megajax.parallel import make_mesh
+from megajax.parallel import fused, make_mesh
 from megajax.parallel.pipeline.baseline import gpipe_autodiff_gradients
 from megajax.parallel.pipeline.schedule import makespans, simulate
 from megajax.parallel.tensor_parallel import Overlap, apply_block
@@ -81,7 +81,7 @@ def lockstep(p: int, repeats: int) -> None:
   config.parallel.pp = 1
   c = ModelConfig.from_config(config.model)
   mesh = make_mesh(config, jax.devices()[:1])
-  layers = [init_params(GPT(c), jax.random.key(0))[f"layer_{i}"] for i in range(2)]
+  layers = [fused.to_compute_form(init_params(GPT(c), jax.random.key(0))[f"layer_{i}"], c) for i in range(2)]
   x = jax.random.normal(jax.random.key(1), (2, c.seq_len, c.hidden_dim), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(c.seq_len), (2, c.seq_len))
   overlap = Overlap("none", 1)

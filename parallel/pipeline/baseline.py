@@ -17,7 +17,7 @@ from megajax.model import ModelConfig
 from megajax.parallel import zero
 from megajax.parallel.mesh import DP, PP, TP, to_varying
 from megajax.parallel.pipeline.executor import STAT_NAMES, row_at, stage_params, sum_over_stages
-from megajax.parallel.pipeline.stacking import LAYERS
+from megajax.parallel.pipeline.stacking import LAYERS, compute_rows
 from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
                                               vocab_parallel_embed)
 from megajax.reference_step import split_microbatches
@@ -39,6 +39,8 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
   split = split_microbatches(batch, m)
 
   def objective(full):
+    layers = compute_rows(full[LAYERS], c)              # each layer's compute form, once a step
+
     def tick(carry, t):
       received, stats = carry
       index = jnp.clip(t - stage, 0, m - 1)            # the microbatch this stage holds now
@@ -47,7 +49,7 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
       x = jnp.where(stage == 0, vocab_parallel_embed(full["embedding"], mb["inputs"], c), received)
       positions = positions_of(mb)
       for j in range(rows):                             # row j is layer stage * rows + j
-        x = apply_block(jax.tree.map(lambda a, j=j: a[j], full[LAYERS]), x, positions, c.layer_window(j), c,
+        x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, c.layer_window(j), c,
                         overlap, mb.get("segment_ids"))
       _, step_stats = head_loss_sums(full, x, mb, c, overlap, z_loss)
       keep = (valid & (stage == p - 1)).astype(jnp.float32)

@@ -82,7 +82,7 @@ from megajax.model import ModelConfig
 from megajax.parallel import collectives, zero
 from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
 from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
-from megajax.parallel.pipeline.stacking import LAYERS
+from megajax.parallel.pipeline.stacking import LAYERS, compute_rows, parameter_rows
 from megajax.parallel.pipeline.tables import Program, Tables, dp_pieces
 from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
                                               vocab_parallel_embed)
@@ -242,6 +242,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   rest = (tables.schedule.virtual_stages - 1) * k                      # rows of the other chunks
   first_rows = {**params, LAYERS: jax.tree.map(lambda x: x[:k] if gather_starts else x, params[LAYERS])}
   full = stage_params(first_rows, layouts, c.compute_dtype, bucket_bytes=bucket_bytes)
+  full = {**full, LAYERS: compute_rows(full[LAYERS], c)}       # what the chunks read, once a step
   never = microbatches["inputs"][0, 0, 0] < 0     # token ids are never negative: false at run time
 
   def activation_buffer(slots):
@@ -251,7 +252,12 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   zero_stat = to_varying(jnp.zeros((), jnp.float32), (DP, PP))
   # "step": full local fp32 sums, typed like the gathered stage parameters; "microbatch": the
   # 1/dp shards, typed like the master shards (varying over pp as a stage computes).
+  # The layers' gradients are taken w.r.t. their compute form and accumulated in it ("step"),
+  # then cut into the parameters' (parameter_rows) for the reduce-scatter.
   gathered_like = jax.tree.map(lambda x: to_varying(x, (PP,)), zero.gathered_zeros(params, layouts, c.compute_dtype))
+  layer_like = gathered_like[LAYERS]
+  gathered_like = {**gathered_like, LAYERS: compute_rows(layer_like, c)}
+  parameter_grads = lambda rows: parameter_rows(rows, layer_like, c)
   carry = dict(
       stash=activation_buffer(tables.stash_slots + 1),
       cotangents=activation_buffer(tables.cotangent_slots + 1),
@@ -276,6 +282,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   shared_names = tuple(dict.fromkeys(name for program in tables.programs for name in _shared_names(program, c)))
   grad_names = (LAYERS, *shared_names)
   masters = {name: params[name] for name in grad_names}
+  masters[LAYERS] = jax.eval_shape(lambda layers: compute_rows(layers, c), params[LAYERS])    # their dtypes
 
   def zero_grads(names=grad_names):
     like = {name: gathered_like[name] for name in names}
@@ -308,6 +315,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     def add(name, before):     # one leaf group: each cond hands only its own buffers through
       reduced = {name: chunk_grads[name]}
       if grad_sync == "microbatch":
+        if name == LAYERS:
+          reduced = {name: parameter_grads(reduced[name])}
         reduced = zero.reduce_scatter_grads(reduced, {name: layouts[name]}, bucket_bytes)
       if name == LAYERS:
         add_rows = lambda buffer, g: with_rows_at(buffer, rows_at(buffer, start, k) + g, start)
@@ -466,7 +475,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype,
                            in_turn=never if ordered_collectives else None, bucket_bytes=bucket_bytes)[LAYERS]
       # Into the stage's rows at once (no branch reads them before the head ends).
-      layers = jax.tree.map(lambda buffer, rows: with_rows_at(buffer, rows, first_row), layers, piece)
+      layers = jax.tree.map(lambda buffer, rows: with_rows_at(buffer, rows, first_row), layers,
+                            compute_rows(piece, c))
       return (tick(carry, rows, forwards, backwards, piece), layers), None
     layers = jax.tree.map(lambda first: _with_rows(first, k + rest), full[LAYERS])
     (carry, layers), _ = lax.scan(head_tick, (carry, layers), (head_rows, jnp.asarray(gather_starts, jnp.int32)))
@@ -481,14 +491,14 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     forwards, backwards = branches(full[LAYERS], tail_table)
     def tail_tick(carry, xs):
       rows, start = xs
-      sums = rows_of(carry["grads"][LAYERS], k + start, scatter_rows)
+      sums = parameter_grads(rows_of(carry["grads"][LAYERS], k + start, scatter_rows))
       piece = zero.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]}, bucket_bytes,
                                             ordered=True if ordered_collectives else None)[LAYERS]
       return tick(carry, rows, forwards, backwards, piece), piece
     carry, pieces = lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))
   grads = carry["grads"]
   if grad_sync == "step":   # one dp reduce-scatter per leaf and piece for the step (before the pp sum: on shards)
-    first_chunk = {**grads, LAYERS: jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS])}
+    first_chunk = {**grads, LAYERS: parameter_grads(jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS]))}
     grads = zero.reduce_scatter_grads(first_chunk, layouts, bucket_bytes)
     if tail:
       grads = {**grads, LAYERS: jax.tree.map(lambda first, shard, piece: _assemble_rows(first, shard.shape[0], piece,

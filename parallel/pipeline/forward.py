@@ -28,7 +28,7 @@ from megajax.model import ModelConfig
 from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
 from megajax.parallel.pipeline.executor import STAT_NAMES, chunk_forward, row_at, rows_at, stage_params, with_row_at
-from megajax.parallel.pipeline.stacking import LAYERS, stacked_layer_order
+from megajax.parallel.pipeline.stacking import LAYERS, compute_rows, stacked_layer_order
 from megajax.parallel.pipeline.tables import Program
 from megajax.parallel.tensor_parallel import Overlap
 from megajax.reference_step import split_microbatches
@@ -61,6 +61,7 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
                           jnp.int32)
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
   full = stage_params(params, layouts, c.compute_dtype, bucket_bytes=bucket_bytes)
+  full = {**full, LAYERS: compute_rows(full[LAYERS], c)}       # what the chunks read, once a step
   stage = lax.axis_index(PP)
   split = split_microbatches(batch, m)                  # [m, b, S]
   b, seq = split["inputs"].shape[1:]

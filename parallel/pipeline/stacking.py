@@ -5,6 +5,8 @@ chunk c is global chunk c*p + s). In the training state each block parameter is 
 with a leading axis of L rows split over pp, stage s holding rows s*v*k .. (s+1)*v*k - 1
 (`stacked_layer_order`); the embedding, final norm and head stay as in the model's pytree.
 `to_model_params` gives the model's pytree back (exports, checkpoints across layouts).
+Inside the step the chunks read the stacked rows in their compute form (compute_rows, made
+once a step: megajax.parallel.fused), their gradients taken back by parameter_rows.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from megajax.parallel import sharding
+from megajax.model import ModelConfig
+from megajax.parallel import fused, sharding
 
 LAYERS = "layers"   # the stacked blocks' subtree in the pipeline layout
 
@@ -49,3 +52,16 @@ def pipeline_layouts(layouts: dict) -> dict:
   """The model's per-parameter layouts -> the pipeline layout's (stacked blocks split over pp)."""
   rest = {k: v for k, v in layouts.items() if not k.startswith("layer_")}
   return {**rest, LAYERS: sharding.stacked_layouts(layouts["layer_0"])}
+
+
+def compute_rows(layers: dict, c: ModelConfig) -> dict:
+  """Stacked layers [L, ...] -> every row's compute form, stacked (fused.to_compute_form, each
+  operand [L, ...]): what a chunk's blocks read, made once a step instead of per microbatch."""
+  return jax.vmap(lambda layer: fused.to_compute_form(layer, c))(layers)
+
+
+def parameter_rows(form: dict, like: dict, c: ModelConfig) -> dict:
+  """compute_rows' transpose: stacked compute-form rows (gradients w.r.t. them) -> the stacked
+  layers', shaped like the rows of `like` (the stacked layers or their shapes)."""
+  row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), like)
+  return jax.vmap(lambda rows: fused.from_compute_form(rows, row, c))(form)
