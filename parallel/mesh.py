@@ -64,15 +64,6 @@ def after(x, deps, never):
   return jnp.where(never, _picked(deps).astype(x.dtype), x)
 
 
-def after_in_place(x, deps, never):
-  """after(x, deps, never) through x's first element alone: the same bits and the same
-  order, one element written (in place where x is not used elsewhere: XLA updates its
-  buffer) instead of a select over all of x, which a consumer that does not fuse it (a
-  matmul, a collective) would take as a copy of x."""
-  first = (0,) * x.ndim
-  return x.at[first].set(jnp.where(never, _picked(deps).astype(x.dtype), x[first]))
-
-
 def _picked(deps):
   """One element of each leaf of `deps`, summed (fp32), no gradient: what after() selects."""
   return sum(jnp.ravel(jax.lax.stop_gradient(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))

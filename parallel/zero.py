@@ -22,7 +22,7 @@ import numpy as np
 from megajax.model import ModelConfig
 from megajax.optim import MATRIX_PARAM_NAMES
 from megajax.parallel import collectives, fused
-from megajax.parallel.mesh import DP, after, after_in_place, to_varying, varying_axes
+from megajax.parallel.mesh import DP, after, to_varying, varying_axes
 
 
 # Which leaves ZeRO gathers in the compute dtype: the rule, in one place.
@@ -268,9 +268,11 @@ def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered: b
   mesh axis of `issued_after` (tp-replicated LayerNorm scales and biases: the activations vary
   over tp) are issued at once instead: a dependency would make them vary over tp too, and
   they are small.
-  `ordered` (XLA:CPU): the group's gathers one after another, and what comes next waits for
-  them: the returned `issued_after` (the layer's input) and the group's own values (through
-  one element each: mesh.after_in_place)."""
+  `ordered` (XLA:CPU): the group's gathers one after another, and the returned
+  `issued_after` (the layer's input) waits for all of them: every collective of the layer
+  reads it, and none of them can start before the group's gathers are done. (The gathered
+  values themselves need no wait: what reads them in the forward reads the layer's input too;
+  a wait on them would copy them.)"""
   def ahead(params, names, issued_after):
     names = [name for name in names if name in shards and name not in params]
     group = {name: layouts[name] for name in names}
@@ -278,9 +280,9 @@ def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered: b
                              in_turn=never if ordered else None, bucket_bytes=bucket_bytes,
                              start_after=(issued_after, never), model=model)
     if ordered and any(layout.dp_dim is not None for layout in jax.tree.leaves(group)):
-      last = max(jax.tree.leaves(gathered), key=lambda x: len(varying_axes(x)))
-      waits = lambda x: after_in_place(x, last, never) if varying_axes(last) <= varying_axes(x) else x
-      gathered = jax.tree.map(waits, gathered)
+      def waits(x):     # on every gather whose value varies over no more mesh axes than x
+        done = [g for g in jax.tree.leaves(gathered) if varying_axes(g) <= varying_axes(x)]
+        return after(x, done, never) if done else x
       issued_after = jax.tree.map(waits, issued_after)
     return {**params, **jax.tree.map(_gradient_to, {name: sinks[name] for name in names}, gathered)}, issued_after
   return ahead
