@@ -221,7 +221,8 @@ def pipeline_recompute(config, platform: str) -> bool:
 
 
 def dp_bucket_bytes(config) -> int:
-  """parallel.dp_bucket_mb in bytes: the most one ZeRO collective carries (0: one per leaf)."""
+  """parallel.dp_bucket_mb in bytes: the most one ZeRO collective of small leaves (norm scales,
+  biases) carries (0: one per leaf); matrices move alone or as a fused operand (megajax.parallel.zero)."""
   return int(config.parallel.dp_bucket_mb * 2**20)
 
 
@@ -257,10 +258,11 @@ def _parallel() -> ml_collections.ConfigDict:
   # reduce-scattered as they come, so only the 1/dp shard is carried (the low-memory option,
   # m times the dp traffic).
   p.grad_sync = "step"
-  # ZeRO's collectives over dp: the gathered parameters (in the order the forward uses them)
-  # and the gradients (in the order the backward makes them) packed into all-gathers and
-  # reduce-scatters of at most this many MiB each, a leaf larger than that alone; 0: one
-  # collective per leaf. Fewer, larger collectives: each costs a launch and a rendezvous.
+  # ZeRO's collectives over dp: a fused matmul's kernels move as its one operand (the gathered
+  # buffer is the operand), every other matrix alone; the small leaves (norm scales, biases)
+  # packed into all-gathers and reduce-scatters of at most this many MiB each, in the order the
+  # forward uses them (the backward makes them); 0: one collective per leaf. Fewer, larger
+  # collectives: each costs a launch and a rendezvous (XLA:GPU combines independent ones too).
   p.dp_bucket_mb = 32.0
   return p
 

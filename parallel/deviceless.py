@@ -181,8 +181,9 @@ def _nothing_cached():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
 
 
-def _compile(lowered):
-  """(lowered.compile(), seconds it took), nothing written to the persistent cache."""
+def compile_lowered(lowered):
+  """(lowered.compile(), seconds it took), nothing written to the persistent cache: any program
+  lowered with arguments placed on described GPUs (gpu_devices)."""
   started = time.perf_counter()
   with _nothing_cached():
     compiled = lowered.compile()
@@ -202,10 +203,14 @@ class CompiledForGpu:
     return self.compiled.as_text()
 
   def bytes_per_device(self) -> int:
-    """XLA's peak bytes on one device: arguments + outputs + temporaries - donated aliases
-    (what must fit beside the runtime's own reservations)."""
-    m = self.compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    return bytes_per_device(self.compiled)
+
+
+def bytes_per_device(compiled) -> int:
+  """XLA's peak bytes on one device of a compiled program: arguments + outputs + temporaries -
+  donated aliases (what must fit beside the runtime's own reservations)."""
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def parallel_step_for_gpu(config: ml_collections.ConfigDict, target: str = "h100-80g") -> ParallelStep:
@@ -226,7 +231,7 @@ def compile_for_gpu(config: ml_collections.ConfigDict, target: str = "h100-80g",
     state, batch = step.abstract_inputs()
     jitted = step.train_step() if program == "train" else step.eval_step()
     lowered = jitted.lower(state, batch) if program == "train" else jitted.lower(state.params, batch)
-  return CompiledForGpu(step, *_compile(lowered))
+  return CompiledForGpu(step, *compile_lowered(lowered))
 
 
 def compile_function_for_gpu(fn, *shapes: jax.ShapeDtypeStruct, target: str = "h100-80g"):
@@ -236,4 +241,4 @@ def compile_function_for_gpu(fn, *shapes: jax.ShapeDtypeStruct, target: str = "h
   device = gpu_devices(target, 1)[0]
   placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
             for s in shapes]
-  return _compile(jax.jit(fn).lower(*placed))
+  return compile_lowered(jax.jit(fn).lower(*placed))

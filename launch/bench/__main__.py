@@ -13,6 +13,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
   python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
   python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,2x2x2]
+      [--compile_for=h100-80g]   (no GPU: every contender compiled for the GPUs, bytes and overlap)
   python -m megajax.launch.bench gpu --out=DIR [--parts=tests,attention,train,run]
       [--train_sizes=1.3b:2048] [--run_steps=30]
 """
@@ -47,9 +48,10 @@ _DATA_TOKENS = flags.DEFINE_integer("data_tokens", 20_000_000, "Tokens in the to
 _SIZE = flags.DEFINE_enum("size", "1.3b", ["tiny", "1.3b", "3b"], "Model of the train (MFU) benchmark.")
 _SEQ = flags.DEFINE_integer("seq", 2048, "Sequence length of the train benchmark (2048 or 8192 on a GPU).")
 _WINDOW = flags.DEFINE_integer("window", 0, "SWA window of the train benchmark (0: a quarter of --seq).")
-_COMPILE_FOR = flags.DEFINE_string("compile_for", "", "train: compile the suite's rows for one GPU of this kind "
-                                   "(h100-80g, h200-141g) without a GPU and print XLA's bytes and the fit instead "
-                                   "of running them.")
+_COMPILE_FOR = flags.DEFINE_string("compile_for", "", "train, peer: compile the suite's rows for one GPU of this "
+                                   "kind (h100-80g, h200-141g) without a GPU and print XLA's bytes and the fit "
+                                   "(peer: every contender for as many GPUs as its mesh has, XLA's bytes, "
+                                   "collectives and their overlap) instead of running them.")
 _QUICK = flags.DEFINE_boolean("quick", False,
                               "runtime benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
 _MEASURE_MEMORY = flags.DEFINE_boolean(
@@ -83,7 +85,7 @@ BENCHMARKS = {
                             if _COMPILE_FOR.value else bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value)),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
-    "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value, _PEER_MESHES.value),
+    "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value, _PEER_MESHES.value, _COMPILE_FOR.value),
     "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
                                          _RUN_STEPS.value),
 }

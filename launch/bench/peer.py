@@ -1,5 +1,5 @@
-r"""`python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,...]`:
-megajax's 3D step against the step a JAX user writes, side by side on the same devices.
+r"""`python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,...]
+[--compile_for=h100-80g]`: megajax's 3D step against the step a JAX user writes, side by side.
 
 The peers: `jax.jit(value_and_grad + optax)` over the same Flax model (the single-device
 reference step, megajax.reference_step, whose math the 3D step is tested equal to), its
@@ -7,11 +7,14 @@ parameters and optimizer state placed with sharding annotations and left to XLA'
 partitioner (GSPMD), the batch split over dp:
 
   jit DP            every parameter whole on every device
-  jit FSDP          each parameter split over dp on its largest dimension (ZeRO-3 style)
+  jit FSDP          each parameter split over dp (ZeRO-3 style) on the dimension megajax's
+                    ZeRO splits (megajax.parallel.sharding: the first that dp divides; on the
+                    largest one, GSPMD moved 2.7x the bytes, 3.96 vs 1.49 GB a device at dp=8,
+                    and ran at 0.75 of jit DP)
   jit Megatron-TP   each parameter split over tp on its tensor-parallel logical axis (heads,
                     kv_heads, mlp, vocab: megajax.parallel.sharding.TENSOR_PARALLEL_AXES),
                     whole over dp
-  jit TP+FSDP       both: tp as above, then dp on the largest remaining dimension
+  jit TP+FSDP       both: tp as above, then dp as ZeRO splits the tp shard
 
 The meshes (CASES): dp=8 against jit DP and FSDP; dp=2 x tp=4 against jit Megatron-TP and
 TP+FSDP; dp=2 x pp=2 x tp=2 (interleaved 1F1B, 2 chunks per stage, m=4) against the best of
@@ -29,6 +32,13 @@ collective by kind and group size (a group of 1 would be a collective the mesh d
 Model and optimizer for every contender: fp32, AdamW (megajax.optim), global-norm clipping,
 z-loss; `cpu`: hidden 512, 4 layers, 256 tokens, batch 16: large enough that a step's matmuls,
 not its dispatch, take the time on CPU; `tiny` (the CI smoke test): hidden 64, 32 tokens.
+
+`--compile_for=h100-80g` (or h200-141g): no contender runs; each is compiled by XLA's GPU
+compiler for as many described GPUs as its mesh has (megajax.parallel.deviceless), in bf16
+with cuDNN attention as a GPU run would, and the table gives per device XLA's bytes
+(memory_analysis), every collective by kind and group size, and per kind and mesh axis how
+many asynchronous collectives the latency-hiding scheduler left with compute between their
+start and done. What a GPU compile proves and cannot (speed): docs/deviceless.md.
 """
 
 from __future__ import annotations
@@ -39,14 +49,16 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import data
 from megajax.config import default_config, validate
 from megajax.model import init_params
 from megajax.observe.hlo import collectives_by_group_size, executed_dot_flops, pipeline_branch_weights, xla_cost
+from megajax.observe.schedule import overlap_counts
 from megajax.optim import make_optimizer
-from megajax.parallel import sharding
+from megajax.parallel import deviceless, sharding
 from megajax.parallel.mesh import DP, TP
 from megajax.reference_step import TrainState, fresh_train_state, make_reference_step
 from megajax.trainer import build_model, build_parallel_step
@@ -125,18 +137,25 @@ class Contender:
     return elapsed
 
 
-def _jit_contender(peer: str, config, parallel_step, params, batch_np) -> Contender:
+def _jit_step(peer: str, config, parallel_step, params_like):
+  """(`peer`'s jitted step on parallel_step's mesh, its optimizer, the state's shardings, the
+  batch's): the reference step with the peer's sharding annotations, left to GSPMD."""
   mesh, model = parallel_step.mesh, parallel_step.model
-  layouts = peer_layouts(peer, model, params, mesh.shape[DP], mesh.shape[TP])
+  layouts = peer_layouts(peer, model, params_like, mesh.shape[DP], mesh.shape[TP])
   optimizer = make_optimizer(config)
-  specs = sharding.param_specs(layouts, params)
-  state_specs = TrainState(step=P(), params=specs, opt_state=sharding.optimizer_specs(optimizer, params, specs))
+  specs = sharding.param_specs(layouts, params_like)
+  state_specs = TrainState(step=P(), params=specs, opt_state=sharding.optimizer_specs(optimizer, params_like, specs))
   state_shardings = sharding.named(mesh, state_specs)
   rows = NamedSharding(mesh, P(DP))
-  state = jax.device_put(fresh_train_state(params, optimizer), state_shardings)
-  batch = {k: jax.device_put(v, rows) for k, v in batch_np.items()}
   step = jax.jit(make_reference_step(model, optimizer, config), in_shardings=(state_shardings, rows),
                  out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  return step, optimizer, state_shardings, rows
+
+
+def _jit_contender(peer: str, config, parallel_step, params, batch_np) -> Contender:
+  step, optimizer, state_shardings, rows = _jit_step(peer, config, parallel_step, params)
+  state = jax.device_put(fresh_train_state(params, optimizer), state_shardings)
+  batch = {k: jax.device_put(v, rows) for k, v in batch_np.items()}
   compiled = step.lower(state, batch).compile()
   text = compiled.as_text()
   return Contender(peer, compiled, state, batch, text, xla_cost(compiled), executed_dot_flops(text))
@@ -205,14 +224,90 @@ def report(case: Case, size: str, contenders: list[Contender]) -> str:
   return "\n".join(lines)
 
 
-def peer(rounds: int, size: str = "cpu", meshes: str = "") -> None:
-  """meshes: "8x1x1,2x2x2" runs those of CASES (megajax's mesh), "" all."""
+# --- The same contenders compiled for described GPUs (no GPU: megajax.parallel.deviceless).
+
+@dataclasses.dataclass
+class GpuContender:
+  name: str
+  mesh: object                # the jax Mesh it was compiled over (its axes name the collectives' groups)
+  compiled: object            # runs nowhere
+  compile_seconds: float
+
+
+def gpu_peer_config(mesh: tuple[int, int, int], size: str = "cpu"):
+  """peer_config with what a GPU run would use: bf16 matmuls, cuDNN's fused attention (the
+  Flax reference's and megajax's alike); megajax's own GPU defaults resolve on the platform
+  (collective matmul, the pipeline's backward from kept residuals)."""
+  c = peer_config(mesh, size)
+  c.model.compute_dtype, c.model.attention_impl = "bfloat16", "cudnn"
+  validate(c)
+  return c
+
+
+def _gpu_contender(name: str, mesh, size: str, target: str) -> GpuContender:
+  config = gpu_peer_config(mesh, size)
+  if name.startswith("megajax"):
+    result = deviceless.compile_for_gpu(config, target)
+    return GpuContender(name, result.step.mesh, result.compiled, result.compile_seconds)
+  with deviceless.cudnn_as(target):
+    parallel_step = deviceless.parallel_step_for_gpu(config, target)
+    params = jax.eval_shape(lambda: init_params(parallel_step.model, jax.random.key(0)))
+    step, optimizer, state_shardings, rows = _jit_step(name, config, parallel_step, params)
+    state = jax.tree.map(lambda x, placed: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
+                         jax.eval_shape(lambda p: fresh_train_state(p, optimizer), params), state_shardings)
+    shape = (config.train.batch_size, config.model.seq_len)
+    batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+             "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+             "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)}
+    compiled, seconds = deviceless.compile_lowered(step.lower(state, batch))
+  return GpuContender(name, parallel_step.mesh, compiled, seconds)
+
+
+def gpu_report(case: Case, size: str, target: str) -> str:
+  """The case's contenders compiled for described GPUs: per device XLA's bytes
+  (memory_analysis), every collective by kind and group size, and how many of each kind (and
+  mesh axis) the latency-hiding scheduler left with compute between start and done."""
+  config = gpu_peer_config(case.mesh, size)
+  contenders = [_gpu_contender(name, mesh, size, target) for name, mesh in case.peers]
+  contenders.append(_gpu_contender("megajax", case.mesh, size, target))
+  meshes = dict(case.peers, megajax=case.mesh)
+  dp, pp, tp = case.mesh
+  m, p = config.model, config.parallel
+  pipeline = (f" ({p.schedule}, v={p.virtual_stages}, m={config.train.microbatches})" if pp > 1 else "")
+  lines = [f"mesh dp={dp} pp={pp} tp={tp}{pipeline} compiled for {math.prod(case.mesh)} described {target} "
+           f"(nothing runs: no tokens/s): hidden {m.hidden_dim}, {m.num_layers} layers, {m.seq_len} tokens, batch "
+           f"{config.train.batch_size}, bf16 matmuls, cuDNN attention, AdamW",
+           f"  {'contender':<16} {'mesh':>6} {'compile s':>9} {'MiB':>8}  collectives per device (kind x group size: "
+           f"count); async ones with compute between start and done / all (kind, mesh axis)"]
+  for c in contenders:
+    text = c.compiled.as_text()
+    counts = sorted(collectives_by_group_size(text, math.prod(case.mesh)).items())
+    collectives = ", ".join(f"{kind} x{group}: {n}" for (kind, group), n in counts) or "-"
+    overlap = ", ".join(f"{kind} {axis} {done}/{total}" for (kind, axis), (done, total)
+                        in sorted(overlap_counts(text, c.mesh).items()))
+    lines.append(f"  {c.name:<16} {mesh_name(meshes[c.name]):>6} {c.compile_seconds:>9.1f} "
+                 f"{deviceless.bytes_per_device(c.compiled) / 2**20:>8.1f}  {collectives}; {overlap or '-'}")
+  return "\n".join(lines)
+
+
+def peer(rounds: int, size: str = "cpu", meshes: str = "", compile_for: str = "") -> None:
+  """meshes: "8x1x1,2x2x2" runs those of CASES (megajax's mesh), "" all. compile_for: a
+  deviceless GPU target (megajax.parallel.deviceless.GPU_TARGETS): the contenders compiled for
+  it instead of run here."""
   wanted = [m for m in meshes.split(",") if m]
   known = [mesh_name(case.mesh) for case in CASES]
   if any(m not in known for m in wanted):
     raise SystemExit(f"bench peer: --peer_meshes={meshes}: each one of {','.join(known)}")
+  if compile_for and compile_for not in deviceless.GPU_TARGETS:
+    raise SystemExit(f"bench peer: --compile_for={compile_for}: one of {', '.join(deviceless.GPU_TARGETS)}")
+  cases = [case for case in CASES if not wanted or mesh_name(case.mesh) in wanted]
+  if compile_for:
+    print(f"bench peer: megajax's 3D step vs jax.jit + GSPMD over the same model, compiled for {compile_for} "
+          f"GPUs on this machine (XLA's GPU compiler, deviceless)")
+    for case in cases:
+      print(gpu_report(case, size, compile_for), flush=True)
+    return
   print(f"bench peer: megajax's 3D step vs jax.jit + GSPMD over the same model ({jax.devices()[0].platform}, "
         f"{len(jax.devices())} devices)")
-  for case in CASES:
-    if not wanted or mesh_name(case.mesh) in wanted:
-      print(report(case, size, compare(case, rounds, size)), flush=True)
+  for case in cases:
+    print(report(case, size, compare(case, rounds, size)), flush=True)

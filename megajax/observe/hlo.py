@@ -31,6 +31,14 @@ def replica_groups(line: str):
     if perm:
       ids = ids.transpose([int(p) for p in perm.split(",")])
     return {frozenset(row) for row in ids.reshape(int(groups), int(size)).tolist()}
+  match = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if match:  # mesh form (XLA:GPU after Shardy): mesh['a'=2,'b'=4] {'b'}: groups along the named axes
+    axes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
+    names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+    along = [names.index(name) for name in re.findall(r"'([^']+)'", match.group(2))]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    moved = ids.transpose([i for i in range(len(sizes)) if i not in along] + along)
+    return {frozenset(row) for row in moved.reshape(-1, int(np.prod([sizes[i] for i in along]))).tolist()}
   return None
 
 

@@ -1,6 +1,6 @@
 """The non-finite loss policy around the step, and the heartbeat's step counter.
 
-The step skips an update whose loss, gradients or new parameters are not finite (the state
+The step skips an update whose loss, gradient norm or learning rate is not finite (the state
 passes through unchanged: megajax.parallel.ParallelStep). Here each step's skip flag is read
 one step late (while the next step runs, so the loop never stalls on it): after
 `train.nonfinite_rollback_after` skips in a row the state itself is suspect, and the run

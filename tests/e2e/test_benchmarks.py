@@ -136,3 +136,23 @@ def test_peer_benchmark_compares_with_plain_jit():
   assert int(dp8["all-gather x8"]) == 8 + 2 + 5 and int(dp8["reduce-scatter x8"]) == 8 + 2 + 1, rows[2]
   spreads = [float(s) for s in re.findall(r"first losses agree to ([\d.e+-]+)", out)]
   assert len(spreads) == 2 and max(spreads) < 1e-5, spreads
+
+
+def test_peer_benchmark_compiles_every_contender_for_h100s():
+  """`bench peer --compile_for=h100-80g` on the tiny model, dp=8: nothing runs; each contender
+  compiled for 8 described H100s (megajax.parallel.deviceless) with XLA's bytes per device,
+  its collectives, and how many of each kind the scheduler overlapped with compute: megajax's
+  dp reduce-scatters all, its all-gathers all but the first layer's."""
+  result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--peer_meshes=8x1x1",
+                       "--compile_for=h100-80g"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "mesh dp=8 pp=1 tp=1 compiled for 8 described h100-80g (nothing runs: no tokens/s)" in out
+  rows = dict(re.findall(r"^  (jit [\w+-]+|megajax)\s+8x1x1\s+[\d.]+\s+([\d.]+)  .*$", out, re.MULTILINE))
+  assert set(rows) == {"jit DP", "jit FSDP", "megajax"} and all(float(mib) > 0 for mib in rows.values()), out
+  megajax = next(line for line in out.splitlines() if line.startswith("  megajax"))
+  gathers = re.search(r"all-gather dp (\d+)/(\d+)", megajax)
+  assert int(gathers.group(1)) >= int(gathers.group(2)) - 1 >= 1, megajax
+  scatters = re.search(r"reduce-scatter dp (\d+)/(\d+)", megajax)
+  assert scatters.group(1) == scatters.group(2), megajax
+  assert " x1: " not in megajax, megajax

@@ -1,5 +1,6 @@
-"""megajax.observe.hlo's executed FLOPs: read from the compiled text, every computation weighed
-by how often one run executes it (XLA's cost_analysis counts a loop body once)."""
+"""megajax.observe.hlo: executed FLOPs read from the compiled text, every computation weighed
+by how often one run executes it (XLA's cost_analysis counts a loop body once); the replica
+groups of collectives in every form XLA writes them."""
 
 import jax
 from jax import lax
@@ -9,7 +10,7 @@ import pytest
 
 from megajax.flops import training_flops_per_token
 from megajax.model import ModelConfig
-from megajax.observe.hlo import computation_runs, executed_dot_flops, pipeline_branch_weights
+from megajax.observe.hlo import computation_runs, executed_dot_flops, pipeline_branch_weights, replica_groups
 from megajax.parallel.pipeline import Tables, simulate
 from tests.support.reference import parallel_config, parallel_step_for, pipeline_config
 
@@ -83,3 +84,16 @@ def test_the_single_device_step_executes_the_model_flops():
   tokens = config.train.batch_size * config.model.seq_len
   model = training_flops_per_token(ModelConfig.from_config(config.model)) * tokens
   assert executed_dot_flops(text) == pytest.approx(model, rel=1e-6)
+
+
+@pytest.mark.parametrize("groups_text,want", [
+    ("replica_groups={{0,1},{2,3}}", {frozenset({0, 1}), frozenset({2, 3})}),
+    ("replica_groups=[2,2]<=[2,2]T(1,0)", {frozenset({0, 2}), frozenset({1, 3})}),
+    # XLA:GPU's mesh form (after Shardy): devices laid out [a=2, b=2], grouped along b, then a.
+    ("replica_groups=mesh['a'=2,'b'=2] {'b'}", {frozenset({0, 1}), frozenset({2, 3})}),
+    ("replica_groups=mesh['a'=2,'b'=2] {'a'}", {frozenset({0, 2}), frozenset({1, 3})}),
+    ("replica_groups=mesh['a'=2,'b'=1,'c'=2] {'a','c'}", {frozenset({0, 1, 2, 3})}),
+])
+def test_replica_groups_in_every_form_xla_writes(groups_text, want):
+  line = f"%all-reduce-start = f32[2]{{0}} all-reduce-start(%x), channel_id=1, {groups_text}, use_global_device_ids=true"
+  assert replica_groups(line) == want
