@@ -17,8 +17,8 @@ partitioner (GSPMD), the batch split over dp:
   jit TP+FSDP       both: tp as above, then dp as ZeRO splits the tp shard
 
 The meshes (CASES): dp=8 against jit DP and FSDP; dp=2 x tp=4 against jit Megatron-TP and
-TP+FSDP; dp=2 x pp=2 x tp=2 (interleaved 1F1B, 2 chunks per stage, m=4) against the best of
-those on 8 devices; pp=2 v=2 on 2 devices against megajax's own dp=2 and jit DP on them.
+TP+FSDP; dp=2 x pp=2 x tp=2 (interleaved 1F1B, 2 chunks per stage, m=4) against jit DP, FSDP
+and Megatron-TP on 8 devices; pp=2 v=2 on 2 devices against megajax's own dp=2 and jit DP on them.
 Each case's contenders are compiled first, from the same initial parameters, then timed step
 by step, interleaved (A B C, A B C, ... with the order rotated each round), each on its own
 state and the same batch (the synthetic source's first). Printed per contender: the
@@ -81,7 +81,7 @@ class Case:
 CASES = (
     Case((8, 1, 1), (("jit DP", (8, 1, 1)), ("jit FSDP", (8, 1, 1)))),
     Case((2, 1, 4), (("jit Megatron-TP", (2, 1, 4)), ("jit TP+FSDP", (2, 1, 4)))),
-    Case((2, 2, 2), (("jit DP", (8, 1, 1)), ("jit Megatron-TP", (2, 1, 4)))),
+    Case((2, 2, 2), (("jit DP", (8, 1, 1)), ("jit FSDP", (8, 1, 1)), ("jit Megatron-TP", (2, 1, 4)))),
     Case((1, 2, 1), (("megajax dp=2", (2, 1, 1)), ("jit DP", (2, 1, 1)))),
 )
 

@@ -126,7 +126,7 @@ def test_peer_benchmark_compares_with_plain_jit():
                     out, re.MULTILINE)
   assert [(name, mesh) for name, mesh, _ in rows] == [
       ("jit DP", "8x1x1"), ("jit FSDP", "8x1x1"), ("megajax", "8x1x1"),
-      ("jit DP", "8x1x1"), ("jit Megatron-TP", "2x1x4"), ("megajax", "2x2x2")], out
+      ("jit DP", "8x1x1"), ("jit FSDP", "8x1x1"), ("jit Megatron-TP", "2x1x4"), ("megajax", "2x2x2")], out
   assert rows[0][2] == "all-reduce x8: 1"
   assert not any(" x1: " in f" {collectives}" for name, _, collectives in rows if name == "megajax"), rows
   # ZeRO's collectives, not one per parameter (60 leaves): dp=8, 4 parallel layers, one kind:
