@@ -7,7 +7,8 @@ first microbatch's forward (layer_ahead_gathers), each layer in its compute form
 (megajax.parallel.fused: a fused matmul's kernels gathered as its operand); and it
 reduce-scatters the gradients so that each device keeps the sum of its shard
 (reduce_scatter_grads). What one collective carries: a fused operand whole, another matrix
-alone, the other leaves packed into buckets of parallel.dp_bucket_mb (_units).
+split on its leading dimension alone, the other leaves packed into buckets of
+parallel.dp_bucket_mb (_units).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def to_master_dtype(grads, params_like):
 def gather_params(params, layouts, compute_dtype=None, in_turn=None, bucket_bytes: int = 0, start_after=None,
                   model: ModelConfig | None = None):
   """dp shards -> this tp rank's full parameters: all-gathers over dp, in the order the
-  forward pass uses them. A matrix (a kernel, the embedding, the head) is gathered alone, the
-  other leaves (norm scales, biases) packed into buckets of at most `bucket_bytes` gathered
-  bytes each (parallel.dp_bucket_mb; 0: one all-gather per leaf).
+  forward pass uses them. A matrix (a kernel, the embedding, the head) split on its leading
+  dimension is gathered alone, the other leaves (norm scales, biases; the pipeline's stacked
+  kernels) packed into buckets of at most `bucket_bytes` gathered bytes each
+  (parallel.dp_bucket_mb; 0: one all-gather per leaf).
 
   With `model`, each layer ("layer_<i>") comes back in its compute form
   (megajax.parallel.fused): an operand whose members ZeRO split on their first dimension is
@@ -163,15 +165,18 @@ def _units(keys, leaves, flat_layouts, whole: list, bucket_bytes: int, scale: in
   """The collectives of a ZeRO gather (or, `backward`, reduce-scatter) in the order they go:
   each a _WholeOperand or a bucket of leaf positions; kinds from the least varying (mesh.after's
   rule), each in the order the forward uses them (the backward makes them: reversed). A
-  matrix goes alone; the other leaves of a kind in buckets of up to `bucket_bytes` (a leaf's
-  bytes times `scale`: a shard's gathered size)."""
+  matrix split on its leading dimension goes alone; the other leaves of a kind in buckets of
+  up to `bucket_bytes` (a leaf's bytes times `scale`: a shard's gathered size)."""
   members = {i for unit in whole for i in unit.members}
   # Traced in the order the forward pass needs them (a dict would be walked alphabetically).
   forward = sorted(range(len(keys)), key=lambda i: (_forward_order(keys[i][0]), i))
   rank = {i: (-r if backward else r) for r, i in enumerate(forward)}
   split = sorted((i for i, layout in enumerate(flat_layouts) if layout.dp_dim is not None and i not in members),
                  key=rank.get)
-  matrices = [i for i in split if keys[i][-1] in MATRIX_PARAM_NAMES]
+  # A matrix split on its leading dimension goes alone: the collective's buffer is the matrix
+  # (packed, it would be cut out of the rows: a copy). Split on another one (the pipeline's
+  # stacked [layers, ...] leaves), XLA moves it to a leading one and back anyway: packed.
+  matrices = [i for i in split if keys[i][-1] in MATRIX_PARAM_NAMES and flat_layouts[i].dp_dim == 0]
   units = [(unit.members[0], unit) for unit in whole] + [(i, [i]) for i in matrices]
   units += [(bucket[0], bucket) for bucket in _buckets([i for i in split if i not in matrices], leaves, bucket_bytes,
                                                        scale)]
@@ -335,9 +340,10 @@ def reduce_scatter_grads(grads, layouts, bucket_bytes: int = 0, ordered: bool | 
   """Per-device gradients -> their dp sum, each dp rank keeping its shard (no all-reduce).
 
   The collectives go in the order the backward pass makes the gradients (the head's first):
-  a matrix alone, the other leaves packed into reduce-scatters of at most `bucket_bytes` each
-  (parallel.dp_bucket_mb; 0: one per leaf), a bucket holding leaves of one kind (dtype,
-  varying mesh axes), so that each can start as soon as the backward has made its leaves.
+  a matrix split on its leading dimension alone, the other leaves packed into reduce-scatters
+  of at most `bucket_bytes` each (parallel.dp_bucket_mb; 0: one per leaf), a bucket holding
+  leaves of one kind (dtype, varying mesh axes), so that each can start as soon as the
+  backward has made its leaves.
   Leaves with no dp split: one psum for them all. With `model`, `grads` are w.r.t.
   gather_params(..., model=model)'s values (the layers in compute form) and the result is
   shaped like `shards` (the parameters' dp shards): an operand gathered whole is

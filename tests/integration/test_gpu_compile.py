@@ -76,8 +76,8 @@ def test_the_step_compiles_for_h100s_with_its_kernels_and_fits(mesh, impl):
 def test_every_collective_is_async_and_the_parallelism_collectives_overlap_compute(mesh):
   """No collective blocks; ZeRO's dp gathers all overlap compute but the first (the first
   layer's, with nothing before it to hide under), its reduce-scatters all do, but with pp > 1
-  the one after the tick scan (the first chunk's rows, whose backward runs last, and the
-  shared leaves: what follows is the optimizer, which clips by the norm of every gradient);
+  maybe the last one after the tick scan (the first chunk's rows, whose backward runs last, and
+  the shared leaves: what follows is the optimizer, which clips by the norm of every gradient);
   the pipeline's pp sends all do. What XLA's scheduler decides, read from the scheduled module
   (XLA's combiners merge ZeRO's per-operand collectives here: a handful per step)."""
   result = compiled(mesh, "pallas")
@@ -86,7 +86,7 @@ def test_every_collective_is_async_and_the_parallelism_collectives_overlap_compu
   gathers, gathers_total = counts[("all-gather", "dp")]
   assert gathers >= gathers_total - 1 and gathers_total >= 2
   scatters, scatters_total = counts[("reduce-scatter", "dp")]
-  assert scatters == scatters_total - (MESHES[mesh][1] > 1) and scatters >= 1
+  assert scatters >= scatters_total - (MESHES[mesh][1] > 1) and scatters >= 1
   if MESHES[mesh][1] > 1:
     sends, sends_total = counts[("collective-permute", "pp")]
     assert sends == sends_total >= 2
