@@ -64,6 +64,16 @@ def after(x, deps, never):
   return jnp.where(never, _picked(deps).astype(x.dtype), x)
 
 
+def after_by_one_element(x, deps, never):
+  """after(x, deps, never), the dependency carried by x's first element alone: -0.0 (which
+  adds to every value bit for bit) added there, or what `deps` pick under `never`. XLA adds
+  it in place where x has no reader left (no pass over x, as after()'s select is where no
+  consumer fuses it), and the gradient w.r.t. x is the cotangent itself (after()'s select
+  has a select of the cotangent for transpose)."""
+  first = (0,) * x.ndim
+  return x.at[first].add(jnp.where(never, _picked(deps), -0.0).astype(x.dtype))
+
+
 def _picked(deps):
   """One element of each leaf of `deps`, summed (fp32), no gradient: what after() selects."""
   return sum(jnp.ravel(jax.lax.stop_gradient(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))

@@ -23,7 +23,7 @@ import numpy as np
 from megajax.model import ModelConfig
 from megajax.optim import MATRIX_PARAM_NAMES
 from megajax.parallel import collectives, fused
-from megajax.parallel.mesh import DP, after, to_varying, varying_axes
+from megajax.parallel.mesh import DP, after, after_by_one_element, to_varying, varying_axes
 
 
 # Which leaves ZeRO gathers in the compute dtype: the rule, in one place.
@@ -287,7 +287,7 @@ def layer_ahead_gathers(shards, layouts, compute_dtype, sinks, never, ordered: b
     if ordered and any(layout.dp_dim is not None for layout in jax.tree.leaves(group)):
       def waits(x):     # on every gather whose value varies over no more mesh axes than x
         done = [g for g in jax.tree.leaves(gathered) if varying_axes(g) <= varying_axes(x)]
-        return after(x, done, never) if done else x
+        return after_by_one_element(x, done, never) if done else x
       issued_after = jax.tree.map(waits, issued_after)
     return {**params, **jax.tree.map(_gradient_to, {name: sinks[name] for name in names}, gathered)}, issued_after
   return ahead

@@ -26,8 +26,10 @@ median tokens/s over the rounds, its ratio to the best peer, its first losses (t
 agree: the same model, data and optimizer), and from its compiled program per device: the
 matmul GFLOP one step executes (observe.hlo.executed_dot_flops: loop bodies times their trip
 counts, the pipeline's slots by how often its tables pick them), XLA's GFLOP and GB accessed
-(cost_analysis, which counts a loop body once: low for the pipeline's tick loop) and every
-collective by kind and group size (a group of 1 would be a collective the mesh does not need).
+(cost_analysis, which counts a loop body once: low for the pipeline's tick loop), the MB its
+copies, transposes and concatenations write a step (observe.hlo.executed_relayout_bytes: data
+moved for no FLOP, loops counted as for the matmuls) and every collective by kind and group size
+(a group of 1 would be a collective the mesh does not need).
 
 Model and optimizer for every contender: fp32, AdamW (megajax.optim), global-norm clipping,
 z-loss; `cpu`: hidden 512, 4 layers, 256 tokens, batch 16: large enough that a step's matmuls,
@@ -55,7 +57,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megajax import data
 from megajax.config import default_config, validate
 from megajax.model import init_params
-from megajax.observe.hlo import collectives_by_group_size, executed_dot_flops, pipeline_branch_weights, xla_cost
+from megajax.observe.hlo import (collectives_by_group_size, executed_dot_flops, executed_relayout_bytes,
+                                 pipeline_branch_weights, xla_cost)
 from megajax.observe.schedule import overlap_counts
 from megajax.optim import make_optimizer
 from megajax.parallel import deviceless, sharding
@@ -125,6 +128,7 @@ class Contender:
   text: str             # its compiled HLO
   cost: dict            # cost_analysis: flops, bytes accessed (per device)
   matmul_flops: float   # the matmul FLOPs one step executes per device (loops times their trips)
+  copied_bytes: float   # bytes its copies, transposes and concatenations write per device and step
   times: list = dataclasses.field(default_factory=list)
   losses: list = dataclasses.field(default_factory=list)
 
@@ -158,7 +162,8 @@ def _jit_contender(peer: str, config, parallel_step, params, batch_np) -> Conten
   batch = {k: jax.device_put(v, rows) for k, v in batch_np.items()}
   compiled = step.lower(state, batch).compile()
   text = compiled.as_text()
-  return Contender(peer, compiled, state, batch, text, xla_cost(compiled), executed_dot_flops(text))
+  return Contender(peer, compiled, state, batch, text, xla_cost(compiled), executed_dot_flops(text),
+                   sum(executed_relayout_bytes(text).values()))
 
 
 def _megajax_contender(name: str, parallel_step, batch_np) -> Contender:
@@ -166,8 +171,9 @@ def _megajax_contender(name: str, parallel_step, batch_np) -> Contender:
   batch = parallel_step.put_batch(batch_np)
   compiled = parallel_step.train_step().lower(state, batch).compile()
   text = compiled.as_text()
-  return Contender(name, compiled, state, batch, text, xla_cost(compiled),
-                   executed_dot_flops(text, pipeline_branch_weights(parallel_step.pipeline)))
+  weights = pipeline_branch_weights(parallel_step.pipeline)
+  return Contender(name, compiled, state, batch, text, xla_cost(compiled), executed_dot_flops(text, weights),
+                   sum(executed_relayout_bytes(text, weights).values()))
 
 
 def _contender(name: str, mesh, size: str, params, batch) -> Contender:
@@ -195,19 +201,24 @@ def compare(case: Case, rounds: int, size: str) -> list[Contender]:
   return contenders
 
 
+def case_heading(case: Case, config) -> str:
+  """The mesh (and the pipeline's schedule) and the model's shape, the first words of a table."""
+  dp, pp, tp = case.mesh
+  m, p = config.model, config.parallel
+  pipeline = (f" ({p.schedule}, v={p.virtual_stages}, m={config.train.microbatches})" if pp > 1 else "")
+  return (f"mesh dp={dp} pp={pp} tp={tp}{pipeline}: hidden {m.hidden_dim}, {m.num_layers} layers, {m.seq_len} "
+          f"tokens, batch {config.train.batch_size}")
+
+
 def report(case: Case, size: str, contenders: list[Contender]) -> str:
   config = peer_config(case.mesh, size)
   tokens = config.train.batch_size * config.model.seq_len
   rate = {c.name: tokens / statistics.median(c.times) for c in contenders}
   best_peer = max((c.name for c in contenders if c.name != "megajax"), key=rate.get)
   meshes = dict(case.peers, megajax=case.mesh)
-  dp, pp, tp = case.mesh
-  m, p = config.model, config.parallel
-  pipeline = (f" ({p.schedule}, v={p.virtual_stages}, m={config.train.microbatches})" if pp > 1 else "")
-  lines = [f"mesh dp={dp} pp={pp} tp={tp}{pipeline}: hidden {m.hidden_dim}, {m.num_layers} layers, {m.seq_len} "
-           f"tokens, batch {config.train.batch_size}, fp32, AdamW; {len(contenders[0].times)} interleaved rounds; "
+  lines = [f"{case_heading(case, config)}, fp32, AdamW; {len(contenders[0].times)} interleaved rounds; "
            f"ratio = tokens/s over the best peer's ({best_peer})",
-           f"  {'contender':<16} {'mesh':>6} {'tokens/s':>9} {'ratio':>6} {'matmul':>7} {'GFLOP':>7} {'GB':>7}  "
+           f"  {'contender':<16} {'mesh':>6} {'tokens/s':>9} {'ratio':>6} {'matmul':>7} {'GFLOP':>7} {'GB':>7} {'copy MB':>8}  "
            f"first losses{'':<18} collectives per device (kind x group size: count)"]
   for c in contenders:
     # losses[0] is the untimed first step's: every contender starts from the same state.
@@ -216,7 +227,7 @@ def report(case: Case, size: str, contenders: list[Contender]) -> str:
     collectives = ", ".join(f"{kind} x{group}: {n}" for (kind, group), n in counts)
     lines.append(f"  {c.name:<16} {mesh_name(meshes[c.name]):>6} {rate[c.name]:>9.0f} "
                  f"{rate[c.name] / rate[best_peer]:>6.2f} {c.matmul_flops / 1e9:>7.2f} {c.cost['flops'] / 1e9:>7.2f} "
-                 f"{c.cost['bytes'] / 1e9:>7.3f}  "
+                 f"{c.cost['bytes'] / 1e9:>7.3f} {c.copied_bytes / 1e6:>8.1f}  "
                  f"{losses:<30} {collectives or '-'}")
   first = [c.losses[0] for c in contenders]
   spread = (max(first) - min(first)) / abs(first[0])
@@ -271,12 +282,8 @@ def gpu_report(case: Case, size: str, target: str) -> str:
   contenders = [_gpu_contender(name, mesh, size, target) for name, mesh in case.peers]
   contenders.append(_gpu_contender("megajax", case.mesh, size, target))
   meshes = dict(case.peers, megajax=case.mesh)
-  dp, pp, tp = case.mesh
-  m, p = config.model, config.parallel
-  pipeline = (f" ({p.schedule}, v={p.virtual_stages}, m={config.train.microbatches})" if pp > 1 else "")
-  lines = [f"mesh dp={dp} pp={pp} tp={tp}{pipeline} compiled for {math.prod(case.mesh)} described {target} "
-           f"(nothing runs: no tokens/s): hidden {m.hidden_dim}, {m.num_layers} layers, {m.seq_len} tokens, batch "
-           f"{config.train.batch_size}, bf16 matmuls, cuDNN attention, AdamW",
+  lines = [f"{case_heading(case, config)}, bf16 matmuls, cuDNN attention, AdamW; compiled for "
+           f"{math.prod(case.mesh)} described {target} (nothing runs: no tokens/s)",
            f"  {'contender':<16} {'mesh':>6} {'compile s':>9} {'MiB':>8}  collectives per device (kind x group size: "
            f"count); async ones with compute between start and done / all (kind, mesh axis)"]
   for c in contenders:

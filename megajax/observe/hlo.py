@@ -243,6 +243,40 @@ def executed_dot_flops(text: str, branch_weights: dict | None = None) -> float:
   return total
 
 
+RELAYOUT_OPS = ("copy", "transpose", "concatenate")
+_FUSION_CALLEE = re.compile(r"\bfusion\(.*?calls=%([\w.-]+)")
+
+
+def executed_relayout_bytes(text: str, branch_weights: dict | None = None) -> collections.Counter:
+  """opcode -> bytes one run of a compiled HLO module writes, per device, by instructions that
+  only move data: copy, transpose, concatenate (each unfused, or the root of a fusion: a
+  concatenation fused into its consumer writes nothing of its own), times how often its
+  computation runs (`computation_runs`). What a program copies that another does not is
+  memory traffic neither needs for its FLOPs: a whole buffer copied per loop trip shows here."""
+  bodies = computations(text)
+  runs = computation_runs(text, branch_weights)
+  fused = {callee for body in bodies.values() for callee in _FUSION_CALLEE.findall(body)}
+  root_opcode = {}
+  for name in fused & set(bodies):
+    root = next((line for line in bodies[name].splitlines() if line.lstrip().startswith("ROOT ")), "")
+    match = re.match(r"\s*ROOT %?[\w.-]+ = \S+ ([a-z][a-z0-9-]*)\(", root)
+    root_opcode[name] = match.group(1) if match else None
+  written = collections.Counter()
+  for name, body in bodies.items():
+    if name in fused or not runs.get(name):
+      continue
+    for line in body.splitlines():
+      match = re.match(r"\s*(?:ROOT )?%?[\w.-]+ = (\S+) ([a-z][a-z0-9-]*)\(", line)
+      if not match:
+        continue
+      result, opcode = match.groups()
+      callee = _FUSION_CALLEE.search(line) if opcode == "fusion" else None
+      opcode = root_opcode.get(callee.group(1)) if callee else opcode
+      if opcode in RELAYOUT_OPS:
+        written[opcode] += runs[name] * result_bytes(result)
+  return written
+
+
 def pipeline_branch_weights(tables) -> dict | None:
   """The executor's two per-tick switches (their named scopes) -> the mean number of times a
   tick runs each branch, over the stages (megajax.parallel.pipeline.Tables: branch 0 idles,

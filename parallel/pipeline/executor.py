@@ -80,7 +80,7 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel import collectives, zero
-from megajax.parallel.mesh import DP, PP, TP, after, to_varying, varying_axes
+from megajax.parallel.mesh import DP, PP, TP, after, after_by_one_element, to_varying, varying_axes
 from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
 from megajax.parallel.pipeline.stacking import LAYERS, compute_rows, parameter_rows
 from megajax.parallel.pipeline.tables import Program, Tables, dp_pieces
@@ -437,8 +437,8 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     backward_out = (cotangent, grads)
     with jax.named_scope("pp send-recv"):
       if ordered_collectives:  # both sends after the backward slot, the forward's first
-        activation = send_forward(after(activation, backward_out, never))
-        cotangent = after(cotangent, activation, never)
+        activation = send_forward(after_by_one_element(activation, backward_out, never))
+        cotangent = after_by_one_element(cotangent, activation, never)
       cotangent = send_backward(cotangent)
     # Arrivals are written at the tick's end, after every read of the tick.
     new = dict(stash=with_row_at(stash, activation, op["recv_fwd"]),

@@ -113,8 +113,8 @@ def test_gpu_check_writes_its_report_on_cpu(tmp_path):
 
 def test_peer_benchmark_compares_with_plain_jit():
   """`python -m megajax.launch.bench peer` on the tiny model, dp=8 and the dp2-pp2-tp2 pipeline:
-  per mesh its peers (jax.jit + GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB and
-  its collectives; the same first losses (no timing asserted). The jit DP peer's gradient sum
+  per mesh its peers (jax.jit + GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB, the
+  MB its copies write (some: the step's concatenations) and its collectives; the same first losses (no timing asserted). The jit DP peer's gradient sum
   is there: one combined all-reduce over the 8 devices; megajax's step has no collective over a
   group of one, and its ZeRO collectives move fused operands whole and the rest in buckets."""
   result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--rounds=2",
@@ -122,8 +122,10 @@ def test_peer_benchmark_compares_with_plain_jit():
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "mesh dp=8 pp=1 tp=1:" in out and "mesh dp=2 pp=2 tp=2 (interleaved_1f1b, v=2, m=4):" in out
-  rows = re.findall(r"^  (jit [\w+-]+|megajax)\s+(\d+x\d+x\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d. ]+(.*)$",
+  rows = re.findall(r"^  (jit [\w+-]+|megajax)\s+(\d+x\d+x\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+[\d. ]+(.*)$",
                     out, re.MULTILINE)
+  copied = {(name, mesh): float(mb) for name, mesh, mb, _ in rows}
+  rows = [(name, mesh, collectives) for name, mesh, _, collectives in rows]
   assert [(name, mesh) for name, mesh, _ in rows] == [
       ("jit DP", "8x1x1"), ("jit FSDP", "8x1x1"), ("megajax", "8x1x1"),
       ("jit DP", "8x1x1"), ("jit FSDP", "8x1x1"), ("jit Megatron-TP", "2x1x4"), ("megajax", "2x2x2")], out
@@ -134,6 +136,7 @@ def test_peer_benchmark_compares_with_plain_jit():
   # buckets (parallel.dp_bucket_mb): one per forward group's gather (5), one reduce-scatter.
   dp8 = dict(re.findall(r"([\w-]+ x\d+): (\d+)", rows[2][2]))
   assert int(dp8["all-gather x8"]) == 8 + 2 + 5 and int(dp8["reduce-scatter x8"]) == 8 + 2 + 1, rows[2]
+  assert copied[("megajax", "2x2x2")] > 0, copied
   spreads = [float(s) for s in re.findall(r"first losses agree to ([\d.e+-]+)", out)]
   assert len(spreads) == 2 and max(spreads) < 1e-5, spreads
 
@@ -147,7 +150,8 @@ def test_peer_benchmark_compiles_every_contender_for_h100s():
                        "--compile_for=h100-80g"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
-  assert "mesh dp=8 pp=1 tp=1 compiled for 8 described h100-80g (nothing runs: no tokens/s)" in out
+  assert re.search(r"^mesh dp=8 pp=1 tp=1: .*; compiled for 8 described h100-80g \(nothing runs: no tokens/s\)$",
+                   out, re.MULTILINE), out
   rows = dict(re.findall(r"^  (jit [\w+-]+|megajax)\s+8x1x1\s+[\d.]+\s+([\d.]+)  .*$", out, re.MULTILINE))
   assert set(rows) == {"jit DP", "jit FSDP", "megajax"} and all(float(mib) > 0 for mib in rows.values()), out
   megajax = next(line for line in out.splitlines() if line.startswith("  megajax"))

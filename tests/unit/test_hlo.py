@@ -10,7 +10,8 @@ import pytest
 
 from megajax.flops import training_flops_per_token
 from megajax.model import ModelConfig
-from megajax.observe.hlo import computation_runs, executed_dot_flops, pipeline_branch_weights, replica_groups
+from megajax.observe.hlo import (computation_runs, executed_dot_flops, executed_relayout_bytes, pipeline_branch_weights,
+                                 replica_groups)
 from megajax.parallel.pipeline import Tables, simulate
 from tests.support.reference import parallel_config, parallel_step_for, pipeline_config
 
@@ -70,6 +71,21 @@ def test_computation_runs_multiply_through_nested_loops():
   text = _compiled_text(nested, jnp.ones((8, 8)))
   assert max(computation_runs(text).values()) >= 15
   assert executed_dot_flops(text) == 15 * 2 * 8 ** 3
+
+
+def test_relayout_bytes_count_what_copies_and_concatenations_write_per_run():
+  """A concatenation written out counts its result (4 bytes an f32), once per loop trip; one
+  fused into its consumer, or elementwise work, writes nothing of its own; a transpose
+  materialized (XLA:CPU: a copy to the new layout) counts as that copy."""
+  a, b = jnp.ones((64, 32)), jnp.ones((32, 32))
+  assert executed_relayout_bytes(_compiled_text(lambda a, b: jnp.concatenate([a, b]), a, b)) == {"concatenate": 96 * 32 * 4}
+  assert not executed_relayout_bytes(_compiled_text(lambda a: a * 2 + 1, a))
+  assert not executed_relayout_bytes(_compiled_text(lambda a, b: (jnp.concatenate([a, b]) * 3).sum(), a, b))
+  assert sum(executed_relayout_bytes(_compiled_text(lambda a: (a * 2).T, a)).values()) == 64 * 32 * 4
+  def loop(x, w):
+    body = lambda x, _: (jnp.concatenate([jnp.sin(x[:, :16]), jnp.cos(x[:, 16:])], axis=1) @ w, None)
+    return lax.scan(body, x, None, length=5)[0]
+  assert executed_relayout_bytes(_compiled_text(loop, a, b))["concatenate"] == 5 * 64 * 32 * 4
 
 
 def test_the_single_device_step_executes_the_model_flops():

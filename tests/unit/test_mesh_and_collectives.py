@@ -8,7 +8,7 @@ import pytest
 
 from megajax.config import ConfigError, default_config
 from megajax.parallel import TP, all_gather_matmul, local_batch_slice, make_mesh, matmul_reduce_scatter
-from megajax.parallel.mesh import DP, _host_split
+from megajax.parallel.mesh import DP, _host_split, after_by_one_element
 from megajax.parallel.sharding import Layout
 from megajax.parallel.zero import gather_params, reduce_scatter_grads
 
@@ -17,6 +17,22 @@ def mesh_config(dp, pp, tp):
   config = default_config()
   config.parallel.dp, config.parallel.pp, config.parallel.tp = dp, pp, tp
   return config
+
+
+def test_an_order_through_one_element_keeps_every_bit_and_the_gradient():
+  """after_by_one_element(x, deps, never) is x bit for bit (-0.0 and NaN kept: -0.0 is what it
+  adds), its gradient w.r.t. x the cotangent itself, none into deps, as after()'s. (No select
+  of a layer's input in the compiled step: tests/unit/test_parallel.py.)"""
+  x = jnp.array([[-0.0, 1.5], [jnp.nan, -2.0]])
+  deps, never = jnp.full((3,), 7.0), jnp.array(False)
+  out = jax.jit(after_by_one_element)(x, deps, never)
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(x).view(np.uint32))
+  assert float(jax.jit(after_by_one_element)(x, deps, jnp.array(True))[0, 0]) == 7.0   # the dependency is real
+  weights = jnp.arange(4.0).reshape(2, 2)
+  loss = lambda x, deps: jnp.sum(jnp.sin(after_by_one_element(x, deps, never)) * weights)
+  gx, gdeps = jax.grad(loss, argnums=(0, 1))(jnp.ones((2, 2)), deps)
+  np.testing.assert_array_equal(gx, jnp.cos(1.0) * weights)
+  np.testing.assert_array_equal(gdeps, 0)
 
 
 def test_tp_is_innermost_and_dp_before_pp():

@@ -15,7 +15,7 @@ import pytest
 from megajax.config import TP_OVERLAP_CHOICES
 from megajax.parallel import fused, zero
 from tests.support.hlo import collective_counts, compiled_step_text, computations, mesh_groups, replica_groups
-from tests.support.reference import parallel_step_for, parallel_config, pipeline_config
+from tests.support.reference import BATCH, SEQ, parallel_step_for, parallel_config, pipeline_config
 
 MODES = list(TP_OVERLAP_CHOICES)   # every tp_overlap mode the config accepts
 
@@ -181,6 +181,12 @@ def test_zero_gathers_are_issued_one_layer_ahead():
   assert len(after) == gathers
   after = sorted(after)
   assert after[0] == 0 and 0 < after[-1 - split["layer_2"]] < after[-1], after
+  # Each layer's input waits for its gathers through one element (mesh.after_by_one_element),
+  # updated in place: no select anywhere writes a layer's input (its rows, its tokens of the
+  # tp sequence shard, hidden 32), as the wait by select did in the forward and its transpose.
+  rows, tokens = BATCH // 2 // 2, SEQ // 2
+  layer_input_selects = re.findall(rf"= f32\[{rows},{tokens},32\]\{{[^}}]*\}} select\(", text)
+  assert not layer_input_selects, layer_input_selects
 
 
 @pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4)], ids=["8x1x1", "2x1x4"])
