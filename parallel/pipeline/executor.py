@@ -421,9 +421,12 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
       activation = probes.perturb_sent(activation, stage, op["f_chunk"], microbatch(op["f_microbatch"])["rows"], p, k)
     send_forward = lambda x: lax.ppermute(x, PP, [(i, (i + 1) % p) for i in range(p)])
     send_backward = lambda x: lax.ppermute(x, PP, [(i, (i - 1) % p) for i in range(p)])
-    cotangents_in = cotangents
-    if ordered_collectives:   # the backward slot after the forward slot (its collectives too)
-      cotangents_in = after(cotangents, activation, never)
+    cotangents_in, backward_op = cotangents, op
+    if ordered_collectives:   # the backward slot after the forward slot (its collectives too),
+      # through the one received cotangent it reads: a select of that row, not of every slot's.
+      # (On GPUs the branch reads its row itself: read out here, it is one more buffer.)
+      received = after(row_at(cotangents, op["b_ct_slot"]), activation, never)
+      cotangents_in, backward_op = received[None], dict(op, b_ct_slot=jnp.zeros_like(op["b_ct_slot"]))
     else:
       with jax.named_scope("pp send-recv"):
         activation = send_forward(activation)
@@ -432,7 +435,7 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     kept = {key: row_at(buffer, op["b_res_slot"]) for key, buffer in carry.get("residuals", {}).items()}
     with jax.named_scope(BACKWARD_SLOT):
       chunk_grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents_in, kept,
-                                                 carry["stats"], op, microbatch(op["b_microbatch"]))
+                                                 carry["stats"], backward_op, microbatch(op["b_microbatch"]))
       grads = add_chunk_grads(carry["grads"], chunk_grads, op)
     backward_out = (cotangent, grads)
     with jax.named_scope("pp send-recv"):
