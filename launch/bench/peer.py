@@ -210,6 +210,12 @@ def case_heading(case: Case, config) -> str:
           f"tokens, batch {config.train.batch_size}")
 
 
+def collectives_column(text: str, devices: int) -> str:
+  """A compiled program's collectives by kind and group size: "all-gather x8: 15, ..."."""
+  counts = sorted(collectives_by_group_size(text, devices).items())
+  return ", ".join(f"{kind} x{group}: {n}" for (kind, group), n in counts)
+
+
 def report(case: Case, size: str, contenders: list[Contender]) -> str:
   config = peer_config(case.mesh, size)
   tokens = config.train.batch_size * config.model.seq_len
@@ -223,8 +229,7 @@ def report(case: Case, size: str, contenders: list[Contender]) -> str:
   for c in contenders:
     # losses[0] is the untimed first step's: every contender starts from the same state.
     losses = " ".join(f"{x:.6f}" for x in c.losses[:LOSSES_SHOWN])
-    counts = sorted(collectives_by_group_size(c.text, math.prod(case.mesh)).items())
-    collectives = ", ".join(f"{kind} x{group}: {n}" for (kind, group), n in counts)
+    collectives = collectives_column(c.text, math.prod(case.mesh))
     lines.append(f"  {c.name:<16} {mesh_name(meshes[c.name]):>6} {rate[c.name]:>9.0f} "
                  f"{rate[c.name] / rate[best_peer]:>6.2f} {c.matmul_flops / 1e9:>7.2f} {c.cost['flops'] / 1e9:>7.2f} "
                  f"{c.cost['bytes'] / 1e9:>7.3f} {c.copied_bytes / 1e6:>8.1f}  "
@@ -288,8 +293,7 @@ def gpu_report(case: Case, size: str, target: str) -> str:
            f"count); async ones with compute between start and done / all (kind, mesh axis)"]
   for c in contenders:
     text = c.compiled.as_text()
-    counts = sorted(collectives_by_group_size(text, math.prod(case.mesh)).items())
-    collectives = ", ".join(f"{kind} x{group}: {n}" for (kind, group), n in counts) or "-"
+    collectives = collectives_column(text, math.prod(case.mesh)) or "-"
     overlap = ", ".join(f"{kind} {axis} {done}/{total}" for (kind, axis), (done, total)
                         in sorted(overlap_counts(text, c.mesh).items()))
     lines.append(f"  {c.name:<16} {mesh_name(meshes[c.name]):>6} {c.compile_seconds:>9.1f} "
