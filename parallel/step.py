@@ -165,6 +165,10 @@ class ParallelStep:
     """The step's (state, batch) as ShapeDtypeStructs with their shardings: for
     `.lower(...).compile()` and a checkpoint's restore, without materializing anything.
     Packed data (megajax.config.uses_document_masking) adds "positions" and "segment_ids"."""
+    return self._abstract_state, self.abstract_batch()
+
+  def abstract_batch(self) -> dict:
+    """abstract_inputs' batch alone: a global batch's ShapeDtypeStructs, rows split over dp."""
     shape, rows = (self.config.train.batch_size, self.config.model.seq_len), batch_sharding(self.mesh)
     batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
@@ -172,7 +176,7 @@ class ParallelStep:
     if uses_document_masking(self.config):
       batch.update({key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
                     for key in ("positions", "segment_ids")})
-    return self._abstract_state, batch
+    return batch
 
   @functools.cached_property
   def _abstract_state(self) -> TrainState:

@@ -51,7 +51,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import data
@@ -77,6 +76,11 @@ class Case:
   devices. A jit peer's mesh is (dp, 1, tp); "megajax ..." is megajax's step on that mesh."""
   mesh: tuple[int, int, int]
   peers: tuple[tuple[str, tuple[int, int, int]], ...]
+
+  @property
+  def meshes(self) -> dict:
+    """Each contender's name -> its mesh, megajax's included."""
+    return dict(self.peers, megajax=self.mesh)
 
 
 # Every mesh against the plain-jit step a user would pick for its devices; the pipeline
@@ -221,7 +225,6 @@ def report(case: Case, size: str, contenders: list[Contender]) -> str:
   tokens = config.train.batch_size * config.model.seq_len
   rate = {c.name: tokens / statistics.median(c.times) for c in contenders}
   best_peer = max((c.name for c in contenders if c.name != "megajax"), key=rate.get)
-  meshes = dict(case.peers, megajax=case.mesh)
   lines = [f"{case_heading(case, config)}, fp32, AdamW; {len(contenders[0].times)} interleaved rounds; "
            f"ratio = tokens/s over the best peer's ({best_peer})",
            f"  {'contender':<16} {'mesh':>6} {'tokens/s':>9} {'ratio':>6} {'matmul':>7} {'GFLOP':>7} {'GB':>7} {'copy MB':>8}  "
@@ -230,7 +233,7 @@ def report(case: Case, size: str, contenders: list[Contender]) -> str:
     # losses[0] is the untimed first step's: every contender starts from the same state.
     losses = " ".join(f"{x:.6f}" for x in c.losses[:LOSSES_SHOWN])
     collectives = collectives_column(c.text, math.prod(case.mesh))
-    lines.append(f"  {c.name:<16} {mesh_name(meshes[c.name]):>6} {rate[c.name]:>9.0f} "
+    lines.append(f"  {c.name:<16} {mesh_name(case.meshes[c.name]):>6} {rate[c.name]:>9.0f} "
                  f"{rate[c.name] / rate[best_peer]:>6.2f} {c.matmul_flops / 1e9:>7.2f} {c.cost['flops'] / 1e9:>7.2f} "
                  f"{c.cost['bytes'] / 1e9:>7.3f} {c.copied_bytes / 1e6:>8.1f}  "
                  f"{losses:<30} {collectives or '-'}")
@@ -268,14 +271,11 @@ def _gpu_contender(name: str, mesh, size: str, target: str) -> GpuContender:
   with deviceless.cudnn_as(target):
     parallel_step = deviceless.parallel_step_for_gpu(config, target)
     params = jax.eval_shape(lambda: init_params(parallel_step.model, jax.random.key(0)))
-    step, optimizer, state_shardings, rows = _jit_step(name, config, parallel_step, params)
+    step, optimizer, state_shardings, _ = _jit_step(name, config, parallel_step, params)
     state = jax.tree.map(lambda x, placed: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
                          jax.eval_shape(lambda p: fresh_train_state(p, optimizer), params), state_shardings)
-    shape = (config.train.batch_size, config.model.seq_len)
-    batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
-             "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
-             "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)}
-    compiled, seconds = deviceless.compile_lowered(step.lower(state, batch))
+    # The batch as megajax's step takes it: rows split over dp, as the peer's step takes it too.
+    compiled, seconds = deviceless.compile_lowered(step.lower(state, parallel_step.abstract_batch()))
   return GpuContender(name, parallel_step.mesh, compiled, seconds)
 
 
@@ -286,7 +286,6 @@ def gpu_report(case: Case, size: str, target: str) -> str:
   config = gpu_peer_config(case.mesh, size)
   contenders = [_gpu_contender(name, mesh, size, target) for name, mesh in case.peers]
   contenders.append(_gpu_contender("megajax", case.mesh, size, target))
-  meshes = dict(case.peers, megajax=case.mesh)
   lines = [f"{case_heading(case, config)}, bf16 matmuls, cuDNN attention, AdamW; compiled for "
            f"{math.prod(case.mesh)} described {target} (nothing runs: no tokens/s)",
            f"  {'contender':<16} {'mesh':>6} {'compile s':>9} {'MiB':>8}  collectives per device (kind x group size: "
@@ -296,7 +295,7 @@ def gpu_report(case: Case, size: str, target: str) -> str:
     collectives = collectives_column(text, math.prod(case.mesh)) or "-"
     overlap = ", ".join(f"{kind} {axis} {done}/{total}" for (kind, axis), (done, total)
                         in sorted(overlap_counts(text, c.mesh).items()))
-    lines.append(f"  {c.name:<16} {mesh_name(meshes[c.name]):>6} {c.compile_seconds:>9.1f} "
+    lines.append(f"  {c.name:<16} {mesh_name(case.meshes[c.name]):>6} {c.compile_seconds:>9.1f} "
                  f"{deviceless.bytes_per_device(c.compiled) / 2**20:>8.1f}  {collectives}; {overlap or '-'}")
   return "\n".join(lines)
 

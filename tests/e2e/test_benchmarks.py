@@ -114,9 +114,10 @@ def test_gpu_check_writes_its_report_on_cpu(tmp_path):
 def test_peer_benchmark_compares_with_plain_jit():
   """`python -m megajax.launch.bench peer` on the tiny model, dp=8 and the dp2-pp2-tp2 pipeline:
   per mesh its peers (jax.jit + GSPMD) and megajax, each with tokens/s, a ratio, GFLOP, GB, the
-  MB its copies write (some: the step's concatenations) and its collectives; the same first losses (no timing asserted). The jit DP peer's gradient sum
-  is there: one combined all-reduce over the 8 devices; megajax's step has no collective over a
-  group of one, and its ZeRO collectives move fused operands whole and the rest in buckets."""
+  MB its copies write (some: the step's concatenations) and its collectives; the same first
+  losses (no timing asserted). The jit DP peer's gradient sum is there: one combined
+  all-reduce over the 8 devices; megajax's step has no collective over a group of one, and its
+  ZeRO collectives move fused operands whole and the rest in buckets."""
   result = run_module(["-m", "megajax.launch.bench", "peer", "--peer_size=tiny", "--rounds=2",
                        "--peer_meshes=8x1x1,2x2x2"])
   assert result.returncode == 0, result.stderr[-3000:]
