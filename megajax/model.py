@@ -132,10 +132,16 @@ class SerialBlock(nn.Module):
 # model.block -> the Flax block (keys: megajax.config.BLOCK_CHOICES; the 3D step's sharded
 # blocks are megajax.parallel.tensor_parallel.BLOCK_FUNCTIONS).
 BLOCK_MODULES = {"parallel": ParallelBlock, "parallel_two_norms": ParallelTwoNormsBlock, "serial": SerialBlock}
+# The name the 3D step's parallel linears give their outputs (megajax.parallel.collective_matmul):
+# their backward is written out (a custom_vjp), which hides the dot inside from a policy that
+# looks for dots, so "dots" saves them by this name.
+PROJECTION_OUTPUT = "projection"
 # model.remat -> what a recomputed block saves for its backward ("none": no recomputation).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        jax.checkpoint_policies.save_only_these_names(PROJECTION_OUTPUT)),
 }
 
 

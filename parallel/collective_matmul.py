@@ -27,9 +27,11 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax import lax
 
+from megajax.model import PROJECTION_OUTPUT
 from megajax.parallel import collectives
 from megajax.parallel.mesh import TP, varying_axes
 
@@ -220,12 +222,13 @@ def chunked_matmul_reduce_scatter(x, w, chunks: int):
 
 @jax.named_scope("tp all-gather")
 def column_parallel_linear(x, w, mode: str, chunks: int, out_dtype=None, ring: bool = True):
-  """x [b, s/tp, k] (sequence shard) @ w [k, f/tp] -> [b, s, f/tp]; one all-gather on tp."""
+  """x [b, s/tp, k] (sequence shard) @ w [k, f/tp] -> [b, s, f/tp]; one all-gather on tp. The
+  output is named PROJECTION_OUTPUT: what model.remat="dots" saves."""
   if mode == "collective_matmul" and lax.axis_size(TP) > 1:
     if ring:
-      return all_gather_matmul(x, w, chunks, out_dtype)
-    return chunked_all_gather_matmul(x, w, chunks, out_dtype)
-  return _matmul(collectives.all_gather(x, TP, dim=1), w, out_dtype)
+      return checkpoint_name(all_gather_matmul(x, w, chunks, out_dtype), PROJECTION_OUTPUT)
+    return checkpoint_name(chunked_all_gather_matmul(x, w, chunks, out_dtype), PROJECTION_OUTPUT)
+  return checkpoint_name(_matmul(collectives.all_gather(x, TP, dim=1), w, out_dtype), PROJECTION_OUTPUT)
 
 
 @jax.named_scope("tp all-gather")
@@ -244,7 +247,10 @@ def column_parallel_apply(x, fn, mode: str, chunks: int, ring: bool = True):
 
 @jax.named_scope("tp reduce-scatter")
 def row_parallel_linear(x, w, mode: str, chunks: int, ring: bool = True):
-  """x [b, s, k/tp] @ w [k/tp, f] -> [b, s/tp, f] summed over tp; one reduce-scatter on tp."""
+  """x [b, s, k/tp] @ w [k/tp, f] -> [b, s/tp, f] summed over tp; one reduce-scatter on tp. The
+  output is named PROJECTION_OUTPUT: what model.remat="dots" saves."""
   if mode == "collective_matmul" and lax.axis_size(TP) > 1:
-    return matmul_reduce_scatter(x, w, chunks, None) if ring else chunked_matmul_reduce_scatter(x, w, chunks)
-  return collectives.psum_scatter(_matmul(x, w, None), TP, scatter_dimension=1)
+    out = matmul_reduce_scatter(x, w, chunks, None) if ring else chunked_matmul_reduce_scatter(x, w, chunks)
+  else:
+    out = collectives.psum_scatter(_matmul(x, w, None), TP, scatter_dimension=1)
+  return checkpoint_name(out, PROJECTION_OUTPUT)

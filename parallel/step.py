@@ -262,9 +262,12 @@ class ParallelStep:
     # them finite, the new state is finite too: AdamW's and LAMB's moments of finite
     # gradients whose squares sum finitely (the norm) are finite, their steps bounded (Adam's
     # m / sqrt(v); LAMB's scaled to ||w||), short of an fp32 overflow past 3.4e38; so no NaN
-    # or Inf reaches a checkpoint. Decided before the update, as a branch: the update runs as
-    # it would unguarded, in place (a select of new and old values instead would take a
-    # second pass over the state, or copy the moments the update reads twice).
+    # or Inf reaches a checkpoint. Decided before the update. On XLA:CPU as a branch: the
+    # update runs as it would unguarded, in place (a select of new and old values there takes
+    # a second pass over the state, or copies the moments the update reads twice). On GPUs as
+    # a select, which XLA fuses into the update's last elementwise kernel: a conditional there
+    # holds its operands apart (the gradients twice more: the 1.3B MFU step on one H100
+    # needed 38.4 GiB with it, 28.9 GiB with the select).
     finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
               & jnp.isfinite(metrics["learning_rate"]))
 
@@ -272,9 +275,17 @@ class ParallelStep:
       with jax.named_scope("optimizer"):
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-    new_state = lax.cond(finite, update, lambda state: state, state)
+    if self.skips_by_branch:
+      new_state = lax.cond(finite, update, lambda state: state, state)
+    else:
+      new_state = jax.tree.map(functools.partial(jnp.where, finite), update(state), state)
     metrics["skipped"] = 1 - finite.astype(jnp.int32)
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
+
+  @property
+  def skips_by_branch(self) -> bool:
+    """How a non-finite step skips its update: a lax.cond (XLA:CPU) or a select (GPUs)."""
+    return self.platform == "cpu"
 
   # --- The jitted step.
 

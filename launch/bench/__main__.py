@@ -5,7 +5,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench checkpoint [--checkpoint_hidden=1024] [--checkpoint_repeats=5]
   python -m megajax.launch.bench startup
   python -m megajax.launch.bench faults [--trials=20]
-  python -m megajax.launch.bench planner [--measure_memory]
+  python -m megajax.launch.bench planner [--measure_memory] [--measure_memory_gpu]
   python -m megajax.launch.bench data [--data_batches=50] [--data_steps=20] [--data_words=200000]
       [--data_tokens=20000000]
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
@@ -54,6 +54,9 @@ _COMPILE_FOR = flags.DEFINE_string("compile_for", "", "train, peer: compile the 
                                    "collectives and their overlap) instead of running them.")
 _QUICK = flags.DEFINE_boolean("quick", False,
                               "runtime benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
+_MEASURE_MEMORY_GPU = flags.DEFINE_boolean(
+    "measure_memory_gpu", False, "planner: first compile the GPU memory cases for a described H100 and rewrite "
+    "parallel/planner/memory_measured_gpu.py (~15 minutes).")
 _MEASURE_MEMORY = flags.DEFINE_boolean(
     "measure_memory", False, "planner: first recompile the memory fit set and rewrite "
     "parallel/planner/memory_measured.py (a few minutes).")
@@ -64,7 +67,9 @@ _PEER_SIZE = flags.DEFINE_enum("peer_size", "cpu", ["cpu", "tiny"],
 _PEER_MESHES = flags.DEFINE_string("peer_meshes", "", "peer: megajax's meshes to run (dpxppxtp, comma-separated; "
                                    "default: every one of launch/bench/peer.py's CASES).")
 _OUT = flags.DEFINE_string("out", "gpu_check", "gpu: the folder gpu_check.json and gpu_check.md are written to.")
-_PARTS = flags.DEFINE_string("parts", "tests,attention,train,run", "gpu: the parts to run, comma-separated.")
+_PARTS = flags.DEFINE_string("parts", "tests,train,attention,run,checkpoint", "gpu: the parts to run, comma-separated.")
+_BUDGET_S = flags.DEFINE_float("budget_s", 470, "gpu: seconds for the whole check, each part in its own process under "
+                               "its planned share (gpu.PLAN_S); 0: the parts in this process, without limits.")
 _TRAIN_SIZES = flags.DEFINE_string("train_sizes", "1.3b:2048",
                                    "gpu: the MFU suites of the train part, SIZE:SEQ comma-separated (e.g. 3b:8192).")
 _RUN_STEPS = flags.DEFINE_integer("run_steps", 30, "gpu: steps of each megajax-train run of the run part.")
@@ -79,7 +84,7 @@ BENCHMARKS = {
     "startup": lambda bench: bench.startup(),
     "faults": lambda bench: bench.faults(_TRIALS.value),
     "observe": lambda bench: bench.observe(_REPEATS.value),
-    "planner": lambda bench: bench.planner(_MEASURE_MEMORY.value),
+    "planner": lambda bench: bench.planner(_MEASURE_MEMORY.value, _MEASURE_MEMORY_GPU.value),
     "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value, _DATA_WORDS.value, _DATA_TOKENS.value),
     "train": lambda bench: (bench.fit_on_gpu(_SIZE.value, _SEQ.value, _WINDOW.value, _COMPILE_FOR.value)
                             if _COMPILE_FOR.value else bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value)),
@@ -87,7 +92,7 @@ BENCHMARKS = {
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
     "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value, _PEER_MESHES.value, _COMPILE_FOR.value),
     "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
-                                         _RUN_STEPS.value),
+                                         _RUN_STEPS.value, _BUDGET_S.value),
 }
 
 

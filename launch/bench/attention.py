@@ -97,10 +97,18 @@ def _time_or_skip(fn, q, k, v, repeats):
     return None, "out of memory: " + str(e).splitlines()[0][:120]
 
 
-def measure(repeats: int) -> dict:
-  """Every row of the grid: {'device', 'grid', 'rows': [...], 'growth': {...}}."""
+# `bench gpu`'s attention part (quick): our kernels against cuDNN at the lengths that show the
+# window's gain, inside the part's time (the whole grid: `bench attention`).
+QUICK_LENGTHS, QUICK_IMPLS = (2048, 8192), ("pallas", "cudnn")
+
+
+def measure(repeats: int, quick: bool = False) -> dict:
+  """Every row of the grid: {'device', 'grid', 'rows': [...], 'growth': {...}}; `quick`: on a
+  GPU the QUICK_LENGTHS x QUICK_IMPLS rows alone."""
   on_gpu = jax.devices()[0].platform == "gpu"
   g = grid(on_gpu)
+  if quick and on_gpu:
+    g["lengths"] = QUICK_LENGTHS
   backend = default_backend(g["dtype"], g["head_dim"])
   limit = device_bytes() * FIT_MARGIN
   batch = max(1, g["tokens"] // max(g["lengths"]))
@@ -114,6 +122,8 @@ def measure(repeats: int) -> dict:
     for window in g["windows"]:
       flops = 4 * g["head_dim"] * g["heads"] * batch * visible_pairs(s, window)
       for name, fn in impls(on_gpu, backend).items():
+        if quick and on_gpu and name not in QUICK_IMPLS:
+          continue
         forward = jax.jit(lambda q, k, v, fn=fn, window=window: fn(q, k, v, window))
         both = jax.jit(jax.grad(lambda q, k, v, fn=fn, window=window: jnp.sum(
             (fn(q, k, v, window) * cotangent).astype(jnp.float32)), argnums=(0, 1, 2)))
@@ -178,7 +188,7 @@ def table(result: dict) -> list[str]:
   return lines + skipped + [f"{name}: {value:.2f}" for name, value in result["growth"].items()]
 
 
-def attention(repeats: int) -> dict:
+def attention(repeats: int, quick: bool = False) -> dict:
   on_gpu = jax.devices()[0].platform == "gpu"
   g = grid(on_gpu)
   print(f"\n== attention on {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), head dim "
@@ -187,6 +197,6 @@ def attention(repeats: int) -> dict:
   if not on_gpu:
     print("CPU: reduced grid, Pallas kernels in interpret mode (times the interpreter: no GPU figure); "
           "cudnn needs a GPU")
-  result = measure(repeats)
+  result = measure(repeats, quick)
   print("\n".join(table(result)))
   return result

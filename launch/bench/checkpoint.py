@@ -1,6 +1,6 @@
 """`python -m megajax.launch.bench checkpoint`: what a checkpoint costs the step loop, measured
 side by side in one run on a training state of at least 1 GB (fp32 params + LAMB moments of
-a ~170M-parameter GPT, on a dp=2 x tp=4 mesh of this machine's devices).
+a ~170M-parameter GPT, on a dp=2 x tp=4 mesh of this machine's devices; one GPU: 1x1x1).
 
   save      synchronous save time (the baseline: the step waits for the write) vs the
             asynchronous save's blocking time (device -> host) and total time (to commit)
@@ -33,11 +33,13 @@ from megajax.launch.bench.timing import median_seconds
 from megajax.trainer import build_parallel_step
 
 
-def _bench_config(hidden_dim: int):
+def _bench_config(hidden_dim: int, devices: int):
+  """dp=2 x tp=4 on 8 devices or more (this machine's CPU devices), else dp over what there is
+  (one GPU: 1x1x1, where the restore has no replica to broadcast to)."""
   c = default_config()
   c.model.vocab_size, c.model.hidden_dim, c.model.num_layers, c.model.num_heads = 32768, hidden_dim, 8, 16
   c.model.seq_len, c.train.batch_size = 128, 8
-  c.parallel.dp, c.parallel.pp, c.parallel.tp = 2, 1, 4
+  c.parallel.dp, c.parallel.pp, c.parallel.tp = (2, 1, 4) if devices >= 8 else (min(devices, 2), 1, 1)
   return c
 
 
@@ -80,8 +82,9 @@ def _checksums_side_by_side(config, state, root: str, repeats: int) -> None:
 def checkpoint(hidden_dim: int = 1024, repeats: int = 5) -> None:
   """hidden_dim=1024: the 1.9 GiB state; smaller for a quick run (the tests)."""
   logging.set_verbosity(logging.WARNING)      # Orbax logs every step of every save at INFO
-  config = _bench_config(hidden_dim)
-  parallel_step = build_parallel_step(config, jax.devices()[:8])
+  config = _bench_config(hidden_dim, len(jax.devices()))
+  dp, tp = config.parallel.dp, config.parallel.tp
+  parallel_step = build_parallel_step(config, jax.devices()[:dp * tp])
   state = parallel_step.init_state(jax.random.key(0))
   # A trained state's moments are not zeros (which the storage format would compress away).
   random_like = lambda x, key: jax.random.normal(key, x.shape, x.dtype) * 1e-3 if x.ndim else x
@@ -90,7 +93,7 @@ def checkpoint(hidden_dim: int = 1024, repeats: int = 5) -> None:
   state = jax.block_until_ready(state._replace(opt_state=opt_state))
   size = sum(x.nbytes for x in jax.tree.leaves(state))
   print(f"\n== checkpoint: a {size / 2**30:.2f} GiB training state (fp32 params + LAMB moments) on "
-        f"{jax.devices()[0].platform} mesh dp=2 x tp=4")
+        f"{jax.devices()[0].platform} mesh dp={dp} x tp={tp}")
   root = tempfile.mkdtemp(prefix="megajax-bench-checkpoint-")
   try:
     times = {}
@@ -113,7 +116,7 @@ def checkpoint(hidden_dim: int = 1024, repeats: int = 5) -> None:
 
     print(f"{'restore':10} {'seconds':>9} {'bytes read':>12}")
     restored = {}
-    for mode in ("direct", "broadcast"):
+    for mode in ("direct", "broadcast") if dp > 1 else ("direct",):
       config.checkpoint.restore_mode = mode
       checkpointer = TrainingCheckpointer(os.path.join(root, "async"), config)
       checkpointer.restore_latest(parallel_step)                # warm-up: compiles the broadcast / reshards
@@ -123,7 +126,10 @@ def checkpoint(hidden_dim: int = 1024, repeats: int = 5) -> None:
       restored[mode] = (time.perf_counter() - start, result.bytes_read)
       checkpointer.close()
       print(f"{mode:10} {restored[mode][0]:>8.3f}s {restored[mode][1] or 0:>12}")
-    print(f"broadcast / direct restore time: {restored['broadcast'][0] / restored['direct'][0]:.3f} "
-          "(one process: replica 1 receives over the host's memory, not a network)")
+    if dp > 1:
+      print(f"broadcast / direct restore time: {restored['broadcast'][0] / restored['direct'][0]:.3f} "
+            "(one process: replica 1 receives over the host's memory, not a network)")
+    else:
+      print("broadcast restore: not run (one data-parallel replica: nobody to broadcast to)")
   finally:
     shutil.rmtree(root, ignore_errors=True)

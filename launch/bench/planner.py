@@ -16,6 +16,11 @@ Prints:
   memory            the cost model's bytes per device against XLA's memory analysis of the
                     real compiled training step on CPU devices, for configs the memory constants
                     were not fitted on; target: within 10%.
+  memory on GPUs    memory.XLA_GPU refitted now (memory_gpu_fit.fit) on XLA:GPU's bytes of the
+                    single-stage fit set, compiled for a described H100 (memory_measured_gpu.py;
+                    --measure_memory_gpu recompiles the fit set and the held-out cases first and
+                    rewrites it, ~15 min), and the held-out cases (the MFU suite's 1.3B and 3B
+                    rows among them) predicted against XLA:GPU; target: within 10%.
   plan              the planner's best plans for 175B on 12,288 A100s.
 """
 
@@ -23,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megajax.parallel.planner import calibration, hardware, memory, memory_fit, memory_measured, plans, published
+from megajax.parallel.planner import (calibration, hardware, memory, memory_fit, memory_gpu_fit, memory_measured,
+                                      memory_measured_gpu, plans, published)
 from megajax.parallel.planner.cost_model import CALIBRATION
 
 
@@ -105,6 +111,34 @@ def print_memory_check() -> bool:
   return ok
 
 
+def print_gpu_memory(measure: bool) -> bool:
+  fit_bytes, held_out_bytes = memory_measured_gpu.FIT, memory_measured_gpu.HELD_OUT
+  if measure:
+    print("\n(compiling the GPU memory cases for a described H100)")
+    fit_bytes = memory_gpu_fit.measure(memory_gpu_fit.GPU_FIT_CASES)
+    held_out_bytes = memory_gpu_fit.measure(memory_gpu_fit.GPU_HELD_OUT)
+    memory_gpu_fit.write_measured(memory_measured_gpu.__file__, fit_bytes, held_out_bytes)
+    print(f"(wrote {memory_measured_gpu.__file__})")
+  fitted, errors = memory_gpu_fit.fit(fit_bytes)
+  print(f"\n== memory on GPUs: memory.XLA_GPU refitted now on XLA:GPU's bytes of {len(errors)} single-stage "
+        f"configs (memory_gpu_fit.GPU_FIT_CASES, a described H100; jax {memory_measured_gpu.JAX_VERSION})")
+  for name, value in fitted.items():
+    print(f"  {name:12} fitted {value:6.3f}   held {memory.XLA_GPU[name]:6.3f}")
+  within = sum(abs(e) <= calibration.MEMORY_TOLERANCE for e in errors.values())
+  print(f"fit set: {within} of {len(errors)} within {calibration.MEMORY_TOLERANCE:.0%}; "
+        f"rms {100 * (sum(e * e for e in errors.values()) / len(errors)) ** 0.5:.1f}%, "
+        f"worst {100 * max(errors.values(), key=abs):+.1f}%")
+  print(f"{'held out (never fitted on)':48} {'predicted GiB':>13} {'XLA:GPU GiB':>12} {'error':>8}")
+  ok = True
+  for case in memory_gpu_fit.GPU_HELD_OUT:
+    predicted, measured = memory_gpu_fit.predicted_bytes(case), held_out_bytes[case.name]
+    error = predicted / measured - 1
+    ok &= abs(error) <= calibration.MEMORY_TOLERANCE
+    print(f"{case.name:48} {predicted / 2**30:>13.2f} {measured / 2**30:>12.2f} {100 * error:>+7.1f}%")
+  print(f"target: within {calibration.MEMORY_TOLERANCE:.0%}: {'met' if ok else 'NOT MET'}")
+  return ok
+
+
 def print_best_plans(c, hw, gpus=12288, batch=6144, top=5) -> None:
   for executor, remat in (("paper", "dots"), ("megajax", c.remat)):
     best, total = plans.search(c, gpus, batch, hw, executor=executor, remat=remat)
@@ -117,12 +151,13 @@ def print_best_plans(c, hw, gpus=12288, batch=6144, top=5) -> None:
       print(f"best: {plans.breakdown(best[0].time)}")
 
 
-def planner(measure_memory: bool = False) -> bool:
+def planner(measure_memory: bool = False, measure_memory_gpu: bool = False) -> bool:
   """Everything above; True when every target is met."""
   print_measured()
   print_fit()
   ok = print_validation()
   print_memory_fit(measure_memory)
   ok &= print_memory_check()
+  ok &= print_gpu_memory(measure_memory_gpu)
   print_best_plans(published.megascale_model(), hardware.HARDWARE["a100-80g"])
   return ok

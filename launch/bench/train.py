@@ -17,6 +17,9 @@ suite end to end (the tests run it); the 1.3B and 3B rows are for a GPU.
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+
 import jax
 import numpy as np
 
@@ -57,26 +60,42 @@ def row_config(size: str, seq: int, window: int, row: int, on_gpu: bool):
 
 
 def fitted(config):
-  """The config with remat full where dots' saved matmul outputs would not fit the GPU (the
-  memory estimate of parallel.planner.fits over the device's bytes_limit)."""
+  """The config fitted to the GPU's bytes_limit (fit_to)."""
   have, _ = device_memory(jax.devices()[:1])
-  if jax.devices()[0].platform == "gpu" and have and estimate(config, "gpu").total > have:
+  return fit_to(config, have) if jax.devices()[0].platform == "gpu" and have else config
+
+
+def fit_to(config, limit: float):
+  """The config with remat full where dots' saved matmul outputs would not fit `limit` bytes
+  (the memory estimate of parallel.planner.fits), and then, while it still would not, twice
+  the microbatches (the same batch in smaller pieces: the 3B LAMB 4x row at s = 8192)."""
+  if estimate(config, "gpu").total > limit:
     config.model.remat = "full"
+  t = config.train
+  while estimate(config, "gpu").total > limit and t.batch_size % (2 * t.microbatches) == 0:
+    t.microbatches *= 2
   return config
+
+
+def compile_step(config, devices):
+  """(the config's ParallelStep on `devices`, its train step compiled from abstract inputs):
+  nothing is allocated, so several rows compile side by side (compile_together)."""
+  parallel_step = build_parallel_step(config, devices)
+  return parallel_step, parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile()
 
 
 class CompiledStep:
   """The config's compiled train step on `devices`, a synthetic batch of random tokens, and
-  the state it threads from call to call: `run()` is one step, waited for."""
+  the state it threads from call to call: `run()` is one step, waited for. `compiled`: what
+  compile_step returned for the same config and devices, else it compiles here."""
 
-  def __init__(self, config, devices):
-    self.parallel_step = build_parallel_step(config, devices)
+  def __init__(self, config, devices, compiled=None):
+    self.parallel_step, self.compiled = compiled or compile_step(config, devices)
     self.mesh = self.parallel_step.mesh
     shape = (config.train.batch_size, config.model.seq_len)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
     self.batch = self.parallel_step.put_batch({"inputs": tokens, "targets": tokens, "loss_mask": np.ones(shape, np.float32)})
     self.state = self.parallel_step.init_state(jax.random.key(0))
-    self.compiled = self.parallel_step.train_step().lower(self.state, self.batch).compile()
     self.tokens_per_step = shape[0] * shape[1]
 
   def run(self) -> dict:
@@ -84,10 +103,10 @@ class CompiledStep:
     return jax.block_until_ready(metrics)
 
 
-def measure(config, repeats: int) -> dict:
+def measure(config, repeats: int, compiled=None) -> dict:
   """Median step time of the compiled step on one device, and what it makes."""
   device = jax.devices()[0]
-  step = CompiledStep(config, [device])
+  step = CompiledStep(config, [device], compiled)
   seconds = median_seconds(step.run, repeats=repeats)      # after one untimed step
   tokens_per_sec = step.tokens_per_step / seconds
   tflops = tokens_per_sec * training_flops_per_token(step.parallel_step.model.config) / 1e12
@@ -95,15 +114,35 @@ def measure(config, repeats: int) -> dict:
           "mfu": mfu(tflops, device.device_kind), "loss": float(step.run()["loss"])}
 
 
-def train_suite(size: str, seq: int, window: int, repeats: int) -> list[dict]:
-  """Every row measured; a row the device cannot hold is recorded with XLA's error, not fatal."""
-  on_gpu = jax.devices()[0].platform == "gpu"
-  results = []
-  for row, name in enumerate(ROWS):
-    config = fitted(row_config(size, seq, window, row, on_gpu))
+def _compile_rows(configs: list, devices) -> list:
+  """Every row's step compiled at once, a thread each (XLA compiles outside the GIL: a GPU
+  host's cores take the rows side by side; the first lease compiled 1.3B rows one after
+  another, ~100 s each); a row that fails to compile gets its exception in its place."""
+  def one(config):
     try:
+      return compile_step(config, devices)
+    except Exception as e:      # raised again, or recorded, when its row is measured
+      return e
+  with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+    return list(pool.map(one, configs))
+
+
+def train_suite(size: str, seq: int, window: int, repeats: int, compile_together: bool = False) -> list[dict]:
+  """Every row measured; a row the device cannot hold is recorded with XLA's error, not fatal.
+  `compile_together`: the rows' steps compiled side by side first, then timed one by one."""
+  on_gpu = jax.devices()[0].platform == "gpu"
+  configs = [fitted(row_config(size, seq, window, row, on_gpu)) for row in range(len(ROWS))]
+  started = time.perf_counter()
+  compiled = _compile_rows(configs, jax.devices()[:1]) if compile_together else [None] * len(ROWS)
+  if compile_together:
+    print(f"  {len(ROWS)} rows compiled side by side in {time.perf_counter() - started:.1f} s", flush=True)
+  results = []
+  for name, config, step in zip(ROWS, configs, compiled):
+    try:
+      if isinstance(step, Exception):
+        raise step
       results.append({"row": name, "batch": config.train.batch_size, "remat": config.model.remat,
-                      **measure(config, repeats)})
+                      **measure(config, repeats, step)})
     except Exception as e:
       if not is_out_of_memory(e):
         raise
@@ -129,27 +168,27 @@ def fit_on_gpu(size: str, seq: int, window: int, target: str) -> list[dict]:
   window = window or seq // 4
   print(f"MFU suite compiled for one {gpu.device_kind} without a GPU: {size} model, sequence {seq}, SWA window "
         f"{window}; fits: XLA's bytes within {GPU_MEMORY_FRACTION:.0%} of {gpu.memory_bytes / 2**30:.1f} GiB", flush=True)
-  print(f"{'row':14}{'batch':>7}{'remat':>7}{'XLA GiB':>10}{'planner GiB':>13}{'fits':>6}{'compile s':>11}")
+  print(f"{'row':14}{'batch':>7}{'micro':>6}{'remat':>7}{'XLA GiB':>10}{'planner GiB':>13}{'fits':>6}{'compile s':>11}")
   results = []
   for row, name in enumerate(ROWS):
-    config = row_config(size, seq, window, row, on_gpu=True)
-    if estimate(config, "gpu").total > limit:
-      config.model.remat = "full"
+    config = fit_to(row_config(size, seq, window, row, on_gpu=True), limit)
     compiled = deviceless.compile_for_gpu(config, target)
     xla, planner = compiled.bytes_per_device(), estimate(config, "gpu").total
-    results.append({"row": name, "batch": config.train.batch_size, "remat": config.model.remat, "xla_bytes": xla,
+    results.append({"row": name, "batch": config.train.batch_size, "microbatches": config.train.microbatches,
+                    "remat": config.model.remat, "xla_bytes": xla,
                     "planner_bytes": planner, "fits": xla <= limit, "compile_s": compiled.compile_seconds})
-    print(f"{name:14}{config.train.batch_size:>7}{config.model.remat:>7}{xla / 2**30:>10.2f}{planner / 2**30:>13.2f}"
+    print(f"{name:14}{config.train.batch_size:>7}{config.train.microbatches:>6}{config.model.remat:>7}"
+          f"{xla / 2**30:>10.2f}{planner / 2**30:>13.2f}"
           f"{'yes' if xla <= limit else 'NO':>6}{compiled.compile_seconds:>11.1f}", flush=True)
   return results
 
 
-def train(size: str, seq: int, window: int, repeats: int) -> list[dict]:
+def train(size: str, seq: int, window: int, repeats: int, compile_together: bool = False) -> list[dict]:
   device = jax.devices()[0]
   window = window or seq // 4
   print(f"MFU suite: {size} model, sequence {seq}, bf16, one {device.device_kind} ({device.platform}); "
         f"SWA window {window}; median of {repeats} steps", flush=True)
-  results = train_suite(size, seq, window, repeats)
+  results = train_suite(size, seq, window, repeats, compile_together)
   measured = [r for r in results if "error" not in r]
   base = results[0] if "error" not in results[0] else None
   print(f"{'row':14}{'batch':>7}{'remat':>7}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'x baseline':>12}")

@@ -125,7 +125,7 @@ def memory_case_config(case: MemoryCase):
 
 
 def predicted_bytes(config) -> float:
-  return memory.memory(ModelConfig.from_config(config.model), plan_of(config)).total
+  return memory.memory(ModelConfig.from_config(config.model), plan_of(config), platform="cpu").total
 
 
 def measured_bytes(config) -> float:

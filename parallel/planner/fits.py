@@ -50,7 +50,7 @@ def estimate(config: ml_collections.ConfigDict, platform: str) -> Memory:
   """Bytes per device of the config's step. On CPU with remat none whatever model.remat says:
   XLA:CPU's scheduler runs the recomputation early, measured equal to none (calibration.py)."""
   return memory.memory(ModelConfig.from_config(config.model), plan_of(config, platform),
-                           remat="none" if platform == "cpu" else None)
+                       remat="none" if platform == "cpu" else None, platform="cpu" if platform == "cpu" else "gpu")
 
 
 def device_memory(devices) -> tuple[float | None, str]:

@@ -40,25 +40,25 @@ XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps
 # buffers): the weight of each of pipeline_terms' terms, non-negative least squares (relative
 # error) on XLA's bytes of memory_fit.PIPELINE_FIT_CASES: 72 configs (pp 2-4, dp 1-2, tp 1-2,
 # v 1-2, seq 64-128, b 1-2, h 128-256, 4-8 layers, bf16 and fp32, remat none / dots / full, both
-# executors and grad syncs; measured: memory_measured.py), rms 4.5%, worst 11.8% (refitted when
-# the executor stopped copying its accumulators in every backward branch). The held-out
+# executors and grad syncs; measured: memory_measured.py), rms 4.4%, worst -12.3% (refitted when
+# remat "dots" began to save the parallel linears' outputs, 2026-12-04). The held-out
 # calibration.MEMORY_CASES: tests/integration/test_planner_memory.py. Empirical weights, not
 # buffer counts: a switch's temporaries are its largest branch's, not the sum, so a term under a
 # larger branch weighs 0 (the saved activations, the logits) and the working set of the branch
 # that fills the residual slots carries the rest (layer). tests/unit/test_planner.py refits them from the data.
-XLA_PIPELINE = dict(params=2.088,    # param-sized temporaries per stage param (branch gradient buffers)
-                    step_sum=0.223,  # grad_sync="step": the fp32 gradient sums, per stage param
-                    gather=0.305,    # dp > 1: per gathered param, in the dtype it is gathered in
-                    layer=6.423,     # remat none: of a chunk's non-score activations (XLA_KEPT)
-                    scores=6.795,    # remat none: of its attention scores
-                    saved=0.0,       # dots / full: of what the policy saves per layer of a chunk
-                    rebuilt=0.667,   # dots / full: of one layer's activations rebuilt in its backward
-                    rerun=0.888,     # pipeline_recompute: of a chunk's activations (XLA_KEPT, any
+XLA_PIPELINE = dict(params=1.822,    # param-sized temporaries per stage param (branch gradient buffers)
+                    step_sum=0.202,  # grad_sync="step": the fp32 gradient sums, per stage param
+                    gather=0.107,    # dp > 1: per gathered param, in the dtype it is gathered in
+                    layer=5.378,     # remat none: of a chunk's non-score activations (XLA_KEPT)
+                    scores=2.466,    # remat none: of its attention scores
+                    saved=2.664,     # dots / full: of what the policy saves per layer of a chunk
+                    rebuilt=1.084,   # dots / full: of one layer's activations rebuilt in its backward
+                    rerun=1.011,     # pipeline_recompute: of a chunk's activations (XLA_KEPT, any
                                      # policy: its forward is rerun inside the backward's branch)
-                    residual=0.437,  # per residual slot (+ trash) of a chunk's vjp residuals: the scan's
+                    residual=0.860,  # per residual slot (+ trash) of a chunk's vjp residuals: the scan's
                                      # carry, updated in place (pipeline.executor._written_after)
-                    logits=0.003,    # of the logits
-                    message=5.718)   # buffers per stash / cotangent slot [b, s / tp, h]
+                    logits=0.0,      # of the logits
+                    message=9.649)   # buffers per stash / cotangent slot [b, s / tp, h]
 # ... and of its residual slots: a chunk's vjp residuals under remat none are
 # XLA_RESIDUALS_NONE x the XLA_KEPT bytes of its layers, measured (the residual buffer's words
 # in the lowered step) on 9 pipeline configs: 1.38-1.44.
@@ -69,10 +69,37 @@ XLA_RESIDUALS_NONE = 1.41
 # last microbatch's gradients, run after the scan, live side by side).
 XLA_STEP_SUM = 2.1
 
+# ... and the single-stage step (pp = 1) on GPUs, where XLA:GPU's fusion and scheduling keep
+# other buffers than XLA:CPU's: the weight of each of gpu_terms' terms, non-negative least
+# squares (relative error) on XLA:GPU's bytes of memory_gpu_fit.GPU_FIT_CASES, 43 configs (bf16,
+# compiled for a described H100 without a GPU: parallel.deviceless; measured:
+# memory_measured_gpu.py): 42 of 43 within 10%, rms 3.9%. How the terms took shape: the first
+# fit (no microbatch, ring or large terms; 30 small configs) missed the held-out 1.3B LAMB 4x row
+# by -13%; the step's structure then gave the terms (m > 1: the first and last microbatches run
+# outside the scan, unordered, m > 2: the scan's fp32 sum; tp > 1: the ring's fp32 partials), and
+# the fit set gained the configs to fit them and four at 15-22 GB a device. The last four
+# memory_gpu_fit.GPU_HELD_OUT cases were added after that, unseen. The bf16 copy of the weights
+# is collinear with the params term in a set that is all bf16 (its weight: 0, the params' 0.455).
+XLA_GPU = dict(params=0.455,     # param-sized buffers per stage param (gradients, update temporaries)
+               compute_copy=0.0,  # the stage's weights in the compute dtype (fused operands), when it differs
+               gather=0.915,     # dp > 1: per gathered param, in the dtype it is gathered in
+               accumulator=1.024,  # m > 2: the scan's gradient sum over the middle microbatches
+               next_microbatch=1.343,  # m > 1: what one more microbatch keeps (the first and the
+                                       # last run outside the scan, nothing orders them)
+               ring=1.508,       # tp > 1: the collective-matmul ring's fp32 partial products of a
+                                 # layer's column-parallel matmul (GPUs' default tp_overlap)
+               saved=0.766,      # what the remat policy keeps per layer, all layers (XLA_KEPT's for none)
+               rebuilt=0.288,    # remat dots / full: one layer's activations rebuilt in its backward
+               scores=0.945,     # attention scores of unfused attention (xla)
+               logits=1.870)     # the head's fp32 logits
+
 # Which Memory part each pipeline term belongs to.
 PIPELINE_PARTS = dict(params="params_temp", step_sum="params_temp", gather="params_temp",
                       layer="activations", scores="activations", saved="activations", rebuilt="activations",
                       rerun="activations", residual="activations", logits="logits", message="pipeline")
+GPU_PARTS = dict(params="params_temp", compute_copy="params_temp", gather="params_temp",
+                 accumulator="params_temp", next_microbatch="activations", ring="activations", saved="activations", rebuilt="activations", scores="activations",
+                 logits="logits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,10 +205,13 @@ def megatron_microbatches_in_flight(plan: Plan) -> float:
   return p if v == 1 else p * (1 + (p - 1) / (p * v))
 
 
-def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None) -> Memory:
+def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None,
+           platform: str = "gpu") -> Memory:
   """Per-device bytes of `plan` on the model `c` (the switches applied here). `remat` defaults to
   the model's policy; `fused_attention` (a kernel that never holds the [s, s] scores: Pallas,
-  cuDNN, FlashAttention) to the plan's fused_ops switch."""
+  cuDNN, FlashAttention) to the plan's fused_ops switch. `platform`: whose buffer assignment
+  the megajax executor's single stage is weighed by (XLA_GPU on "gpu", XLA_KEPT and the param
+  temps on "cpu"); the pipeline's weights are XLA:CPU's on both."""
   c = apply_switches(c, plan.opts)
   remat = remat or c.remat
   counts = param_counts(c, plan)
@@ -203,6 +233,11 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
 
   moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
   state = counts.shard * pb * (1 + moments)
+  if plan.pp == 1 and platform == "gpu":
+    parts = dict(params_temp=0.0, activations=0.0, logits=0.0, pipeline=0.0)
+    for term, nbytes in gpu_terms(c, plan, counts, remat, fused_attention).items():
+      parts[GPU_PARTS[term]] += XLA_GPU[term] * nbytes
+    return Memory(state, **parts)
   if plan.pp == 1:
     step_sync = plan.grad_sync == "step" and plan.microbatches > 1
     accumulator = (counts.stage * 4 * XLA_STEP_SUM if step_sync
@@ -218,6 +253,34 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   for term, nbytes in pipeline_terms(c, plan, counts, remat, fused_attention).items():
     parts[PIPELINE_PARTS[term]] += XLA_PIPELINE[term] * nbytes
   return Memory(state, **parts)
+
+
+def gpu_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str, fused_attention: bool) -> dict[str, float]:
+  """megajax's single stage (pp = 1) on GPUs: the bytes of each term XLA_GPU weighs, unweighted.
+  `c` with the plan's switches applied, `counts` its param_counts."""
+  pb, cb = c.param_dtype.itemsize, c.compute_dtype.itemsize
+  terms = dict.fromkeys(XLA_GPU, 0.0)
+  terms["params"] = counts.stage * pb
+  if c.compute_dtype != c.param_dtype:
+    terms["compute_copy"] = counts.stage * cb
+  if plan.dp > 1:
+    terms["gather"] = counts.gathered_bytes(cb, pb)
+  if plan.microbatches > 2:
+    terms["accumulator"] = counts.stage * 4 if plan.grad_sync == "step" else counts.shard * pb
+  if plan.tp > 1:
+    widths = c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + len(MLP_INPUTS[c.mlp]) * c.mlp_dim
+    terms["ring"] = plan.micro_batch * c.seq_len * widths / plan.tp * 4
+  kept, scores = _layer_kept(c, plan, remat, fused_attention)
+  terms["saved"] = (kept - scores) * c.num_layers
+  terms["scores"] = scores * c.num_layers
+  if plan.microbatches > 1:
+    terms["next_microbatch"] = (kept - scores) * c.num_layers
+  if remat != "none":
+    none_layer, none_scores = _layer_kept(c, plan, "none", fused_attention)
+    terms["rebuilt"] = none_layer - none_scores
+    terms["scores"] = none_scores
+  terms["logits"] = plan.micro_batch * c.seq_len * c.vocab_size / plan.tp * 4
+  return terms
 
 
 def pipeline_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str,

@@ -56,7 +56,7 @@ def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
   """(the bytes no weight scales: state and the compute-dtype weight copy, the unweighted terms)."""
   config = memory_case_config(case)
   c, plan = ModelConfig.from_config(config.model), plan_of(config)
-  total = memory.memory(c, plan)
+  total = memory.memory(c, plan, platform="cpu")
   switched = apply_switches(c, plan.opts)
   terms = memory.pipeline_terms(switched, plan, param_counts(switched, plan), c.remat, plan.opts.fused_ops)
   weighted = sum(memory.XLA_PIPELINE[term] * nbytes for term, nbytes in terms.items())

@@ -93,22 +93,26 @@ def test_sample_benchmark_prints_cache_against_recompute():
 def test_gpu_check_writes_its_report_on_cpu(tmp_path):
   """`python -m megajax.launch.bench gpu` on a machine without a GPU: the tests part reports
   tests/gpu skipped with the reason, the profile part traces the tiny `+ Pallas` row (no GPU
-  tracks, so no GPU time); both files written. (The train part's suite: tests/integration/
+  tracks, so no GPU time), the checkpoint part measures the save; each part in its own process
+  under the budget (its log kept); both files written. (The train part's suite: tests/integration/
   test_mfu_suite.py; the tables' Markdown: tests/unit/test_gpu_check.py.)"""
   out = tmp_path / "check"
-  result = run_module(["-m", "megajax.launch.bench", "gpu", f"--out={out}", "--parts=tests,profile",
-                       "--train_sizes=tiny:32"])
+  result = run_module(["-m", "megajax.launch.bench", "gpu", f"--out={out}", "--parts=tests,profile,checkpoint",
+                       "--train_sizes=tiny:32", "--budget_s=900"])
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "note: no GPU here (cpu)" in result.stdout
+  assert "note: no GPU here (cpu)" in result.stdout and "plan: tests 175 s, profile 60 s, checkpoint 30 s" in result.stdout
   report = json.loads((out / "gpu_check.json").read_text())
-  assert report["parts"] == ["tests", "profile"] and report["platform"] == "cpu"
+  assert report["parts"] == ["tests", "profile", "checkpoint"] and report["platform"] == "cpu"
+  assert all((out / f"{part}.log").exists() for part in report["parts"])      # each part in its own process
+  checkpoint = report["results"]["checkpoint"]
+  assert "error" not in checkpoint and any(line.startswith("async") for line in checkpoint["lines"]), checkpoint
   tests = report["results"]["tests"]
   assert tests["counts"].get("skipped", 0) >= 30 and "failed" not in tests["counts"], tests
   assert any("needs a GPU and MEGAJAX_TESTS_ON=gpu" in line for line in tests["lines"])
   profile = report["results"]["profile"]
   assert "error" not in profile, profile
   assert profile["busy_ms_per_step"] == 0 and (out / "step_trace.json.gz").stat().st_size > 0
-  assert "## profile" in (out / "gpu_check.md").read_text()
+  assert "## profile" in (out / "gpu_check.md").read_text() and "## checkpoint" in (out / "gpu_check.md").read_text()
 
 
 def test_peer_benchmark_compares_with_plain_jit():

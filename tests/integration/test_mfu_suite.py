@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from megajax.launch.bench.train import ROWS, measure, row_config
+from megajax.launch.bench.train import ROWS, measure, row_config, train_suite
 
 
 def test_mfu_suite_rows_add_one_switch_each_and_run_on_cpu():
@@ -23,3 +23,10 @@ def test_mfu_suite_rows_add_one_switch_each_and_run_on_cpu():
   for row in (0, len(ROWS) - 1):
     result = measure(row_config("tiny", 32, 8, row, on_gpu=False), repeats=1)
     assert result["tokens_per_sec"] > 0 and result["mfu"] is None and np.isfinite(result["loss"])
+
+
+def test_the_rows_compiled_side_by_side_then_run_one_by_one():
+  """bench gpu's train part: every row's step compiled at once, a thread each, then timed."""
+  rows = train_suite("tiny", 32, 8, repeats=1, compile_together=True)
+  assert [r["row"] for r in rows] == list(ROWS)
+  assert all(r["tokens_per_sec"] > 0 and np.isfinite(r["loss"]) for r in rows), rows

@@ -1,6 +1,8 @@
 """The GPU check's pieces that need no GPU: the attention grid and which rows fit a device,
 the time(32k)/time(8k) figures, the report's Markdown, the profile's kernel kinds."""
 
+import time
+
 import pytest
 
 from megajax.launch.bench import attention, gpu, profile
@@ -62,8 +64,28 @@ def test_train_sizes_and_parts_are_checked_with_the_fix():
   assert gpu._train_sizes("1.3b:2048,3b:8192") == [("1.3b", 2048), ("3b", 8192)]
   with pytest.raises(ValueError, match="SIZE:SEQ"):
     gpu._train_sizes("7b:2048")
-  with pytest.raises(SystemExit, match="choose from tests,attention,train,profile,run"):
+  with pytest.raises(SystemExit, match="choose from tests,train,attention,run,checkpoint,profile"):
     gpu.gpu_check("/tmp/unused", "tests,bogus", 1, "tiny:32", 1)
+  with pytest.raises(SystemExit, match="--budget_s=-1"):
+    gpu.gpu_check("/tmp/unused", "tests", 1, "tiny:32", 1, budget_s=-1)
+
+
+def test_the_default_parts_are_planned_inside_eight_minutes():
+  """The parts a lease runs by default (launch/bench/gpu_lease.sh) are planned to fit 8
+  minutes together, and the budget is their plan."""
+  default = "tests,train,attention,run,checkpoint".split(",")
+  assert sum(gpu.PLAN_S[part] for part in default) == gpu.BUDGET_S <= 480
+  assert set(gpu.PLAN_S) == set(gpu.PARTS)
+
+
+def test_a_part_past_its_limit_is_cut_and_recorded_with_its_log(tmp_path):
+  """A part in its own process, killed at its limit with what it started (the run part's three
+  megajax-train processes): recorded as cut, the log's tail kept, in about the limit."""
+  start = time.time()
+  result = gpu.run_part_limited("run", str(tmp_path), limit_s=3, flags=["--run_steps=30"])
+  assert time.time() - start < 30
+  assert result["error"].startswith("cut at its limit of 3 s"), result
+  assert (tmp_path / "run.log").exists()
 
 
 def test_profile_sorts_gpu_kernels_into_kinds():

@@ -1,5 +1,8 @@
 """The (dp, pp, tp) mesh builder and the collective matmuls, on 8 CPU devices."""
 
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -7,6 +10,8 @@ import numpy as np
 import pytest
 
 from megajax.config import ConfigError, default_config
+from megajax.model import REMAT_POLICIES
+from megajax.parallel.collective_matmul import column_parallel_linear, row_parallel_linear
 from megajax.parallel import TP, all_gather_matmul, local_batch_slice, make_mesh, matmul_reduce_scatter
 from megajax.parallel.mesh import DP, _host_split, after_by_one_element
 from megajax.parallel.sharding import Layout
@@ -192,3 +197,27 @@ def test_bucketed_parameter_gather_equals_one_per_leaf():
   for r in range(dp):
     np.testing.assert_array_equal(np.asarray(one_per_leaf[0]["d"][0][:, 2 * r:2 * r + 2], np.float32),
                                   np.asarray(shards[0]["d"][r * 2], np.float32))
+
+
+@pytest.mark.parametrize("mode", ["none", "collective_matmul"])
+def test_remat_dots_keeps_the_parallel_linears_outputs(mode):
+  """model.remat="dots" keeps what a column-parallel linear computes for the backward, full
+  keeps nothing but the inputs: the linears' backward is written out (a custom_vjp, which the
+  dots policy cannot see into), so they name their outputs for the policy. Without the name,
+  dots kept nothing, as full."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (TP,))
+
+  def saved(policy):
+    def block(x, w_in, w_out):
+      hidden = jnp.tanh(column_parallel_linear(x, w_in, mode, 2))
+      return row_parallel_linear(hidden, w_out, mode, 2)
+    sharded = jax.shard_map(lambda *a: jax.checkpoint(block, policy=REMAT_POLICIES[policy])(*a), mesh=mesh,
+                            in_specs=(P(None, TP), P(None, TP), P(TP, None)), out_specs=P(None, TP))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      jax.ad_checkpoint.print_saved_residuals(lambda *a: jnp.sum(sharded(*a)), jnp.ones((2, 8, 4)),
+                                              jnp.ones((4, 16)), jnp.ones((16, 4)))
+    return [line for line in printed.getvalue().splitlines() if line and "from the argument" not in line]
+
+  assert saved("full") == []
+  assert len(saved("dots")) == 1 and "output of shard_map" in saved("dots")[0]

@@ -11,12 +11,14 @@ import pytest
 from megajax import flops
 from megajax.config import BLOCK_CHOICES, SCHEDULE_CHOICES, TRAVERSAL_CHOICES
 
+from megajax.launch.bench import train as train_bench
 from megajax.model import GPT, ModelConfig, count_params, init_params
+from megajax.parallel import deviceless
 from megajax.parallel.pipeline import Tables, simulate
-from megajax.parallel.planner import (calibration, cost_model, hardware, memory, memory_fit, memory_measured, plans,
-                                      published, report)
+from megajax.parallel.planner import (calibration, cost_model, hardware, memory, memory_fit, memory_gpu_fit,
+                                      memory_measured, memory_measured_gpu, plans, published, report)
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
-from megajax.parallel.planner.fits import plan_of
+from megajax.parallel.planner.fits import estimate, plan_of
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_pipeline_recompute_costs_a_forward_and_saves_memory(paper_setting):
     if remat == "dots":   # the projections' outputs in the residual slots
       assert kept_bytes > rerun_bytes
     else:                 # full: both keep chunk inputs; the rerun's working set is a chunk, not a layer
-      assert kept_bytes == pytest.approx(rerun_bytes, rel=0.05)
+      assert kept_bytes < rerun_bytes < 1.1 * kept_bytes
   # remat none: the rerun's matmuls are all the pipeline's (fused attention's backward recomputes its scores anyway)
   kept, again = cost_model.step_time(c, default, hw, "none"), cost_model.step_time(c, rerun, hw, "none")
   assert again.gemm == pytest.approx(kept.gemm * 4 / 3, rel=0.05)   # dX and dW GEMMs: other shapes
@@ -146,6 +148,36 @@ def test_pipeline_memory_weights_are_the_fit_to_the_measured_data():
   assert fitted == pytest.approx(memory.XLA_PIPELINE, abs=0.006)
   assert sum(e * e for e in errors.values()) / len(errors) < 0.06 ** 2
   assert max(abs(e) for e in errors.values()) < 0.15
+
+
+def test_gpu_memory_weights_are_the_fit_to_xla_gpu_and_hold_the_held_out_cases():
+  """XLA_GPU is memory_gpu_fit.fit of XLA:GPU's stored bytes (a described H100) of the fit set;
+  the held-out cases, none a fit config (the MFU suite's 1.3B and 3B rows among them), are
+  predicted within 10% of XLA:GPU's bytes but for the known misses (none an MFU row)."""
+  fit_cases, held_out = memory_gpu_fit.GPU_FIT_CASES, memory_gpu_fit.GPU_HELD_OUT
+  assert set(memory_measured_gpu.FIT) == {case.name for case in fit_cases}
+  assert set(memory_measured_gpu.HELD_OUT) == {case.name for case in held_out}
+  assert not any(case.overrides == other.overrides for case in fit_cases for other in held_out)
+  fitted, errors = memory_gpu_fit.fit(memory_measured_gpu.FIT)
+  assert fitted == pytest.approx(memory.XLA_GPU, abs=0.006)
+  assert max(abs(e) for e in errors.values()) < 0.15
+  misses = {case.name for case in held_out
+            if abs(memory_gpu_fit.predicted_bytes(case) / memory_measured_gpu.HELD_OUT[case.name] - 1)
+            > calibration.MEMORY_TOLERANCE}
+  assert misses == set(memory_gpu_fit.GPU_KNOWN_MISSES)
+  assert not misses & {case.name for case in held_out if case.name.startswith("MFU")}
+
+
+def test_the_mfu_suites_3b_lamb_row_takes_smaller_microbatches_to_fit_an_h100():
+  """bench train's rule (fit_to): remat full, then the same batch in more microbatches until
+  the estimate fits 92% of an H100 (80 GB): the 3B LAMB 4x row at s = 8192 needs it."""
+  limit = train_bench.GPU_MEMORY_FRACTION * deviceless.GPU_TARGETS["h100-80g"].memory_bytes
+  config = train_bench.fit_to(train_bench.row_config("3b", 8192, 2048, train_bench.ROWS.index("+ LAMB 4x"), True),
+                              limit)
+  assert (config.model.remat, config.train.batch_size) == ("full", 16) and config.train.microbatches > 4
+  assert estimate(config, "gpu").total <= limit
+  baseline = train_bench.fit_to(train_bench.row_config("1.3b", 2048, 512, 0, True), limit)
+  assert (baseline.model.remat, baseline.train.microbatches) == ("dots", 1)
 
 
 def test_no_constant_is_fitted_to_a_row_it_is_validated_on():

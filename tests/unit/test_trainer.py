@@ -114,9 +114,12 @@ def test_the_fail_drill_signals_after_its_step_on_the_first_attempt_only(tiny_co
     assert signals == want, (attempt, process)
 
 
-def test_nonfinite_step_leaves_the_state_unchanged(tiny_config):
+@pytest.mark.parametrize("by_branch", [True, False], ids=["branch (CPU)", "select (GPU)"])
+def test_nonfinite_step_leaves_the_state_unchanged(tiny_config, monkeypatch, by_branch):
   """A batch whose loss is NaN: the 3D step skips the update (state bitwise unchanged) and
-  says so; a finite batch then trains normally."""
+  says so; a finite batch then trains normally. Both ways a step skips: XLA:CPU's branch and
+  the GPUs' select."""
+  monkeypatch.setattr(ParallelStep, "skips_by_branch", property(lambda self: by_branch))
   tiny_config.parallel.dp = 2
   parallel_step = build_parallel_step(tiny_config, jax.devices()[:2])
   batch = parallel_step.put_batch(next(data.make_iterator(tiny_config, 0, 1)))

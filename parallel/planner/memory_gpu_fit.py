@@ -1,0 +1,199 @@
+"""Where memory.XLA_GPU comes from: the single-stage step's memory terms fitted to XLA:GPU.
+
+XLA:GPU fuses and schedules otherwise than XLA:CPU, so the bytes a GPU holds are measured on
+XLA's GPU compiler itself, run on this machine for a described H100 (megajax.parallel.deviceless:
+buffer assignment of the real compiled step, no GPU needed):
+
+  GPU_FIT_CASES   the fit set: GPU_BASE (bf16, cuDNN attention, remat dots) with one or two
+                  fields changed (shapes, block, MLP, attention, optimizer, dp, tp, microbatches),
+                  the shapes under each remat policy.
+  GPU_HELD_OUT    configs never fitted on: the MFU suite's 1.3B rows (s = 2048) and 3B rows
+                  (s = 8192, remat full), and mid-sized ones unlike the fit set's. The goal:
+                  every one within 10% (tests/unit/test_planner.py).
+  measure         XLA:GPU's bytes of each (`python -m megajax.launch.bench planner
+                  --measure_memory_gpu` writes both sets to memory_measured_gpu.py; ~15 min).
+  fit             non-negative least squares of the weights of memory.gpu_terms, in relative error.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+from scipy.optimize import nnls
+
+from megajax.config import apply_overrides, default_config, validate
+from megajax.model import ModelConfig
+from megajax.parallel import deviceless
+from megajax.parallel.planner import memory
+from megajax.parallel.planner.calibration import MemoryCase
+from megajax.parallel.planner.cost_model import apply_switches, param_counts
+from megajax.parallel.planner.fits import plan_of
+
+TARGET = "h100-80g"
+GPU_BASE = {"model.num_layers": 4, "model.hidden_dim": 512, "model.num_heads": 4, "model.seq_len": 512,
+            "model.vocab_size": 8192, "model.window": 0, "model.compute_dtype": "bfloat16",
+            "model.attention_impl": "cudnn", "model.remat": "dots", "train.batch_size": 4}
+_SHAPES = {
+    "base": {},
+    "h 1024": {"model.hidden_dim": 1024, "model.num_heads": 8},
+    "8 layers": {"model.num_layers": 8},
+    "seq 1024": {"model.seq_len": 1024},
+    "batch 8": {"train.batch_size": 8},
+    "vocab 32768": {"model.vocab_size": 32768},
+    "parallel block": {"model.block": "parallel"},
+}
+_LARGE = {"model.hidden_dim": 2048, "model.num_heads": 16, "model.num_layers": 8, "model.seq_len": 2048,
+          "model.vocab_size": 32768, "train.batch_size": 8}
+_WIDE_SHORT = {"model.hidden_dim": 1024, "model.num_heads": 8, "model.seq_len": 128}
+_OTHERS = {
+    "swiglu": {"model.mlp": "swiglu"},
+    "xla attention": {"model.attention_impl": "xla"},
+    "xla attention, remat none": {"model.attention_impl": "xla", "model.remat": "none"},
+    "lamb": {"optimizer.name": "lamb"},
+    "dp 2": {"parallel.dp": 2, "train.batch_size": 8},
+    "tp 2": {"parallel.tp": 2},
+    "dp 2, tp 2": {"parallel.dp": 2, "parallel.tp": 2, "train.batch_size": 8},
+    "2 microbatches": {"train.batch_size": 8, "train.microbatches": 2},
+    "4 microbatches, dp 2": {"parallel.dp": 2, "train.batch_size": 16, "train.microbatches": 4},
+    "tp 4": {"parallel.tp": 4},
+    "tp 2, remat none": {"parallel.tp": 2, "model.remat": "none"},
+    "tp 2, h 1024": {"parallel.tp": 2, "model.hidden_dim": 1024, "model.num_heads": 8},
+    "tp 2, seq 1024": {"parallel.tp": 2, "model.seq_len": 1024},
+    "8 layers, 4 microbatches": {"model.num_layers": 8, "train.batch_size": 16, "train.microbatches": 4},
+    # Parameters outweighing activations (short sequences): what the param-sized terms are fitted on.
+    "h 1024, seq 128": {**_WIDE_SHORT, "train.batch_size": 4},
+    "h 1024, seq 128, 2 microbatches": {**_WIDE_SHORT, "train.batch_size": 8, "train.microbatches": 2},
+    # The regime the planner is used in (tens of GB a device, where XLA's scheduler works under
+    # memory pressure): a 0.4B-parameter slice at s = 2048.
+    "h 2048, 8 layers, seq 2048, batch 8": _LARGE,
+    "h 2048, 8 layers, seq 2048, batch 8, remat full": {**_LARGE, "model.remat": "full"},
+    "h 2048, 8 layers, seq 2048, batch 32, 4 microbatches, lamb": {**_LARGE, "train.batch_size": 32,
+                                                                   "train.microbatches": 4, "optimizer.name": "lamb"},
+    "h 2048, 8 layers, seq 2048, batch 16, 2 microbatches, dp 2, tp 2": {
+        **_LARGE, "train.batch_size": 16, "train.microbatches": 2, "parallel.dp": 2, "parallel.tp": 2},
+    "h 1024, seq 128, 3 microbatches": {**_WIDE_SHORT, "train.batch_size": 12, "train.microbatches": 3},
+    "h 1024, seq 128, 4 microbatches, lamb": {**_WIDE_SHORT, "train.batch_size": 16, "train.microbatches": 4,
+                                              "optimizer.name": "lamb"},
+}
+GPU_FIT_CASES = tuple(
+    MemoryCase(f"{shape}, remat {remat}", {**GPU_BASE, **overrides, "model.remat": remat})
+    for (shape, overrides), remat in itertools.product(_SHAPES.items(), ("none", "dots", "full"))
+) + tuple(MemoryCase(name, {**GPU_BASE, **overrides}) for name, overrides in _OTHERS.items())
+
+
+def _suite_row(size: dict, seq: int, remat: str, row: int) -> dict:
+  """The MFU suite's row `row` (launch/bench/train.py's ROWS) as overrides, without the bench."""
+  overrides = {**size, "model.seq_len": seq, "model.window": seq // 4 if row >= 2 else 0,
+               "model.compute_dtype": "bfloat16", "model.remat": remat,
+               "model.block": "parallel" if row >= 1 else "serial",
+               "model.attention_impl": "pallas" if row >= 3 else "cudnn",
+               "optimizer.name": "lamb" if row >= 4 else "adamw"}
+  batch = overrides.pop("batch")
+  return {**overrides, "train.batch_size": batch * (4 if row >= 4 else 1), "train.microbatches": 4 if row >= 4 else 1}
+
+
+_1P3B = {"model.num_layers": 24, "model.hidden_dim": 2048, "model.num_heads": 16, "model.vocab_size": 64000, "batch": 8}
+_3B = {"model.num_layers": 32, "model.hidden_dim": 2560, "model.num_heads": 20, "model.vocab_size": 64000, "batch": 4}
+GPU_HELD_OUT = (
+    MemoryCase("MFU 1.3B s=2048 baseline, remat dots", _suite_row(_1P3B, 2048, "dots", 0)),
+    MemoryCase("MFU 1.3B s=2048 + Pallas, remat dots", _suite_row(_1P3B, 2048, "dots", 3)),
+    MemoryCase("MFU 1.3B s=2048 + LAMB 4x, remat dots", _suite_row(_1P3B, 2048, "dots", 4)),
+    MemoryCase("MFU 3B s=8192 baseline, remat full", _suite_row(_3B, 8192, "full", 0)),
+    MemoryCase("MFU 3B s=8192 + LAMB 4x, remat full", _suite_row(_3B, 8192, "full", 4)),
+    MemoryCase("h 768, 6 layers, seq 2048, swiglu, remat dots",
+               {**GPU_BASE, "model.hidden_dim": 768, "model.num_heads": 6, "model.num_layers": 6,
+                "model.seq_len": 2048, "model.mlp": "swiglu"}),
+    MemoryCase("dp 4, tp 2, h 1024, parallel block, remat full",
+               {**GPU_BASE, "parallel.dp": 4, "parallel.tp": 2, "model.hidden_dim": 1024, "model.num_heads": 8,
+                "model.block": "parallel", "model.remat": "full", "train.batch_size": 16}),
+    MemoryCase("tp 4, seq 2048, vocab 50304, remat none",
+               {**GPU_BASE, "parallel.tp": 4, "model.seq_len": 2048, "model.vocab_size": 50304,
+                "model.remat": "none"}),
+    # Added, and measured, once the terms and the fit set were frozen (the cases above were looked
+    # at while the terms took shape: XLA_GPU's note says how).
+    MemoryCase("MFU 1.3B s=2048 + PTB, remat full", _suite_row(_1P3B, 2048, "full", 1)),
+    MemoryCase("h 2560, 16 layers, seq 4096, batch 2, swiglu, remat full",
+               {**GPU_BASE, "model.hidden_dim": 2560, "model.num_heads": 20, "model.num_layers": 16,
+                "model.seq_len": 4096, "model.vocab_size": 50304, "model.mlp": "swiglu", "model.remat": "full",
+                "train.batch_size": 2}),
+    MemoryCase("dp 2, tp 4, h 2048, 8 layers, seq 2048, 2 microbatches",
+               {**_LARGE, **{k: v for k, v in GPU_BASE.items() if k.startswith("model.") and k not in _LARGE},
+                "parallel.dp": 2, "parallel.tp": 4, "train.batch_size": 16, "train.microbatches": 2}),
+    MemoryCase("h 1536, 12 layers, seq 1024, 4 microbatches, parallel block",
+               {**GPU_BASE, "model.hidden_dim": 1536, "model.num_heads": 12, "model.num_layers": 12,
+                "model.seq_len": 1024, "model.block": "parallel", "train.batch_size": 16, "train.microbatches": 4}),
+)
+
+# Held-out cases outside 10%, and why as far as known (the unit test holds the list).
+GPU_KNOWN_MISSES = {
+    "dp 4, tp 2, h 1024, parallel block, remat full":
+        "+18%: 50 MiB over on a 0.28 GiB step; the dp gather's weight is fitted at dp = 2 only",
+    "dp 2, tp 4, h 2048, 8 layers, seq 2048, 2 microbatches":
+        "-19% (unseen case): tp 4 with microbatches; the fit set's tp cases beyond 2 have one microbatch",
+    "h 1536, 12 layers, seq 1024, 4 microbatches, parallel block":
+        "+10.6% (unseen case): not explained yet; the microbatch terms are fitted on 8 layers or fewer",
+}
+
+
+def case_config(case: MemoryCase):
+  config = apply_overrides(default_config(), case.overrides)
+  validate(config)
+  return config
+
+
+def predicted_bytes(case: MemoryCase) -> float:
+  return memory.memory(ModelConfig.from_config(case_config(case).model), plan_of(case_config(case), "gpu"),
+                       platform="gpu").total
+
+
+def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
+  """(the bytes no weight scales: the state, the unweighted terms)."""
+  config = case_config(case)
+  c, plan = ModelConfig.from_config(config.model), plan_of(config, "gpu")
+  total = memory.memory(c, plan, platform="gpu")
+  switched = apply_switches(c, plan.opts)
+  terms = memory.gpu_terms(switched, plan, param_counts(switched, plan), c.remat, plan.opts.fused_ops)
+  return total.state, terms
+
+
+def measure(cases, log=print) -> dict[str, int]:
+  """{case name: XLA:GPU's bytes a device}, each case's step compiled for described H100s."""
+  measured = {}
+  for case in cases:
+    compiled = deviceless.compile_for_gpu(case_config(case), TARGET)
+    measured[case.name] = compiled.bytes_per_device()
+    log(f"  {case.name}: {measured[case.name] / 2**20:.1f} MiB ({compiled.compile_seconds:.0f} s)")
+  return measured
+
+
+def fit(measured: dict[str, int], cases=GPU_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
+  """(weights of memory.gpu_terms, {case: relative error with them}), nnls on the relative errors."""
+  names = list(memory.XLA_GPU)
+  rows, targets = [], []
+  for case in cases:
+    fixed, terms = case_terms(case)
+    scale = measured[case.name]
+    rows.append([terms[name] / scale for name in names])
+    targets.append(1 - fixed / scale)
+  rows, targets = np.array(rows), np.array(targets)
+  used = rows.any(axis=0)
+  weights, _ = nnls(rows[:, used], targets)
+  fitted = dict(memory.XLA_GPU)
+  fitted.update({name: float(w) for name, w in zip(np.array(names)[used], weights)})
+  errors = rows @ np.array([fitted[name] for name in names]) - targets
+  return fitted, {case.name: float(error) for case, error in zip(cases, errors)}
+
+
+def write_measured(path: str, fit_bytes: dict[str, int], held_out_bytes: dict[str, int]) -> None:
+  """memory_measured_gpu.py: the measurements as a module (data, with where they came from)."""
+  lines = ['"""XLA:GPU\'s bytes per device (a described H100, parallel.deviceless) of memory_gpu_fit\'s',
+           'cases: generated by `python -m megajax.launch.bench planner --measure_memory_gpu`; do not edit."""',
+           "", f"JAX_VERSION = {jax.__version__!r}", "FIT = {"]
+  lines += [f"    {name!r}: {nbytes}," for name, nbytes in fit_bytes.items()]
+  lines += ["}", "HELD_OUT = {"]
+  lines += [f"    {name!r}: {nbytes}," for name, nbytes in held_out_bytes.items()]
+  lines += ["}", ""]
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
