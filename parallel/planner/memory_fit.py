@@ -71,17 +71,24 @@ def measure(cases=PIPELINE_FIT_CASES) -> dict[str, int]:
 def fit(measured: dict[str, int], cases=PIPELINE_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
   """(weights of memory.pipeline_terms, {case: relative error with them}), nnls on the cases'
   relative errors."""
-  names = list(memory.XLA_PIPELINE)
+  return fit_weights(memory.XLA_PIPELINE, [case_terms(case) for case in cases], measured, cases)
+
+
+def fit_weights(held: dict[str, float], case_terms: list[tuple[float, dict[str, float]]], measured: dict[str, int],
+                cases) -> tuple[dict[str, float], dict[str, float]]:
+  """Non-negative least squares of the weights of `held`'s terms to XLA's bytes, in relative
+  error: (the weights, {case: relative error}). `case_terms[i]`: case i's bytes no weight scales
+  and its unweighted terms; a term no case has keeps its held value."""
+  names = list(held)
   rows, targets = [], []
-  for case in cases:
-    fixed, terms = case_terms(case)
+  for case, (fixed, terms) in zip(cases, case_terms):
     scale = measured[case.name]
     rows.append([terms[name] / scale for name in names])
     targets.append(1 - fixed / scale)
   rows, targets = np.array(rows), np.array(targets)
-  used = rows.any(axis=0)           # a term no case has stays at its held value
+  used = rows.any(axis=0)
   weights, _ = nnls(rows[:, used], targets)
-  fitted = dict(memory.XLA_PIPELINE)
+  fitted = dict(held)
   fitted.update({name: float(w) for name, w in zip(np.array(names)[used], weights)})
   errors = rows @ np.array([fitted[name] for name in names]) - targets
   return fitted, {case.name: float(error) for case, error in zip(cases, errors)}

@@ -20,8 +20,6 @@ from __future__ import annotations
 import itertools
 
 import jax
-import numpy as np
-from scipy.optimize import nnls
 
 from megajax.config import apply_overrides, default_config, validate
 from megajax.model import ModelConfig
@@ -30,6 +28,7 @@ from megajax.parallel.planner import memory
 from megajax.parallel.planner.calibration import MemoryCase
 from megajax.parallel.planner.cost_model import apply_switches, param_counts
 from megajax.parallel.planner.fits import plan_of
+from megajax.parallel.planner.memory_fit import fit_weights
 
 TARGET = "h100-80g"
 GPU_BASE = {"model.num_layers": 4, "model.hidden_dim": 512, "model.num_heads": 4, "model.seq_len": 512,
@@ -170,20 +169,7 @@ def measure(cases, log=print) -> dict[str, int]:
 
 def fit(measured: dict[str, int], cases=GPU_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
   """(weights of memory.gpu_terms, {case: relative error with them}), nnls on the relative errors."""
-  names = list(memory.XLA_GPU)
-  rows, targets = [], []
-  for case in cases:
-    fixed, terms = case_terms(case)
-    scale = measured[case.name]
-    rows.append([terms[name] / scale for name in names])
-    targets.append(1 - fixed / scale)
-  rows, targets = np.array(rows), np.array(targets)
-  used = rows.any(axis=0)
-  weights, _ = nnls(rows[:, used], targets)
-  fitted = dict(memory.XLA_GPU)
-  fitted.update({name: float(w) for name, w in zip(np.array(names)[used], weights)})
-  errors = rows @ np.array([fitted[name] for name in names]) - targets
-  return fitted, {case.name: float(error) for case, error in zip(cases, errors)}
+  return fit_weights(memory.XLA_GPU, [case_terms(case) for case in cases], measured, cases)
 
 
 def write_measured(path: str, fit_bytes: dict[str, int], held_out_bytes: dict[str, int]) -> None:
