@@ -109,6 +109,9 @@ def main(argv):
   print(f"{PROGRAM}: {params / 1e9:.1f}B parameters ({c.num_layers} layers, hidden {c.hidden_dim}, "
         f"{c.num_heads} heads, seq {c.seq_len}, vocab {c.vocab_size}) on {gpus} {hw.name}, batch {batch}")
   print(f"switches: {switches}; runtime {_RUNTIME.value}; remat {remat}")
+  if remat == "full":
+    print("note: remat full reruns every layer's forward in its backward; the published runs the planner is "
+          "validated on (MegaScale, Megatron-LM) recompute selectively: --remat=dots compares with them")
   other = next(r for r in RUNTIMES if r != _RUNTIME.value)
   print(f"runtime {_RUNTIME.value}: {report.RUNTIMES[_RUNTIME.value]} (--runtime={other}: {report.RUNTIMES[other]})")
   print(report.LEGEND)

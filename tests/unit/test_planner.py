@@ -4,6 +4,7 @@ against XLA's compiled step: tests/integration; megajax-plan: tests/e2e.)"""
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import pytest
@@ -317,8 +318,16 @@ def test_plans_read_with_their_parts_and_why_the_first_wins(paper_setting):
   for x in best[:3]:
     assert sum(report.memory_parts(x).values()) == pytest.approx(x.memory.total)
     assert sum(x.time.parts().values()) == pytest.approx(x.time.total)
-  line = report.why_first(best[0], best[1])
-  assert line.startswith("#1 over this: ") and "step -" in line
+  for other in best[1:4]:
+    line = report.why_first(best[0], other)
+    assert line.startswith("#1 over this: ") and "step -" in line
+    # The parts shown (the largest either way, then the rest) add up to the step's change.
+    parts = [float(x) for x in re.findall(r" ([+-]\d+\.\d+) s", line.split("(step")[0])]
+    step = float(re.search(r"step ([+-]\d+\.\d+) s", line).group(1))
+    assert sum(parts) == pytest.approx(step, abs=0.005 * len(parts) + 0.005), line
+    tie = abs(best[0].time.total - other.time.total) <= report.TIE_FRACTION * best[0].time.total
+    assert line.endswith("a tie: within the model's error") == tie
+  assert report.why_first(best[0], best[0]).endswith("a tie: within the model's error")
   lines = report.explain(c, best[0].plan, hw, "dots")
   assert lines[0].startswith(f"plan {plans.describe(best[0].plan)}") and any("TFLOP/s per GPU" in x for x in lines)
   with pytest.raises(ValueError, match="five positive integers"):
