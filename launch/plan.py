@@ -42,7 +42,7 @@ from megajax.model import ModelConfig
 from megajax.observe.schedule import overlap_counts
 from megajax.parallel import deviceless
 from megajax.parallel.mesh import mesh_shape
-from megajax.parallel.planner import cost_model, fits, plans, report
+from megajax.parallel.planner import cost_model, fits, hardware, plans, report
 
 PROGRAM = "megajax-plan"
 RUNTIMES = tuple(report.RUNTIMES)
@@ -109,6 +109,8 @@ def main(argv):
   print(f"{PROGRAM}: {params / 1e9:.1f}B parameters ({c.num_layers} layers, hidden {c.hidden_dim}, "
         f"{c.num_heads} heads, seq {c.seq_len}, vocab {c.vocab_size}) on {gpus} {hw.name}, batch {batch}")
   print(f"switches: {switches}; runtime {_RUNTIME.value}; remat {remat}")
+  if hw.name in hardware.EXTRAPOLATED:
+    print(f"note: {hw.name} figures are {hardware.EXTRAPOLATED[hw.name]}")
   if remat == "full":
     print("note: remat full reruns every layer's forward in its backward; the published runs the planner is "
           "validated on (MegaScale, Megatron-LM) recompute selectively: --remat=dots compares with them")
@@ -139,6 +141,8 @@ def _explain(c, gpus, batch, hw, opts, remat) -> None:
     _flag_error("explain", _EXPLAIN.value, "not an even plan (tp within a node dividing heads, MLP, vocabulary and "
                 "sequence; pp x v dividing the layers; with v > 1, m a multiple of pp)",
                 "pick one megajax-plan lists")
+  if hw.name in hardware.EXTRAPOLATED:
+    print(f"note: {hw.name} figures are {hardware.EXTRAPOLATED[hw.name]}")
   print("\n".join(report.explain(c, plan, hw, remat)))
 
 

@@ -70,6 +70,12 @@ HARDWARE = {
                           A100_NIC_BUSBW_GBPS * 2, 8, 132),
 }
 
+# Rows whose step times no run on that device measured or validated: what megajax-plan says
+# beside every figure it prints for them.
+EXTRAPOLATED = {name: ("extrapolated, not measured: datasheet peak, HBM and link rates with the A100's measured GEMM "
+                       "fraction and NCCL bus bandwidth per line rate (hardware.py); no published run on it validates "
+                       "the model") for name in ("h100-80g", "h200-141g")}
+
 
 def wave_efficiency(m: int, n: int, sms: int, batch: int = 1) -> float:
   """Busy share of the SMs over a GEMM's waves: `batch` GEMMs of m x n outputs in GEMM_TILE tiles."""

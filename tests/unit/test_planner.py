@@ -181,6 +181,14 @@ def test_the_mfu_suites_3b_lamb_row_takes_smaller_microbatches_to_fit_an_h100():
   assert (baseline.model.remat, baseline.train.microbatches) == ("dots", 1)
 
 
+def test_every_device_no_published_run_validates_is_marked_extrapolated():
+  """megajax-plan says so beside an H100's or H200's figures: every published run it is fitted
+  and validated on ran on A100s (published.predict evaluates them there), the only measured row."""
+  assert "a100-80g" not in hardware.EXTRAPOLATED
+  assert set(hardware.EXTRAPOLATED) == set(cost_model.HARDWARE) - {"a100-80g"}
+  assert published.PEAK_TFLOPS == flops.PEAK_BF16_TFLOPS["a100"]
+
+
 def test_no_constant_is_fitted_to_a_row_it_is_validated_on():
   """The calibration set is MegaScale's Table 3 (with Table 2's row of the same plan), the
   validation set everything else; no validation run has a calibration run's model, plan and
