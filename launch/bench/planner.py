@@ -61,11 +61,14 @@ def print_validation() -> bool:
   rows = [published.predict(run) for run in published.all_runs()]
   for source, citation in published.SOURCES.items():
     print(f"-- {source}: {citation}")
-    print(f"   {'run':64} {'metric':>6} {'published':>9} {'predicted':>9} {'error':>7}  bottleneck; assumed")
+    print(f"   {'run':64} {'metric':>6} {'published':>9} {'predicted':>9} {'error':>7} {'if assumed otherwise':>21}"
+          f"  bottleneck; assumed")
     for row in (r for r in rows if r.run.source == source):
       run, mark = row.run, " cal" if row.run.calibration else ("" if row.within_goal else " !")
+      low, high = published.error_range(run)
+      spread = f"{low:+.1f} .. {high:+.1f}" if run.alternatives else ""
       print(f"   {run.where:64} {run.metric:>6} {run.published:>9.1f} {row.predicted:>9.1f} {row.error:>+6.1f}"
-            f"{'' if run.metric == 'mfu' else '%'}{mark:4} {row.candidate.time.bottleneck}"
+            f"{'' if run.metric == 'mfu' else '%'}{mark:4} {spread:>17} {row.candidate.time.bottleneck}"
             f"{'; ' + run.assumed if run.assumed else ''}")
   validation = [r for r in rows if not r.run.calibration]
   within = sum(r.within_goal for r in validation)

@@ -10,10 +10,12 @@ converts the predicted step time to the same metric by the source's own formula.
   validation_set()  every other row: MegaScale's Table 2, Korthikanti et al. 2022 (Table 5,
                     section 6.3), Narayanan et al. 2021 (Tables 1 and 2). Never fitted to.
 
-What a source does not state is assumed and said in the row (`assumed`): MegaScale's
-microbatch size; Narayanan et al.'s microbatch size for Table 1 (2, the size their section 5.5
-finds best; with 1, their 1.7B-18.4B rows come out 3-11% slow) and its chunks per stage (the
-interleaved schedule is stated); Korthikanti et al.'s schedule for 1T (3 chunks are stated
+What a source does not state is assumed and said in the row (`assumed`), and the other
+plausible values are the row's `alternatives` (`bench planner` prints its error over all of
+them: `error_range`): MegaScale's microbatch size (1; 2 and 4); Narayanan et al.'s microbatch
+size for Table 1 (2, the size their section 5.5 finds best; chosen after the validation errors
+were seen: 1 / 2 / 4 put 8 / 9 / 8 of its 10 rows within the goal) and its chunks per stage (the
+interleaved schedule is stated; the smallest split assumed, every other split an alternative); Korthikanti et al.'s schedule for 1T (3 chunks are stated
 for 175B and 530B only: plain 1F1B) and tp x pp of Narayanan et al.'s Table 2 (model-parallel size 96: 8 x 12).
 """
 
@@ -53,6 +55,9 @@ class Run:
   published: float
   assumed: str = ""      # what the source does not state
   calibration: bool = False
+  # The plans the source's unstated values could also give (its other plausible microbatch,
+  # chunks per stage, tp x pp): `bench planner` prints the row's error over all of them.
+  alternatives: tuple[Plan, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,21 @@ def predict(run: Run, calibration: Calibration = CALIBRATION) -> Prediction:
   return Prediction(run, predicted, candidate)
 
 
+def error_range(run: Run, calibration: Calibration = CALIBRATION) -> tuple[float, float]:
+  """(lowest, highest) error of the row over its assumed plan and every alternative: how much
+  the values the source does not state could move it."""
+  errors = [predict(dataclasses.replace(run, plan=plan), calibration).error for plan in (run.plan, *run.alternatives)]
+  return min(errors), max(errors)
+
+
+def _micro_batches(plan: Plan, sizes=(1, 2, 4)) -> tuple[Plan, ...]:
+  """The plan with each other microbatch size that divides a dp rank's batch (interleaved: into a
+  multiple of pp microbatches)."""
+  per_rank = plan.batch // plan.dp
+  fits = lambda b: per_rank % b == 0 and (plan.virtual_stages == 1 or (per_rank // b) % plan.pp == 0)
+  return tuple(dataclasses.replace(plan, micro_batch=b) for b in sizes if b != plan.micro_batch and fits(b))
+
+
 # --- MegaScale: 175B (Table 1: tp 8, pp 8; section 6.1: 6 virtual stages), sequence 2048 -----------
 
 _MEGASCALE_ASSUMED = "microbatch 1 (not stated)"
@@ -121,7 +141,8 @@ _TABLE2 = ((256, 768, 53.0, 65.3), (512, 768, 49.9, 63.5), (768, 768, 46.7, 61.3
 
 def _megascale_run(where: str, gpus: int, batch: int, opts, mfu: float, calibration: bool) -> Run:
   plan = Plan(gpus // 64, 8, 8, 6, 1, batch, opts, "paper")
-  return Run("MegaScale", where, megascale_model(), plan, "dots", "mfu", mfu, _MEGASCALE_ASSUMED, calibration)
+  return Run("MegaScale", where, megascale_model(), plan, "dots", "mfu", mfu, _MEGASCALE_ASSUMED, calibration,
+             _micro_batches(plan))
 
 
 def megascale_table3() -> list[Run]:
@@ -165,11 +186,14 @@ def korthikanti() -> list[Run]:
   for name, layers, hidden, heads, pp, gpus, batch, micro, v, mfu, full_seconds in _KORTHIKANTI:
     model = megatron_gpt(layers, hidden, heads)
     assumed = "plain 1F1B (interleaving is stated for 175B and 530B only)" if name == "1T" else ""
+    # 1T: the interleaved schedule with 2 chunks (its stage's 2 layers) is as plausible.
+    others = lambda full: (_korthikanti_plan(1, pp, batch, micro, 2, full),) if name == "1T" else ()
     present = Run("Korthikanti", f"Table 5, {name} on {gpus} GPUs, present work", model,
-                  _korthikanti_plan(1, pp, batch, micro, v, False), "dots", "mfu", mfu, assumed)
+                  _korthikanti_plan(1, pp, batch, micro, v, False), "dots", "mfu", mfu, assumed,
+                  alternatives=others(False))
     full = dataclasses.replace(present, where=f"Table 5, {name} on {gpus} GPUs, full recompute "
                                f"({full_seconds} s)", plan=_korthikanti_plan(1, pp, batch, micro, v, True),
-                               remat="full")
+                               remat="full", alternatives=others(True))
     runs += [present, dataclasses.replace(full, published=round(_mfu_of_seconds(full, full_seconds), 1))]
   model = megatron_gpt(105, 20480, 128)
   for full, mfu in ((False, 54.2), (True, 42.1)):
@@ -206,23 +230,39 @@ def _chunks(layers_per_stage: int) -> int:
   return next((v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0), 1)
 
 
-def _narayanan_run(where, layers, hidden, heads, tp, pp, gpus, batch, tflops, assumed, micro_batch) -> Run:
-  v = _chunks(layers // pp) if pp > 1 else 1
-  plan = Plan(gpus // (tp * pp), pp, tp, v, micro_batch, batch, MEGATRON, "paper", sequence_parallel=False,
+def _narayanan_plan(layers, tp, pp, gpus, batch, micro_batch, v=None) -> Plan:
+  v = v or (_chunks(layers // pp) if pp > 1 else 1)
+  return Plan(gpus // (tp * pp), pp, tp, v, micro_batch, batch, MEGATRON, "paper", sequence_parallel=False,
               distributed_optimizer=False, tp_backward_overlap=False, allreduce_grad_bytes=2)
-  assumed = "; ".join(part for part in (assumed, f"{v} chunks per stage (not stated)" if pp > 1 else "",
+
+
+def _narayanan_run(where, layers, hidden, heads, tp, pp, gpus, batch, tflops, assumed, micro_batch,
+                   micro_batch_stated: bool) -> Run:
+  plan = _narayanan_plan(layers, tp, pp, gpus, batch, micro_batch)
+  assumed = "; ".join(part for part in (assumed, f"{plan.virtual_stages} chunks per stage (not stated)" if pp > 1 else "",
                                         "fp16 gradients all-reduced (mixed precision stated)") if part)
-  return Run("Narayanan", where, megatron_gpt(layers, hidden, heads), plan, "full", "tflops", tflops, assumed)
+  # Alternatives: every other chunk count that splits a stage's layers, the other microbatch
+  # sizes where the source does not state its own, and for a model-parallel size of 96 the
+  # other tp x pp with tp inside a node.
+  layers_per_stage = layers // pp
+  others = tuple(_narayanan_plan(layers, tp, pp, gpus, batch, micro_batch, v) for v in range(2, layers_per_stage + 1)
+                 if pp > 1 and layers_per_stage % v == 0 and v != plan.virtual_stages)
+  if not micro_batch_stated:
+    others += _micro_batches(plan)
+  if tp * pp == 96 and layers % 24 == 0:
+    others += (_narayanan_plan(layers, 4, 24, gpus, batch, micro_batch),)
+  return Run("Narayanan", where, megatron_gpt(layers, hidden, heads), plan, "full", "tflops", tflops, assumed,
+             alternatives=others)
 
 
 def narayanan() -> list[Run]:
   # Table 1 does not state its microbatch: 2, the size the paper finds best for its 91B model
   # (section 5.5; 4 for a 1B model, section 3.4). Table 2 states 1.
   runs = [_narayanan_run(f"Table 1, {b}B on {gpus} GPUs", layers, hidden, heads, tp, pp, gpus, batch, tflops,
-                         "microbatch 2 (not stated; best for 91B, section 5.5)", 2)
+                         "microbatch 2 (not stated; best for 91B, section 5.5)", 2, False)
           for b, heads, hidden, layers, tp, pp, gpus, batch, tflops in _NARAYANAN_TABLE1]
   runs += [_narayanan_run(f"Table 2, PTD-P {b}B on {gpus} GPUs", layers, hidden, heads, tp, pp, gpus, batch, tflops,
-                          "tp 8 x pp 12 (model-parallel size 96)" if pp == 12 else "", 1)
+                          "tp 8 x pp 12 (model-parallel size 96)" if pp == 12 else "", 1, True)
            for b, layers, hidden, heads, tp, pp, batch, gpus, tflops in _NARAYANAN_TABLE2]
   return runs
 

@@ -189,6 +189,23 @@ def test_every_device_no_published_run_validates_is_marked_extrapolated():
   assert published.PEAK_TFLOPS == flops.PEAK_BF16_TFLOPS["a100"]
 
 
+def test_rows_with_unstated_values_carry_their_alternatives_and_an_error_range():
+  """Every row that assumes something the source does not state carries the plans its other
+  plausible values give; bench planner prints the error over all of them (the assumed plan's
+  error inside the range). Narayanan et al.'s Table 1 (microbatch not stated): 1 and 4 beside
+  the assumed 2; its Table 2 states microbatch 1: no other microbatch there."""
+  runs = published.all_runs()
+  assert all(run.alternatives for run in runs if "microbatch" in run.assumed or "1F1B" in run.assumed)
+  for run in runs:
+    low, high = published.error_range(run)
+    assert low <= published.predict(run).error <= high
+  table1 = [run for run in runs if run.where.startswith("Table 1, ")]
+  assert all({1, 4} <= {plan.micro_batch for plan in run.alternatives} for run in table1
+             if (run.plan.batch // run.plan.dp) % (4 * run.plan.pp) == 0)
+  table2 = [run for run in runs if run.where.startswith("Table 2, PTD-P")]
+  assert all(plan.micro_batch == 1 for run in table2 for plan in run.alternatives)
+
+
 def test_no_constant_is_fitted_to_a_row_it_is_validated_on():
   """The calibration set is MegaScale's Table 3 (with Table 2's row of the same plan), the
   validation set everything else; no validation run has a calibration run's model, plan and
