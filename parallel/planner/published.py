@@ -5,8 +5,9 @@ GPUs, the parallel layout, the batch, the runtime, and the published MFU (percen
 per-GPU TFLOP/s (the source's own FLOP count). `predict` runs the cost model on it and
 converts the predicted step time to the same metric by the source's own formula.
 
-  calibration_set() MegaScale's Table 3 (and Table 2's 256-GPU MegaScale row, the same plan
-                    as Table 3's last): what calibration.fit fits cost_model.Calibration to.
+  calibration_set() MegaScale's Table 3 (Table 2's 256-GPU MegaScale row is the same run as
+                    Table 3's last: counted once, there): what calibration.fit fits
+                    cost_model.Calibration to.
   validation_set()  every other row: MegaScale's Table 2, Korthikanti et al. 2022 (Table 5,
                     section 6.3), Narayanan et al. 2021 (Tables 1 and 2). Never fitted to.
 
@@ -156,8 +157,10 @@ def megascale_table2() -> list[Run]:
   runs = []
   for gpus, batch, megatron, megascale in _TABLE2:
     runs.append(_megascale_run(f"Table 2, {gpus} GPUs, Megatron-LM", gpus, batch, MEGATRON, megatron, False))
-    # The 256-GPU MegaScale row is Table 3's last (batch 768, every switch): in the calibration set.
-    runs.append(_megascale_run(f"Table 2, {gpus} GPUs, MegaScale", gpus, batch, MEGASCALE, megascale, gpus == 256))
+    # The 256-GPU MegaScale row is Table 3's last (batch 768, every switch, the same 65.3): one run,
+    # counted once, in the calibration set as Table 3's.
+    if gpus != 256:
+      runs.append(_megascale_run(f"Table 2, {gpus} GPUs, MegaScale", gpus, batch, MEGASCALE, megascale, False))
   return runs
 
 
@@ -305,4 +308,9 @@ KNOWN_MISSES = {
     "Table 1, 76.1B on 1024 GPUs": ("its chunks per stage (15 layers a stage: 3 assumed) and microbatch are not "
                                     "stated; its neighbours (39.1B, 145.6B) are within"),
     "Table 2, PTD-P 529.6B on 2240 GPUs": "just outside (the 560- and 1120-GPU rows of the same model are within)",
+    "Table 2, PTD-P 174.6B on 1536 GPUs": (
+        "+6.0%, just outside: the over-prediction grows with the GPUs at a fixed batch (this model +3.0% on 384, "
+        "+3.8% on 768, +6.0% on 1536), as in MegaScale's Table 2; the model under-counts what falls with the "
+        "computation-to-communication ratio (issue 34); outside since Table 2's 256-GPU MegaScale row stopped "
+        "being fitted twice"),
 }
