@@ -21,6 +21,9 @@ Prints:
                     --measure_memory_gpu recompiles the fit set and the held-out cases first and
                     rewrites it, ~15 min), and the held-out cases (the MFU suite's 1.3B and 3B
                     rows among them) predicted against XLA:GPU; target: within 10%.
+  runtime           megajax's runtime against the paper's at 256 and 12,288 GPUs (remat dots and
+                    full): the best plan's MFU under each, the gap and its largest parts, and how
+                    each megajax term is known (HLO-verified, read from the schedule, assumed).
   plan              the planner's best plans for 175B on 12,288 A100s.
 """
 
@@ -29,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.parallel.planner import (calibration, hardware, memory, memory_fit, memory_gpu_fit, memory_measured,
-                                      memory_measured_gpu, plans, published)
-from megajax.parallel.planner.cost_model import CALIBRATION
+                                      memory_measured_gpu, plans, published, report)
+from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE
 
 
 def print_measured() -> None:
@@ -142,6 +145,27 @@ def print_gpu_memory(measure: bool) -> bool:
   return ok
 
 
+def print_runtime_gap(c, hw) -> None:
+  """The best plan under each runtime at MegaScale's smallest and largest Table 2 sizes, the
+  gap in MFU points and the parts that make it; how each megajax term is known."""
+  print(f"\n== runtime: megajax's step against the paper's (Megatron-LM with MegaScale's switches), as the cost "
+        f"model has them; 175B on {hw.name}, the best plan of each")
+  print(f"{'GPUs':>6} {'batch':>6} {'remat':>6} {'megajax':>8} {'paper':>7} {'gap':>6}  where megajax's best step spends "
+        "more (its parts minus the paper's best)")
+  for gpus, batch in ((256, 768), (12288, 6144)):
+    for remat in ("dots", "full"):
+      ours, theirs = (plans.search(c, gpus, batch, hw, MEGASCALE, runtime, remat)[0][0]
+                      for runtime in ("megajax", "paper"))
+      deltas = {k: v - theirs.time.parts()[k] for k, v in ours.time.parts().items()}
+      largest = sorted(deltas, key=lambda k: -abs(deltas[k]))[:3]
+      print(f"{gpus:>6} {batch:>6} {remat:>6} {100 * ours.time.mfu:>7.1f}% {100 * theirs.time.mfu:>6.1f}% "
+            f"{100 * (ours.time.mfu - theirs.time.mfu):>+6.1f}  " + ", ".join(f"{k} {deltas[k]:+.2f} s" for k in largest)
+            + f" (step {ours.time.total - theirs.time.total:+.2f} s)")
+  print("how the megajax runtime's terms are known:")
+  for term, known in report.MEGAJAX_TERMS:
+    print(f"  {term}: {known}")
+
+
 def print_best_plans(c, hw, gpus=12288, batch=6144, top=5) -> None:
   for executor, remat in (("paper", "dots"), ("megajax", c.remat)):
     best, total = plans.search(c, gpus, batch, hw, executor=executor, remat=remat)
@@ -162,5 +186,6 @@ def planner(measure_memory: bool = False, measure_memory_gpu: bool = False) -> b
   print_memory_fit(measure_memory)
   ok &= print_memory_check()
   ok &= print_gpu_memory(measure_memory_gpu)
+  print_runtime_gap(published.megascale_model(), hardware.HARDWARE["a100-80g"])
   print_best_plans(published.megascale_model(), hardware.HARDWARE["a100-80g"])
   return ok

@@ -32,6 +32,27 @@ RUNTIMES = {
               "these do, and expose more dp communication"),
 }
 
+# How each way the megajax runtime is modelled apart from the paper's is known: checked in the
+# compiled step's HLO by a test, read from the deviceless H100 schedule, or assumed.
+MEGAJAX_TERMS = (
+    ("tp: one all-gather and one reduce-scatter a parallel linear pair, forward and backward (no "
+     "re-gather for the weight gradient)", "HLO-verified: test_tp_collectives_per_layer_without_overlap"),
+    ("tp collectives hidden by the collective-matmul ring (Calibration.tp_overlap_hidden, fitted on MegaScale's)",
+     "schedule-read: 103 of 104 ring hops have a matmul under them on the deviceless H100 step; time assumed"),
+    ("ZeRO gathers in the compute dtype (fp32 embedding and norms), one layer ahead",
+     "HLO-verified: test_zero_gathers_the_linears_in_the_compute_dtype, test_zero_gathers_are_issued_one_layer_ahead"),
+    ("one fp32 gradient reduce-scatter a step (grad_sync step), per chunk in the pipeline's edge ticks",
+     "HLO-verified: test_dp_reduce_scatters_once_per_step_or_per_microbatch, "
+     "test_pipeline_dp_collectives_run_per_chunk_in_the_edge_ticks"),
+    ("dp collectives exposed: the first chunk's and the shared leaves' around the tick scan",
+     "schedule-read: every dp gather but the first and every reduce-scatter overlap on the deviceless H100 "
+     "step; how much of each is hidden: assumed"),
+    ("the embedding and head on every pipeline stage (memory and their gradients' reduction)",
+     "counted from the step's layouts (test_param_counts_match_the_model)"),
+    ("the pipeline's residual slots written and read every tick (the default backward)",
+     "not in the step time: unknown (on CPU the rerun is faster, measured; on GPUs not yet measured)"),
+)
+
 
 def memory_parts(x: Candidate) -> dict:
   m = x.memory
