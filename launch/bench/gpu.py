@@ -42,6 +42,7 @@ from megajax.launch.bench import attention as attention_bench
 from megajax.launch.bench import checkpoint as checkpoint_bench
 from megajax.launch.bench import profile as profile_bench
 from megajax.launch.bench import train as train_bench
+from megajax.launch.runtime import gpu_available
 
 PARTS = ("tests", "train", "attention", "run", "checkpoint", "profile")
 # Seconds each part is planned to take on a lent H100 / H200, from the first lease (an H200,
@@ -66,7 +67,7 @@ def run_tests(timeout_s: int) -> dict:
   tests = os.path.join(REPO, "tests", "gpu")
   if not os.path.isdir(tests):
     raise FileNotFoundError(f"{tests} not found: run the GPU check from a checkout (pip install -e .)")
-  workers = ["-n", "8"] if jax.devices()[0].platform == "gpu" else []   # compile-bound: 8 share the GPU
+  workers = ["-n", "8"] if gpu_available() else []   # compile-bound: 8 share the GPU
   command = [sys.executable, "-m", "pytest", "-q", *workers, "-p", "no:cacheprovider", "-rfEs", "--tb=line", tests]
   environ = {**os.environ, "MEGAJAX_TESTS_ON": "gpu",     # tests/conftest.py: leave JAX on the GPU
              "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}     # the workers allocate as they go
@@ -121,7 +122,7 @@ def _train_sizes(spec: str) -> list[tuple[str, int]]:
 
 
 def markdown(report: dict) -> str:
-  lines = [f"# GPU check: {report['device']}", "", f"jax {report['jax']}, parts {', '.join(report['parts'])}", ""]
+  lines = [f"# GPU check: {report['device'] or report['platform']}", "", f"jax {report['jax']}, parts {', '.join(report['parts'])}", ""]
   for name, part in report["results"].items():
     planned = report.get("planned_s", {}).get(name)
     lines.append(f"## {name} ({part.get('seconds', '?')} s" + (f", planned {planned} s)" if planned else ")"))
@@ -157,9 +158,15 @@ def markdown(report: dict) -> str:
   return "\n".join(lines)
 
 
+# Parts whose GPU work runs in processes they start (pytest's workers, megajax-train): this
+# process must not start a jax backend for them, which would take the GPU's memory first
+# (XLA preallocates its fraction when a backend starts).
+SPAWNING_PARTS = ("tests", "run")
+
+
 def run_part(part: str, out: str, repeats: int, sizes: list[tuple[str, int]], run_steps: int) -> dict:
   """One part, in this process: its result (a dict that goes to the report)."""
-  platform = jax.devices()[0].platform
+  platform = "gpu" if gpu_available() else "cpu"
   if part == "tests":
     result = run_tests(timeout_s=PLAN_S["tests"] * 3)
     print(result["summary"], *result["lines"], sep="\n")
@@ -210,7 +217,10 @@ def run_part_limited(part: str, out: str, limit_s: float, flags: list[str]) -> d
     if os.path.exists(os.path.join(out, part, artefact)):
       os.replace(os.path.join(out, part, artefact), os.path.join(out, artefact))
   report_path = os.path.join(out, part, "gpu_check.json")
-  result = json.load(open(report_path))["results"].get(part) if os.path.exists(report_path) else None
+  child = json.load(open(report_path)) if os.path.exists(report_path) else {"results": {}}
+  result = child["results"].get(part)
+  if result is not None and child.get("device"):
+    result["device"] = child["device"]
   if result is None or cut:
     why = cut or f"exited {process.returncode} without a result"
     result = {**(result or {}), "error": why + "; the log's last lines:\n" + "\n".join(tail[-25:])}
@@ -226,11 +236,16 @@ def gpu_check(out: str, parts: str, repeats: int, train_sizes: str, run_steps: i
   if budget_s < 0:
     raise SystemExit(f"--budget_s={budget_s}: seconds for the whole check (0: no limits, in this process)")
   os.makedirs(out, exist_ok=True)
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    print(f"note: no GPU here ({device.platform}): the check runs, but its figures are not GPU figures")
-  report = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-            "parts": wanted, "budget_s": budget_s, "planned_s": {p: PLAN_S[p] for p in wanted}, "results": {}}
+  platform = "gpu" if gpu_available() else "cpu"
+  if platform != "gpu":
+    print(f"note: no GPU here ({platform}): the check runs, but its figures are not GPU figures")
+  # The device's name from jax only where this process uses jax itself: with a budget every part
+  # runs in its own process (the name comes from their reports), and a spawning part leaves
+  # the GPU to what it starts.
+  uses_jax = not budget_s and any(part not in SPAWNING_PARTS for part in wanted)
+  report = {"device": jax.devices()[0].device_kind if uses_jax else None, "platform": platform,
+            "jax": jax.__version__, "parts": wanted, "budget_s": budget_s,
+            "planned_s": {p: PLAN_S[p] for p in wanted}, "results": {}}
   if budget_s:
     print("plan: " + ", ".join(f"{p} {PLAN_S[p]} s" for p in wanted) + f"; budget {budget_s:.0f} s, each part "
           "its plan plus what the parts before it left", flush=True)
@@ -248,6 +263,7 @@ def gpu_check(out: str, parts: str, repeats: int, train_sizes: str, run_steps: i
       else:
         result = run_part_limited(part, out, limit, flags)
         result["limit_s"] = round(limit)
+        report["device"] = report["device"] or result.pop("device", None)
     else:
       try:
         result = run_part(part, out, repeats, sizes, run_steps)

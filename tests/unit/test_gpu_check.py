@@ -101,3 +101,17 @@ def test_profile_sorts_gpu_kernels_into_kinds():
   assert summary["busy_ms_per_step"] == pytest.approx(2.0)
   assert summary["by_kind"] == {"matmul": pytest.approx(1.5), "fusion": pytest.approx(0.5)}
   assert summary["top_ops"][0] == {"op": "dot.1", "kind": "matmul", "ms": pytest.approx(1.5)}
+
+
+@pytest.mark.parametrize("budget_s", [0, 60])
+def test_the_check_leaves_the_gpu_to_what_its_spawning_parts_start(tmp_path, monkeypatch, budget_s):
+  """A process that starts a jax backend on a GPU takes its memory first (XLA preallocates), so
+  neither the budgeted parent nor a tests / run part's own process asks jax for its devices:
+  pytest's workers and the megajax-train runs get the GPU."""
+  def no_backend():
+    raise AssertionError("jax.devices() called: a backend would hold the GPU")
+  monkeypatch.setattr(gpu.jax, "devices", no_backend)
+  monkeypatch.setattr(gpu, "run_tests", lambda timeout_s: {"summary": "1 passed", "lines": [], "counts": {"passed": 1}})
+  monkeypatch.setattr(gpu, "run_part_limited", lambda part, out, limit_s, flags: {"summary": "1 passed", "lines": []})
+  gpu.gpu_check(str(tmp_path), "tests", 1, "tiny:32", 1, budget_s=budget_s)
+  assert "1 passed" in (tmp_path / "gpu_check.md").read_text()
