@@ -277,7 +277,7 @@ def gpu_check(out: str, parts: str, repeats: int, train_sizes: str, run_steps: i
     with open(os.path.join(out, "gpu_check.md"), "w") as f:
       f.write(markdown(report))
   if budget_s:
-    print("\n" + "\n".join(f"{p}: planned {PLAN_S[p]} s, took {r['seconds']} s" + (" (not complete)" if "error" in r else "")
-                            for p, r in report["results"].items()))
+    print("\n" + "\n".join(f"{p}: planned {PLAN_S[p]} s, took {r['seconds']} s"
+                            + (" (not complete)" if "error" in r else "") for p, r in report["results"].items()))
     print(f"all parts: {time.time() - check_start:.0f} s of the {budget_s:.0f} s budget")
   print(f"\nwrote {out}/gpu_check.json and gpu_check.md")

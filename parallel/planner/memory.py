@@ -97,9 +97,9 @@ XLA_GPU = dict(params=0.455,     # param-sized buffers per stage param (gradient
 PIPELINE_PARTS = dict(params="params_temp", step_sum="params_temp", gather="params_temp",
                       layer="activations", scores="activations", saved="activations", rebuilt="activations",
                       rerun="activations", residual="activations", logits="logits", message="pipeline")
-GPU_PARTS = dict(params="params_temp", compute_copy="params_temp", gather="params_temp",
-                 accumulator="params_temp", next_microbatch="activations", ring="activations", saved="activations", rebuilt="activations", scores="activations",
-                 logits="logits")
+GPU_PARTS = dict(params="params_temp", compute_copy="params_temp", gather="params_temp", accumulator="params_temp",
+                 next_microbatch="activations", ring="activations", saved="activations", rebuilt="activations",
+                 scores="activations", logits="logits")
 
 
 @dataclasses.dataclass(frozen=True)
