@@ -109,8 +109,7 @@ def main(argv):
   print(f"{PROGRAM}: {params / 1e9:.1f}B parameters ({c.num_layers} layers, hidden {c.hidden_dim}, "
         f"{c.num_heads} heads, seq {c.seq_len}, vocab {c.vocab_size}) on {gpus} {hw.name}, batch {batch}")
   print(f"switches: {switches}; runtime {_RUNTIME.value}; remat {remat}")
-  if hw.name in hardware.EXTRAPOLATED:
-    print(f"note: {hw.name} figures are {hardware.EXTRAPOLATED[hw.name]}")
+  _note_extrapolated(hw)
   if remat == "full":
     print("note: remat full reruns every layer's forward in its backward; the published runs the planner is "
           "validated on (MegaScale, Megatron-LM) recompute selectively: --remat=dots compares with them")
@@ -129,6 +128,12 @@ def main(argv):
   print(f"best: {plans.describe(best[0].plan)}: {plans.breakdown(best[0].time)}")
 
 
+def _note_extrapolated(hw) -> None:
+  """What an H100's or H200's figures are (hardware.EXTRAPOLATED), beside them."""
+  if hw.name in hardware.EXTRAPOLATED:
+    print(f"note: {hw.name} figures are {hardware.EXTRAPOLATED[hw.name]}")
+
+
 def _explain(c, gpus, batch, hw, opts, remat) -> None:
   try:
     plan = report.parse_explain(_EXPLAIN.value, batch, opts, _RUNTIME.value)
@@ -141,8 +146,7 @@ def _explain(c, gpus, batch, hw, opts, remat) -> None:
     _flag_error("explain", _EXPLAIN.value, "not an even plan (tp within a node dividing heads, MLP, vocabulary and "
                 "sequence; pp x v dividing the layers; with v > 1, m a multiple of pp)",
                 "pick one megajax-plan lists")
-  if hw.name in hardware.EXTRAPOLATED:
-    print(f"note: {hw.name} figures are {hardware.EXTRAPOLATED[hw.name]}")
+  _note_extrapolated(hw)
   print("\n".join(report.explain(c, plan, hw, remat)))
 
 

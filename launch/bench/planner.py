@@ -89,8 +89,13 @@ def print_memory_fit(measure: bool) -> None:
   fitted, errors = memory_fit.fit(measured)
   print(f"\n== memory fit: memory.XLA_PIPELINE refitted now on XLA's bytes of {len(errors)} pipeline configs "
         "(memory_fit.PIPELINE_FIT_CASES; none of them a memory-check case)")
+  print_fitted(fitted, memory.XLA_PIPELINE, errors)
+
+
+def print_fitted(fitted: dict[str, float], held: dict[str, float], errors: dict[str, float]) -> None:
+  """A memory fit: each weight refitted now beside the value held, and the fit set's errors."""
   for name, value in fitted.items():
-    print(f"  {name:10} fitted {value:6.3f}   held {memory.XLA_PIPELINE[name]:6.3f}")
+    print(f"  {name:15} fitted {value:6.3f}   held {held[name]:6.3f}")
   worst = sorted(errors.items(), key=lambda item: -abs(item[1]))
   within = sum(abs(e) <= calibration.MEMORY_TOLERANCE for e in errors.values())
   print(f"fit set: {within} of {len(errors)} within {calibration.MEMORY_TOLERANCE:.0%}; "
@@ -128,12 +133,7 @@ def print_gpu_memory(measure: bool) -> bool:
   fitted, errors = memory_gpu_fit.fit(fit_bytes)
   print(f"\n== memory on GPUs: memory.XLA_GPU refitted now on XLA:GPU's bytes of {len(errors)} single-stage "
         f"configs (memory_gpu_fit.GPU_FIT_CASES, a described H100; jax {memory_measured_gpu.JAX_VERSION})")
-  for name, value in fitted.items():
-    print(f"  {name:12} fitted {value:6.3f}   held {memory.XLA_GPU[name]:6.3f}")
-  within = sum(abs(e) <= calibration.MEMORY_TOLERANCE for e in errors.values())
-  print(f"fit set: {within} of {len(errors)} within {calibration.MEMORY_TOLERANCE:.0%}; "
-        f"rms {100 * (sum(e * e for e in errors.values()) / len(errors)) ** 0.5:.1f}%, "
-        f"worst {100 * max(errors.values(), key=abs):+.1f}%")
+  print_fitted(fitted, memory.XLA_GPU, errors)
   print(f"{'held out (never fitted on)':48} {'predicted GiB':>13} {'XLA:GPU GiB':>12} {'error':>8}")
   ok = True
   for case in memory_gpu_fit.GPU_HELD_OUT:

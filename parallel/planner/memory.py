@@ -234,10 +234,7 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
   state = counts.shard * pb * (1 + moments)
   if plan.pp == 1 and platform == "gpu":
-    parts = dict(params_temp=0.0, activations=0.0, logits=0.0, pipeline=0.0)
-    for term, nbytes in gpu_terms(c, plan, counts, remat, fused_attention).items():
-      parts[GPU_PARTS[term]] += XLA_GPU[term] * nbytes
-    return Memory(state, **parts)
+    return Memory(state, **_weighted(gpu_terms(c, plan, counts, remat, fused_attention), XLA_GPU, GPU_PARTS))
   if plan.pp == 1:
     step_sync = plan.grad_sync == "step" and plan.microbatches > 1
     accumulator = (counts.stage * 4 * XLA_STEP_SUM if step_sync
@@ -248,11 +245,17 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
     return Memory(state, params_temp, per_layer * layers + transient, XLA_KEPT["logits"] * logits, 0.0)
   # Pipeline: its terms, weighted; the stage's weights cast to the compute dtype once per step
   # (executor.stage_params) and held through the tick scan are counted exactly.
-  parts = dict(params_temp=counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0,
-               activations=0.0, logits=0.0, pipeline=0.0)
-  for term, nbytes in pipeline_terms(c, plan, counts, remat, fused_attention).items():
-    parts[PIPELINE_PARTS[term]] += XLA_PIPELINE[term] * nbytes
+  parts = _weighted(pipeline_terms(c, plan, counts, remat, fused_attention), XLA_PIPELINE, PIPELINE_PARTS)
+  parts["params_temp"] += counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0
   return Memory(state, **parts)
+
+
+def _weighted(terms: dict[str, float], weights: dict[str, float], part_of: dict[str, str]) -> dict[str, float]:
+  """Memory's parts but the state: each term's bytes times its weight, summed into its part."""
+  parts = dict(params_temp=0.0, activations=0.0, logits=0.0, pipeline=0.0)
+  for term, nbytes in terms.items():
+    parts[part_of[term]] += weights[term] * nbytes
+  return parts
 
 
 def gpu_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str, fused_attention: bool) -> dict[str, float]:
@@ -270,15 +273,15 @@ def gpu_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str, fused
   if plan.tp > 1:
     widths = c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + len(MLP_INPUTS[c.mlp]) * c.mlp_dim
     terms["ring"] = plan.micro_batch * c.seq_len * widths / plan.tp * 4
-  kept, scores = _layer_kept(c, plan, remat, fused_attention)
+  kept, scores = _layer_kept(c, plan, remat, fused_attention)     # scores only under remat none
   terms["saved"] = (kept - scores) * c.num_layers
-  terms["scores"] = scores * c.num_layers
   if plan.microbatches > 1:
     terms["next_microbatch"] = (kept - scores) * c.num_layers
-  if remat != "none":
-    none_layer, none_scores = _layer_kept(c, plan, "none", fused_attention)
-    terms["rebuilt"] = none_layer - none_scores
-    terms["scores"] = none_scores
+  if remat == "none":
+    terms["scores"] = scores * c.num_layers
+  else:       # one layer rebuilt in its backward, its scores with it
+    none_layer, terms["scores"] = _layer_kept(c, plan, "none", fused_attention)
+    terms["rebuilt"] = none_layer - terms["scores"]
   terms["logits"] = plan.micro_batch * c.seq_len * c.vocab_size / plan.tp * 4
   return terms
 

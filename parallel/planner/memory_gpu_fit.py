@@ -143,8 +143,8 @@ def case_config(case: MemoryCase):
 
 
 def predicted_bytes(case: MemoryCase) -> float:
-  return memory.memory(ModelConfig.from_config(case_config(case).model), plan_of(case_config(case), "gpu"),
-                       platform="gpu").total
+  config = case_config(case)
+  return memory.memory(ModelConfig.from_config(config.model), plan_of(config, "gpu"), platform="gpu").total
 
 
 def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:

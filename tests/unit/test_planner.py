@@ -19,6 +19,7 @@ from megajax.parallel import deviceless
 from megajax.parallel.pipeline import Tables, simulate
 from megajax.parallel.planner import (calibration, cost_model, hardware, memory, memory_fit, memory_gpu_fit,
                                       memory_measured, memory_measured_gpu, plans, published, report)
+from megajax.parallel.planner.calibration import MemoryCase
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
 from megajax.parallel.planner.fits import estimate, plan_of
 
@@ -168,6 +169,19 @@ def test_gpu_memory_weights_are_the_fit_to_xla_gpu_and_hold_the_held_out_cases()
             > calibration.MEMORY_TOLERANCE}
   assert misses == set(memory_gpu_fit.GPU_KNOWN_MISSES)
   assert not misses & {case.name for case in held_out if case.name.startswith("MFU")}
+
+
+@pytest.mark.parametrize("size,shape,seq", [("1.3b", memory_gpu_fit._1P3B, 2048), ("3b", memory_gpu_fit._3B, 8192)])
+def test_the_gpu_memory_cases_mfu_rows_are_the_suites_own(size, shape, seq):
+  """memory_gpu_fit writes the MFU suite's rows again (the planner sits below launch/bench):
+  each is bench train's row_config, field for field, but the remat the case names."""
+  fields = {"model": ("num_layers", "hidden_dim", "num_heads", "vocab_size", "seq_len", "window", "block",
+                      "attention_impl", "compute_dtype"), "optimizer": ("name",), "train": ("batch_size", "microbatches")}
+  for row in range(len(train_bench.ROWS)):
+    suite = train_bench.row_config(size, seq, seq // 4, row, on_gpu=True)
+    case = memory_gpu_fit.case_config(MemoryCase("row", memory_gpu_fit._suite_row(shape, seq, "full", row)))
+    for section, names in fields.items():
+      assert {n: case[section][n] for n in names} == {n: suite[section][n] for n in names}, (size, row, section)
 
 
 def test_the_mfu_suites_3b_lamb_row_takes_smaller_microbatches_to_fit_an_h100():
