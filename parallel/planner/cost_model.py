@@ -29,8 +29,14 @@ Two runtimes (`Plan.executor`):
              (`Plan.sequence_parallel`, `distributed_optimizer`, `tp_backward_overlap`), plus
              MegaScale's switches (`Optimizations`, the paper's Table 3).
 
-Fitted numbers: the five fields of `Calibration`, fitted by calibration.fit on
-published.calibration_set() only (MegaScale's Table 3), never on a row they are validated on
+Two costs grow with scale at a fixed batch beyond the bubble and the dp traffic (issue 34):
+the wait for a slow machine (the chance that a job holds one, from MegaScale's 0.5% of machines,
+times a fitted slowdown) and the compute a hidden collective slows (hardware.OVERLAP_SLOWDOWN,
+published, not fitted), which matters more as a step's compute shrinks.
+
+Fitted numbers: the six fields of `Calibration`, fitted by calibration.fit on
+published.calibration_set() only (MegaScale's Table 3, the slope of Narayanan et al.'s
+Table 2), never on a row they are validated on
 (`python -m megajax.launch.bench planner` prints the fit, the leave-one-out errors and every
 validation row with its source); and the megajax memory constants in memory.py (to XLA's
 buffer assignment).
@@ -61,17 +67,23 @@ class Calibration:
   `CALIBRATION` holds the least-squares fit (calibration.fit, reprinted by `python -m
   megajax.launch.bench planner` with each constant's leave-one-out errors) to
   published.calibration_set(): MegaScale's Table 3 (175B on 256 A100s, the baseline and eight
-  cumulative switches; each switch's row is what shows its constant). No validation row is in it.
+  cumulative switches; each switch's row is what shows its constant) and the slope of Narayanan
+  et al.'s Table 2 (two models, each on 1x, 2x and 4x the GPUs at its batch: what shows the
+  straggler slowdown). No validation row is in it.
   """
-  gemm_sustained: float = 0.840      # of the micro-benchmark's GEMM rate (hardware.FULL_WAVE_GEMM_FRACTION), what a
+  gemm_sustained: float = 0.873      # of the micro-benchmark's GEMM rate (hardware.FULL_WAVE_GEMM_FRACTION), what a
                                      # training run sustains: clocks under sustained power, cuBLAS's tile
                                      # choices for its shapes, the gaps between its kernels
-  hbm_efficiency: float = 0.901      # fraction of HBM bandwidth the streaming kernels reach
+  hbm_efficiency: float = 0.905      # fraction of HBM bandwidth the streaming kernels reach
   tp_overlap_hidden: float = 1.0     # share of tp communication MegaScale's collective matmul hides
                                      # (the fit sits at its bound: all of it)
-  p2p_latency_s: float = 0.445e-3    # per blocking pipeline transfer (Megatron's synchronous p2p)
-  data_s_per_token: float = 1.84e-6  # exposed data loading per token of a replica's batch, without
+  p2p_latency_s: float = 0.652e-3    # per blocking pipeline transfer (Megatron's synchronous p2p)
+  data_s_per_token: float = 1.79e-6  # exposed data loading per token of a replica's batch, without
                                      # MegaScale's asynchronous, one-per-node data pipeline (misc)
+  straggler_slowdown: float = 0.081  # how much longer a step is when the job holds a slow machine
+                                     # (hardware.slow_machine_chance); fitted on the slope of
+                                     # Narayanan et al.'s Table 2 (MegaScale section 6.3 saw
+                                     # such hosts take ~10% longer in the forward)
 
 
 CALIBRATION = Calibration()
@@ -242,18 +254,19 @@ class StepTime:
   recompute: float      # of gemm + attention + memory_bound, the part spent recomputing forwards
   mfu: float            # model FLOPs / (total x GPUs x peak)
   recompute_matmul: float # of `recompute`, the GEMMs' and attention's
+  straggler: float = 0.0  # the expected wait for a slow machine (the rest x slowdown x its chance)
 
   @property
   def total(self) -> float:
     return (self.gemm + self.attention + self.memory_bound + self.tp_comm + self.pp_comm + self.bubble
-            + self.dp_comm + self.optimizer + self.data)
+            + self.dp_comm + self.optimizer + self.data + self.straggler)
 
   def parts(self) -> dict:
     """The step's parts by kind (seconds); compute is the model's matmul and attention work."""
     return {"compute": self.gemm + self.attention - self.recompute_matmul, "recompute": self.recompute,
             "memory-bound": self.memory_bound - (self.recompute - self.recompute_matmul) + self.optimizer,
             "tp-comm": self.tp_comm, "pp-comm": self.pp_comm, "bubble": self.bubble, "dp-comm": self.dp_comm,
-            "data": self.data}
+            "data": self.data, "stragglers": self.straggler}
 
   @property
   def bottleneck(self) -> str:
@@ -336,10 +349,10 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   forward_comm = layers * tp_forward * (1 + again) + tp_head[0]
   backward_comm = layers * tp_backward + tp_head[1]
   if not megajax and plan.tp_backward_overlap:
-    backward_comm = max(0.0, backward_comm - layers * layer.gemm_weight_grad)
+    backward_comm = hardware.overlapped_seconds(backward_comm, max(0.0, backward_comm - layers * layer.gemm_weight_grad))
   t_tp = forward_comm + backward_comm
   if o.tp_overlap:
-    t_tp *= 1 - k.tp_overlap_hidden
+    t_tp = hardware.overlapped_seconds(t_tp, t_tp * (1 - k.tp_overlap_hidden))
 
   # Pipeline: per microbatch a stage sends v activations and v gradients (receiving as many the
   # other way), sequence-sharded over tp (Megatron-LM's scatter / gather), over its NIC; blocking
@@ -349,7 +362,8 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
     message = plan.micro_batch * c.seq_len * c.hidden_dim / n * cb
     t_pp = 2 * v * (hardware.COLLECTIVE_LATENCY_S + message / (hw.nic_busbw_gbps * GB) + k.p2p_latency_s)
     if o.pp_overlap:
-      t_pp = max(0.0, t_pp - (t_gemm + t_attention) / (2 * v))   # what one chunk's op cannot hide
+      # what one chunk's op cannot hide
+      t_pp = hardware.overlapped_seconds(t_pp, max(0.0, t_pp - (t_gemm + t_attention) / (2 * v)))
 
   per_microbatch = t_gemm + t_attention + t_memory + t_tp + t_pp
   bubble = plan.bubble_fraction * m * per_microbatch
@@ -365,11 +379,14 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   t_optimizer = hardware.streaming_seconds(updated * per_param, hw, k.hbm_efficiency)
   data = 0.0 if megajax or o.misc else k.data_s_per_token * plan.batch * c.seq_len / plan.dp
 
-  total = compute + m * (t_tp + t_pp) + bubble + t_dp + t_optimizer + data
+  # Stragglers: the step waits for its slowest machine; with the chance that the job holds a slow
+  # one, the whole step is that much longer (hardware.SLOW_MACHINE_FRACTION).
+  rest = compute + m * (t_tp + t_pp) + bubble + t_dp + t_optimizer + data
+  straggler = rest * k.straggler_slowdown * hardware.slow_machine_chance(plan.gpus, hw)
   model_flops = flops.training_flops_per_token(c) * plan.batch * c.seq_len
-  mfu = model_flops / (total * plan.gpus * hw.peak_tflops * 1e12)
+  mfu = model_flops / ((rest + straggler) * plan.gpus * hw.peak_tflops * 1e12)
   return StepTime(m * t_gemm, m * t_attention, m * t_memory, m * t_tp, m * t_pp, bubble, t_dp, t_optimizer, data,
-                  m * recompute, mfu, m * recompute_matmul)
+                  m * recompute, mfu, m * recompute_matmul, straggler)
 
 
 def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, compute: float,
@@ -393,7 +410,9 @@ def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, c
     if not plan.distributed_optimizer:
       return ring(counts.stage * plan.allreduce_grad_bytes, "all_reduce")
     t_dp = ring(counts.stage * cb) + ring(counts.stage * 4, "reduce_scatter")
-    return t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute) if o.dp_overlap else t_dp
+    if not o.dp_overlap:
+      return t_dp
+    return hardware.overlapped_seconds(t_dp, t_dp / (2 * v) + max(0.0, t_dp * (1 - 1 / (2 * v)) - compute))
   scatter_bytes = counts.stage * (pb * m if plan.grad_sync == "microbatch" else 4)   # "step": the fp32 sums
   gather_bytes = counts.gathered_bytes(cb, pb)
   t_gather, t_scatter = ring(gather_bytes), ring(scatter_bytes, "reduce_scatter")
@@ -407,8 +426,9 @@ def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, c
     # Each layer's gather issued one layer ahead in the first microbatch's forward
     # (zero.layer_ahead_gathers); each layer's reduce-scatter under the backward of the
     # layers before it (the last microbatch's, or each microbatch's with "microbatch").
-    return (_pipelined(layers, t_gather / layers, forward / layers)
-            + syncs * _pipelined(layers, t_scatter / (syncs * layers), backward / layers))
+    exposed = (_pipelined(layers, t_gather / layers, forward / layers)
+               + syncs * _pipelined(layers, t_scatter / (syncs * layers), backward / layers))
+    return hardware.overlapped_seconds(t_gather + t_scatter, exposed)
   # executor.py: the first chunk's rows and the shared leaves before / after the tick scan,
   # exposed; the other chunks' rows in pieces, one per head tick (a chunk's forward each) and,
   # with "step", one per tail tick (a chunk's backward); "microbatch" reduce-scatters inside
@@ -419,5 +439,7 @@ def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, c
   piece = lambda seconds: seconds * rest / counts.stage * size / max(rows, 1)
   t_dp = t_gather * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_gather) - forward / v)
   if plan.grad_sync == "step":
-    return t_dp + t_scatter * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_scatter) - backward / v)
-  return t_dp + t_scatter
+    t_dp += t_scatter * (1 - rest / counts.stage) + len(starts) * max(0.0, piece(t_scatter) - backward / v)
+  else:
+    t_dp += t_scatter
+  return hardware.overlapped_seconds(t_gather + t_scatter, t_dp)

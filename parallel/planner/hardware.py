@@ -46,6 +46,22 @@ A100_NVLINK_BUSBW_GBPS = 230.0
 A100_NIC_BUSBW_GBPS = 24.0
 COLLECTIVE_LATENCY_S = 10e-6
 
+# Slow machines: "a minor fraction of machines (approximately 0.5%) exhibit substantially slower
+# performance during training ... The training efficiency is predominantly determined by the
+# slowest machine's performance" (MegaScale, NSDI '24, section 5.1, its performance heat map;
+# section 6.3: such hosts took "approximately 10% more time" for the same forward computation).
+# A synchronous step waits for its slowest machine, so the chance that a job holds one grows with
+# its machines: 1 - (1 - 0.005)^nodes. How much slower the step then is, the cost model fits
+# (cost_model.Calibration.straggler_slowdown, on Narayanan et al.'s Table 2 only).
+SLOW_MACHINE_FRACTION = 0.005
+
+# Compute under a hidden collective is not free: "overlapping computation and communication can
+# result in an average computational slowdown of 18.9%, with a maximum of 40.0%" against the same
+# compute alone (Lee et al. 2025, Characterizing Compute-Communication Overlap in GPU-Accelerated
+# Distributed Deep Learning, arXiv 2507.03114, abstract; A100 and H100, GPT and LLaMA models):
+# the NCCL kernels hold SMs and HBM bandwidth. Every hidden collective costs this share of its time.
+OVERLAP_SLOWDOWN = 0.189
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -111,6 +127,17 @@ def collective_seconds(nbytes: float, group: int, busbw_gbps: float, kind: str =
     return 0.0
   factor = 2 if kind == "all_reduce" else 1
   return COLLECTIVE_LATENCY_S + factor * (group - 1) / group * nbytes / (busbw_gbps * GB)
+
+
+def overlapped_seconds(seconds: float, exposed: float) -> float:
+  """What a collective of `seconds` costs the step when all but `exposed` of it runs under compute:
+  the exposed part, and the compute it slows while hidden (OVERLAP_SLOWDOWN)."""
+  return exposed + OVERLAP_SLOWDOWN * max(0.0, seconds - exposed)
+
+
+def slow_machine_chance(gpus: int, hw: Hardware) -> float:
+  """The chance that a job on `gpus` GPUs (whole nodes) holds at least one slow machine."""
+  return 1.0 - (1.0 - SLOW_MACHINE_FRACTION) ** math.ceil(gpus / hw.gpus_per_node)
 
 
 def link_busbw(group_span: int, hw: Hardware) -> float:

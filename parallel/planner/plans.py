@@ -114,5 +114,5 @@ def plan_line(i: int, x: Candidate) -> str:
 def breakdown(t: cost_model.StepTime) -> str:
   parts = [("gemm", t.gemm), ("attention", t.attention), ("memory-bound", t.memory_bound), ("tp", t.tp_comm),
            ("pp", t.pp_comm), ("bubble", t.bubble), ("dp", t.dp_comm), ("optimizer", t.optimizer),
-           ("data", t.data)]
+           ("data", t.data), ("stragglers", t.straggler)]
   return ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts) + f" (recompute {t.recompute:.2f}) s"

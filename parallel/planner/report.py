@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megajax import flops
 from megajax.model import ModelConfig
-from megajax.parallel.planner import cost_model, memory, operations
+from megajax.parallel.planner import cost_model, hardware, memory, operations
 from megajax.parallel.planner.cost_model import GB, CALIBRATION, Calibration, Hardware, Plan
 from megajax.parallel.planner.plans import Candidate, describe, evaluate
 
@@ -134,7 +134,11 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
            ("bubble", t.bubble, f"(pp - 1) / v = {(plan.pp - 1) / plan.virtual_stages:.2f} microbatches' time"),
            ("dp-comm", t.dp_comm, "exposed gradient and parameter collectives"),
            ("optimizer", t.optimizer, "the update's pass over its shard"),
-           ("data", t.data, "exposed data loading"), ("(recompute)", t.recompute, "of the above, forwards rerun")]
+           ("data", t.data, "exposed data loading"),
+           ("stragglers", t.straggler, f"the wait for a slow machine ({100 * calibration.straggler_slowdown:.0f}% "
+            f"longer x its chance in {-(-plan.gpus // hw.gpus_per_node)} nodes, "
+            f"{hardware.slow_machine_chance(plan.gpus, hw):.0%})"),
+           ("(recompute)", t.recompute, "of the above, forwards rerun")]
   lines += [f"  {name:14} {seconds:8.3f} s   {note}" for name, seconds, note in parts]
   model_flops = flops.training_flops_per_token(run) * plan.batch * run.seq_len
   lines.append(f"model FLOPs per step {model_flops:.4g}: {model_flops / (t.total * plan.gpus) / 1e12:.1f} TFLOP/s "

@@ -234,12 +234,14 @@ def test_every_megajax_runtime_term_says_how_it_is_known_and_its_tests_exist():
 
 def test_no_constant_is_fitted_to_a_row_it_is_validated_on():
   """The calibration set is MegaScale's Table 3 (Table 2's 256-GPU MegaScale row, the same run
-  as its last, counted once: not in either set), the validation set everything else; no run
-  is in twice, no validation run has a calibration run's model, plan and recomputation, and
-  the fit reads only the calibration set."""
+  as its last, counted once: not in either set) and Narayanan et al.'s Table 2 (its slope), the
+  validation set everything else; no run is in twice, no validation run has a calibration run's
+  model, plan and recomputation, and the fit reads only the calibration set."""
   calibration_runs, validation_runs = published.calibration_set(), published.validation_set()
   assert calibration_runs and validation_runs
-  assert {run.where for run in calibration_runs} == {run.where for run in published.megascale_table3()}
+  table2 = [run for run in published.narayanan() if run.where.startswith("Table 2")]
+  assert {run.where for run in calibration_runs} == {run.where for run in published.megascale_table3() + table2}
+  assert {run.series for run in table2} == {"174.6B", "529.6B"} and not any(run.series for run in validation_runs)
   every = [(run.model, run.plan, run.remat, run.published) for run in published.all_runs()]
   assert len(every) == len(set(every))
   keys = lambda runs: {(run.model, run.plan, run.remat) for run in runs}
@@ -284,7 +286,9 @@ def test_step_time_scales_with_the_work():
   hw = cost_model.HARDWARE["a100-80g"]
   one = cost_model.step_time(run.model, run.plan, hw, run.remat)
   two = cost_model.step_time(run.model, dataclasses.replace(run.plan, batch=2 * run.plan.batch), hw, run.remat)
-  assert two.total - two.optimizer == pytest.approx(2 * (one.total - one.optimizer), rel=1e-6)
+  without = lambda t: t.total - t.optimizer - t.straggler        # the straggler wait is a share of the rest
+  assert without(two) == pytest.approx(2 * without(one), rel=1e-6)
+  assert two.straggler / (two.total - two.straggler) == pytest.approx(one.straggler / (one.total - one.straggler))
   assert one.total < 1.5                     # the 22B step of 1.10 s is not swamped by overheads
 
 
@@ -350,6 +354,48 @@ def test_megajax_dp_overlap_is_what_its_step_does(paper_setting):
       assert overlapped.dp_comm == serial.dp_comm
     else:
       assert paper_runtime.dp_comm < overlapped.dp_comm < serial.dp_comm, (overlapped, serial)
+
+
+def test_a_job_waits_for_its_slow_machines_more_often_as_it_grows(paper_setting):
+  """The straggler part: the rest of the step x Calibration.straggler_slowdown x the chance that
+  one of the job's nodes is among MegaScale's 0.5% slow ones (1 - 0.995^nodes)."""
+  c, hw = paper_setting
+  assert hardware.slow_machine_chance(8, hw) == pytest.approx(0.005)
+  assert hardware.slow_machine_chance(9, hw) == pytest.approx(1 - 0.995 ** 2)        # a second node
+  chances = [hardware.slow_machine_chance(gpus, hw) for gpus in (256, 1024, 3072, 12288)]
+  assert chances == sorted(chances) and chances[0] < 0.2 < 0.99 < chances[-1]
+  for dp in (4, 192):
+    t = cost_model.step_time(c, Plan(dp, 8, 8, 4, 1, 32 * dp), hw)
+    rest = t.total - t.straggler
+    assert t.straggler == pytest.approx(rest * CALIBRATION.straggler_slowdown * hardware.slow_machine_chance(64 * dp, hw))
+    slow = cost_model.step_time(c, Plan(dp, 8, 8, 4, 1, 32 * dp), hw,
+                                calibration=dataclasses.replace(CALIBRATION, straggler_slowdown=0.0))
+    assert slow.total == pytest.approx(rest) and slow.straggler == 0
+
+
+def test_a_hidden_collective_slows_the_compute_under_it(paper_setting):
+  """hardware.OVERLAP_SLOWDOWN (Lee et al. 2025): what a collective hides costs that share of its
+  time; an exposed one costs itself. The tp collective-matmul ring, all hidden, costs exactly it."""
+  assert hardware.overlapped_seconds(1.0, 1.0) == 1.0
+  assert hardware.overlapped_seconds(1.0, 0.25) == pytest.approx(0.25 + 0.75 * hardware.OVERLAP_SLOWDOWN)
+  c, hw = paper_setting
+  plan = Plan(4, 8, 8, 4, 1, 256)
+  without = cost_model.step_time(c, dataclasses.replace(plan, opts=dataclasses.replace(MEGASCALE, tp_overlap=False)), hw)
+  with_ring = cost_model.step_time(c, plan, hw)
+  assert CALIBRATION.tp_overlap_hidden == 1.0
+  assert with_ring.tp_comm == pytest.approx(hardware.OVERLAP_SLOWDOWN * without.tp_comm)
+
+
+def test_megascale_table2_loses_mfu_with_scale_as_published():
+  """Issue 34's goal: the predicted fall from 256 to 12,288 GPUs within SLOPE_GOAL_POINTS of the
+  published one. Not met yet (the MegaScale runtime 2.6 points short, Megatron-LM 3.4): this holds
+  what the straggler and contention terms gave (it was 7.7 and 6.3 without them)."""
+  slopes = published.scale_slope()
+  for runtime, (fall, predicted) in slopes.items():
+    print(f"{runtime}: published {fall:+.1f}, predicted {predicted:+.1f}")
+    assert fall < predicted < 0
+  assert abs(slopes["MegaScale"][1] - slopes["MegaScale"][0]) < 2.8
+  assert abs(slopes["Megatron-LM"][1] - slopes["Megatron-LM"][0]) < 3.6
 
 
 def test_megatron_activations_in_flight_follow_the_published_counts():
