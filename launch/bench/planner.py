@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megajax.parallel.planner import (calibration, hardware, memory, memory_fit, memory_gpu_fit, memory_measured,
-                                      memory_measured_gpu, plans, published, report)
+from megajax.parallel.planner import (calibration, hardware, memory, memory_cpu_fit, memory_fit, memory_gpu_fit,
+                                      memory_measured, memory_measured_cpu, memory_measured_gpu, plans, published,
+                                      report)
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE
 
 
@@ -106,15 +107,23 @@ def print_validation() -> bool:
 
 
 def print_memory_fit(measure: bool) -> None:
-  measured = memory_measured.MEASURED
+  measured, single_stage, held_out = memory_measured.MEASURED, memory_measured_cpu.FIT, memory_measured_cpu.HELD_OUT
   if measure:
     measured = memory_fit.measure()
     memory_fit.write_measured(memory_measured.__file__, measured)
-    print(f"\n(measured {len(measured)} fit cases; wrote {memory_measured.__file__})")
+    single_stage = memory_cpu_fit.measure(memory_cpu_fit.CPU_FIT_CASES, log=lambda line: None)
+    held_out = memory_cpu_fit.measure(calibration.MEMORY_CASES, log=lambda line: None)
+    memory_cpu_fit.write_measured(memory_measured_cpu.__file__, single_stage, held_out)
+    print(f"\n(measured {len(measured)} pipeline, {len(single_stage)} single-stage and {len(held_out)} held-out "
+          f"cases; wrote {memory_measured.__file__} and {memory_measured_cpu.__file__})")
   fitted, errors = memory_fit.fit(measured)
   print(f"\n== memory fit: memory.XLA_PIPELINE refitted now on XLA's bytes of {len(errors)} pipeline configs "
         "(memory_fit.PIPELINE_FIT_CASES; none of them a memory-check case)")
   print_fitted(fitted, memory.XLA_PIPELINE, errors)
+  fitted, errors = memory_cpu_fit.fit(single_stage)
+  print(f"\n== memory fit: memory.XLA_CPU refitted now on XLA:CPU's bytes of {len(errors)} single-stage configs "
+        "(memory_cpu_fit.CPU_FIT_CASES, fp32 and bf16; none of them a memory-check case)")
+  print_fitted(fitted, memory.XLA_CPU, errors)
 
 
 def print_fitted(fitted: dict[str, float], held: dict[str, float], errors: dict[str, float]) -> None:
@@ -130,19 +139,19 @@ def print_fitted(fitted: dict[str, float], held: dict[str, float], errors: dict[
 
 
 def print_memory_check() -> bool:
-  print("\n== memory: cost model vs XLA's memory analysis of the compiled train step (CPU devices; fp32 and "
-        "remat none unless the case says)")
-  print(f"{'case':40} {'predicted MB':>13} {'XLA MB':>9} {'error':>8}")
+  print("\n== memory: cost model vs XLA's memory analysis of the compiled train step, held-out configs (CPU "
+        f"devices, jax {memory_measured_cpu.JAX_VERSION}: memory_measured_cpu.HELD_OUT; --measure_memory "
+        "compiles them again; fp32 and remat none unless the case says)")
+  print(f"{'case':78} {'predicted MB':>13} {'XLA MB':>9} {'error':>8}")
   ok = True
-  for name, predicted, measured in calibration.memory_check():
-    if measured is None:   # the dispatcher asks for 8 host devices before jax starts
-      print(f"{name:40} {predicted / 1e6:>13.2f}   (skipped: this process has too few devices)")
-      continue
+  for case in calibration.MEMORY_CASES:
+    predicted = calibration.predicted_bytes(calibration.memory_case_config(case))
+    measured = memory_measured_cpu.HELD_OUT[case.name]
     error = predicted / measured - 1
     within = abs(error) <= calibration.MEMORY_TOLERANCE
     ok &= within
-    print(f"{name:40} {predicted / 1e6:>13.2f} {measured / 1e6:>9.2f} {100 * error:>+7.1f}%"
-          f"{'' if within else ' ! ' + calibration.MEMORY_KNOWN_MISSES.get(name, '')}")
+    print(f"{case.name:78} {predicted / 1e6:>13.2f} {measured / 1e6:>9.2f} {100 * error:>+7.1f}%"
+          f"{'' if within else ' ! ' + calibration.MEMORY_KNOWN_MISSES.get(case.name, '')}")
   print(f"target: within {calibration.MEMORY_TOLERANCE:.0%}: {'met' if ok else 'NOT MET'}")
   return ok
 
@@ -159,13 +168,13 @@ def print_gpu_memory(measure: bool) -> bool:
   print(f"\n== memory on GPUs: memory.XLA_GPU refitted now on XLA:GPU's bytes of {len(errors)} single-stage "
         f"configs (memory_gpu_fit.GPU_FIT_CASES, a described H100; jax {memory_measured_gpu.JAX_VERSION})")
   print_fitted(fitted, memory.XLA_GPU, errors)
-  print(f"{'held out (never fitted on)':48} {'predicted GiB':>13} {'XLA:GPU GiB':>12} {'error':>8}")
+  print(f"{'held out (never fitted on)':62} {'predicted GiB':>13} {'XLA:GPU GiB':>12} {'error':>8}")
   ok = True
   for case in memory_gpu_fit.GPU_HELD_OUT:
     predicted, measured = memory_gpu_fit.predicted_bytes(case), held_out_bytes[case.name]
     error = predicted / measured - 1
     ok &= abs(error) <= calibration.MEMORY_TOLERANCE
-    print(f"{case.name:48} {predicted / 2**30:>13.2f} {measured / 2**30:>12.2f} {100 * error:>+7.1f}%")
+    print(f"{case.name:62} {predicted / 2**30:>13.2f} {measured / 2**30:>12.2f} {100 * error:>+7.1f}%")
   print(f"target: within {calibration.MEMORY_TOLERANCE:.0%}: {'met' if ok else 'NOT MET'}")
   return ok
 

@@ -8,9 +8,10 @@
                  moves the constants.
   validate       every published.validation_set() row (runs the fit never saw) predicted with
                  CALIBRATION next to its published figure.
-  memory_check   the cost model's bytes per device against XLA's memory analysis of the real
-                 compiled training step (ParallelStep.train_step) on CPU devices, for configs
-                 the memory constants were not fitted on (MEMORY_CASES); target: within 10%.
+  MEMORY_CASES   configs none of the memory fits saw (memory_fit's pipeline set, memory_cpu_fit's
+                 single-stage set): the cost model's bytes per device against XLA's memory
+                 analysis of the real compiled training step on CPU devices (stored:
+                 memory_measured_cpu.HELD_OUT; measured_bytes compiles one); target: within 10%.
 
 `python -m megajax.launch.bench planner` prints all four; the tests hold CALIBRATION to the fit,
 the validation table to its goal and the memory model to XLA.
@@ -95,7 +96,7 @@ class MemoryCase:
 PIPELINE_BASE = {"parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2, "model.num_layers": 4,
              "model.hidden_dim": 128, "model.num_heads": 8, "model.vocab_size": 512, "train.batch_size": 8,
              "train.microbatches": 8}
-# Held out: none of these configs was among those XLA_KEPT, the param temps and XLA_PIPELINE
+# Held out: none of these configs was among those XLA_CPU and XLA_PIPELINE
 # (memory_fit.PIPELINE_FIT_CASES) were fitted on. The pipeline config twice: its default executor (residual slots) and
 # parallel.pipeline_recompute (the chunk's forward rerun from its stashed input).
 MEMORY_CASES = (
@@ -119,6 +120,44 @@ MEMORY_CASES = (
     MemoryCase(f"pp=2 tp=2 v=2, {dtype}, remat {remat}", {**PIPELINE_BASE, "model.compute_dtype": dtype,
                                                           "model.remat": remat})
     for dtype, remat in (("bfloat16", "none"), ("bfloat16", "dots"), ("bfloat16", "full")))
+# Off the fit sets' neighbourhoods (issue 34: the single stage in bf16, pp 4 with v 2, several
+# fields changed at once), chosen before they were measured; their XLA bytes are data
+# (memory_measured_cpu.HELD_OUT), a few compiled again in CI.
+_OFF = {"model.hidden_dim": 192, "model.num_heads": 6, "model.seq_len": 96, "model.vocab_size": 1024}
+MEMORY_CASES += (
+    MemoryCase("1 device, bf16, 4 layers, h 192, seq 96", {**_OFF, "model.num_layers": 4,
+                                                          "model.compute_dtype": "bfloat16", "train.batch_size": 4}),
+    MemoryCase("1 device, bf16, remat full, h 256, seq 256, 3 layers",
+               {"model.hidden_dim": 256, "model.num_heads": 4, "model.seq_len": 256, "model.vocab_size": 1024,
+                "model.num_layers": 3, "model.remat": "full", "model.compute_dtype": "bfloat16",
+                "train.batch_size": 2}),
+    MemoryCase("tp 4, bf16, remat dots, h 192, seq 96", {**_OFF, "parallel.tp": 4, "model.num_heads": 12,
+                                                         "model.compute_dtype": "bfloat16",
+                                                         "model.remat": "dots", "train.batch_size": 4}),
+    MemoryCase("dp 2 tp 2, bf16, 4 microbatches, lamb, swiglu, h 192",
+               {**_OFF, "parallel.dp": 2, "parallel.tp": 2, "model.compute_dtype": "bfloat16",
+                "train.batch_size": 16, "train.microbatches": 4, "optimizer.name": "lamb", "model.mlp": "swiglu"}),
+    MemoryCase("dp 4, 4 microbatches, parallel block, h 192", {**_OFF, "parallel.dp": 4, "model.block": "parallel",
+                                                               "train.batch_size": 32, "train.microbatches": 4}),
+    MemoryCase("pp 4 v 2, bf16, 8 layers, h 192", {**_OFF, "parallel.pp": 4, "parallel.virtual_stages": 2,
+                                                   "model.num_layers": 8, "model.compute_dtype": "bfloat16",
+                                                   "train.batch_size": 8, "train.microbatches": 8}),
+    MemoryCase("pp 4 v 2, fp32, 8 layers, remat dots", {"model.hidden_dim": 128, "model.num_heads": 8,
+                                                       "model.vocab_size": 512, "parallel.pp": 4,
+                                                       "parallel.virtual_stages": 2, "model.num_layers": 8,
+                                                       "model.remat": "dots", "train.batch_size": 8,
+                                                       "train.microbatches": 8}),
+    MemoryCase("dp 2 pp 2 tp 2 v 2, h 192, parallel block, bf16, remat dots, microbatch 2",
+               {**_OFF, "parallel.dp": 2, "parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2,
+                "model.num_layers": 4, "model.block": "parallel", "model.remat": "dots",
+                "model.compute_dtype": "bfloat16", "train.batch_size": 16, "train.microbatches": 4}),
+    MemoryCase("pp 2 tp 4 v 2, bf16, remat full, swiglu", {**_OFF, "parallel.pp": 2, "parallel.tp": 4,
+                                                           "model.num_heads": 12,
+                                                           "parallel.virtual_stages": 2, "model.num_layers": 4,
+                                                           "model.remat": "full", "model.mlp": "swiglu",
+                                                           "model.compute_dtype": "bfloat16", "train.batch_size": 8,
+                                                           "train.microbatches": 4}),
+)
 
 
 # Cases outside MEMORY_TOLERANCE, and why as far as known (the integration test holds the list).
@@ -152,14 +191,3 @@ def measured_bytes(config) -> float:
   stats = step.train_step().lower(state, batch).compile().memory_analysis()
   return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
           + stats.temp_size_in_bytes)
-
-
-def memory_check() -> list[tuple[str, float, float | None]]:
-  """[(case, predicted bytes, XLA's bytes or None when this process has too few devices)]."""
-  results = []
-  for case in MEMORY_CASES:
-    config = memory_case_config(case)
-    needed = config.parallel.dp * config.parallel.pp * config.parallel.tp
-    measured = measured_bytes(config) if needed <= len(jax.devices()) else None
-    results.append((case.name, predicted_bytes(config), measured))
-  return results

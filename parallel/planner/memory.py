@@ -5,7 +5,7 @@ bytes one device of the busiest stage holds: the training state (fp32 master par
 optimizer moments, ZeRO-sharded over dp), the compute copies and gradients, the activations
 the runtime keeps, the logits and the pipeline's buffers. Two runtimes (`Plan.executor`):
 "megajax", this repository's step, whose constants (XLA_*) are fitted to XLA's buffer
-assignment of the real compiled step (calibration.memory_check checks held-out configs), and
+assignment of the real compiled step (calibration.MEMORY_CASES: held-out configs), and
 "paper", Megatron-LM's distributed optimizer with the activations of Korthikanti et al. (2022).
 The parameters themselves, leaf by leaf, are cost_model.param_counts'.
 """
@@ -14,90 +14,100 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from megajax.layers import MLP_INPUTS
 from megajax.model import ModelConfig
 from megajax.parallel.planner.cost_model import ParamCounts, Plan, apply_switches, param_counts
 from megajax.parallel.planner.operations import norms_per_layer
 
-# megajax executor's memory, fitted by least squares to XLA's buffer assignment of the real
-# compiled step on CPU (fp32, remat none, xla attention): 21 configs with pp = 1 and 22 with
-# pp = 2-4 (shapes, dp, tp, v, microbatches varied); calibration.MEMORY_CASES checks configs
-# outside those. Elements kept per token per layer, in units of each tensor's width:
-XLA_KEPT = dict(hidden=1.5,      # x [s, h] (norm input / gathered output), per norm
-                qkv=3.2,         # q, k, v and their rotated / attended copies [s, (q + 2 kv) / tp]
-                mlp=3.1,         # MLP input, GeLU output, the concatenated row-parallel input [s, f / tp]
-                scores=2.3,      # fp32 attention scores and probabilities [heads / tp, s, s]
-                logits=2.1,      # fp32 logits and their softmax [s, vocab / tp]
-                # Measured, not fitted with the above: one config (3 layers, h 96) at tp 1, 2 and 4,
-                # beside its GeLU / serial twin (within 5% of XLA as those are):
-                swiglu=5.1,      # SwiGLU in place of mlp: gate and up outputs, silu(gate), the product
-                                 # (a pipeline chunk's vjp residuals hold as many words as GeLU's: mlp)
-                two_norms=1.8)   # the two-norm block beyond its two norms' hidden: both norms' fp32
-                                 # work on the gathered sequence [s, h], times 2 - 1 / tp
-XLA_PARAM_TEMPS = 1.1            # param-sized temporaries (gradients, optimizer) per tp-shard param
-XLA_GATHER_TEMPS = 0.12          # extra when dp > 1 (the gathered copy overlaps the gradients)
+# What one layer keeps for its backward under remat none, per token, in units of each tensor's
+# width: counted, not fitted (what the forward writes that the backward reads); each platform's
+# weights (XLA_CPU, XLA_GPU, XLA_PIPELINE) scale the sum to XLA's buffers.
+LAYER_WIDTHS = dict(hidden=2.0,     # per norm: its input x and its (gathered) output [s, h]
+                    qkv=2.0,        # q, k, v and their rotated / attended copies [s, (q + 2 kv) / tp]
+                    mlp=2.0,        # GeLU's input and output [s, f / tp]
+                    swiglu=4.0,     # in place of mlp: gate, up, silu(gate), their product
+                                    # (a pipeline chunk's vjp residuals: mlp's, measured as many words)
+                    two_norms=1.0,  # the two-norm block beyond its two norms: the second norm's work on
+                                    # the gathered sequence [s, h], times 2 - 1 / tp
+                    scores=2.0)     # fp32 attention scores and probabilities [heads / tp, s, s]
 # ... and inside megajax's pipeline (a chunk's vjp in a switch branch, its stash and residual
 # buffers): the weight of each of pipeline_terms' terms, non-negative least squares (relative
 # error) on XLA's bytes of memory_fit.PIPELINE_FIT_CASES: 72 configs (pp 2-4, dp 1-2, tp 1-2,
 # v 1-2, seq 64-128, b 1-2, h 128-256, 4-8 layers, bf16 and fp32, remat none / dots / full, both
-# executors and grad syncs; measured: memory_measured.py), rms 4.4%, worst -12.3% (refitted when
-# remat "dots" began to save the parallel linears' outputs, 2026-12-04). The held-out
-# calibration.MEMORY_CASES: tests/integration/test_planner_memory.py. Empirical weights, not
+# executors and grad syncs; measured: memory_measured.py), 70 of 72 within 10%, rms 4.4%, worst
+# -12.7% (refitted 2026-12-05 on LAYER_WIDTHS, with remat none's residual slots their own weight
+# in place of a measured 1.41 x the kept bytes). The held-out calibration.MEMORY_CASES:
+# tests/unit/test_planner.py (their measured bytes) and tests/integration/test_planner_memory.py
+# (a few compiled again). Empirical weights, not
 # buffer counts: a switch's temporaries are its largest branch's, not the sum, so a term under a
 # larger branch weighs 0 (the saved activations, the logits) and the working set of the branch
 # that fills the residual slots carries the rest (layer). tests/unit/test_planner.py refits them from the data.
-XLA_PIPELINE = dict(params=1.822,    # param-sized temporaries per stage param (branch gradient buffers)
-                    step_sum=0.202,  # grad_sync="step": the fp32 gradient sums, per stage param
-                    gather=0.107,    # dp > 1: per gathered param, in the dtype it is gathered in
-                    layer=5.378,     # remat none: of a chunk's non-score activations (XLA_KEPT)
-                    scores=2.466,    # remat none: of its attention scores
-                    saved=2.664,     # dots / full: of what the policy saves per layer of a chunk
-                    rebuilt=1.084,   # dots / full: of one layer's activations rebuilt in its backward
-                    rerun=1.011,     # pipeline_recompute: of a chunk's activations (XLA_KEPT, any
+XLA_PIPELINE = dict(params=1.821,    # param-sized temporaries per stage param (branch gradient buffers)
+                    step_sum=0.206,  # grad_sync="step": the fp32 gradient sums, per stage param
+                    gather=0.123,    # dp > 1: per gathered param, in the dtype it is gathered in
+                    layer=8.373,     # remat none: of a chunk's non-score activations (LAYER_WIDTHS)
+                    scores=2.324,    # remat none: of its attention scores
+                    saved=4.009,     # dots / full: of what the policy saves per layer of a chunk
+                    rebuilt=1.244,   # dots / full: of one layer's activations rebuilt in its backward
+                    rerun=1.111,     # pipeline_recompute: of a chunk's activations (LAYER_WIDTHS, any
                                      # policy: its forward is rerun inside the backward's branch)
-                    residual=0.860,  # per residual slot (+ trash) of a chunk's vjp residuals: the scan's
-                                     # carry, updated in place (pipeline.executor._written_after)
-                    logits=0.0,      # of the logits
-                    message=9.649)   # buffers per stash / cotangent slot [b, s / tp, h]
-# ... and of its residual slots: a chunk's vjp residuals under remat none are
-# XLA_RESIDUALS_NONE x the XLA_KEPT bytes of its layers, measured (the residual buffer's words
-# in the lowered step) on 9 pipeline configs: 1.38-1.44.
-XLA_RESIDUALS_NONE = 1.41
-# ... and of parallel.grad_sync="step" (m > 1) with pp = 1, in fp32 gradients of the device's
-# parameters, in place of the 1/dp accumulator of "microbatch". Measured, not fitted over many
-# configs: XLA's bytes of the memory check's two dp cases in both modes (the scan's sum and the
-# last microbatch's gradients, run after the scan, live side by side).
-XLA_STEP_SUM = 2.1
+                    residual=0.603,  # dots / full: per residual slot (+ trash) of a chunk's vjp residuals:
+                                     # the scan's carry, updated in place (pipeline.executor._written_after)
+                    residual_none=1.500,  # remat none: the same, the vjp's residuals (unfused)
+                    logits=0.000,    # of the logits
+                    message=10.615)  # buffers per stash / cotangent slot [b, s / tp, h]
 
 # ... and the single-stage step (pp = 1) on GPUs, where XLA:GPU's fusion and scheduling keep
-# other buffers than XLA:CPU's: the weight of each of gpu_terms' terms, non-negative least
+# other buffers than XLA:CPU's: the weight of each of single_stage_terms' terms, non-negative least
 # squares (relative error) on XLA:GPU's bytes of memory_gpu_fit.GPU_FIT_CASES, 43 configs (bf16,
 # compiled for a described H100 without a GPU: parallel.deviceless; measured:
-# memory_measured_gpu.py): 42 of 43 within 10%, rms 3.9%. How the terms took shape: the first
+# memory_measured_gpu.py): 42 of 43 within 10%, rms 4.1% (refitted 2026-12-05 on LAYER_WIDTHS:
+# the held-out cases then moved by -3.6 to +5.8 points, one more of them past 10%, on the
+# over-predicting side: memory_gpu_fit.GPU_KNOWN_MISSES). How the terms took shape: the first
 # fit (no microbatch, ring or large terms; 30 small configs) missed the held-out 1.3B LAMB 4x row
 # by -13%; the step's structure then gave the terms (m > 1: the first and last microbatches run
 # outside the scan, unordered, m > 2: the scan's fp32 sum; tp > 1: the ring's fp32 partials), and
 # the fit set gained the configs to fit them and four at 15-22 GB a device. The last four
 # memory_gpu_fit.GPU_HELD_OUT cases were added after that, unseen. The bf16 copy of the weights
-# is collinear with the params term in a set that is all bf16 (its weight: 0, the params' 0.455).
-XLA_GPU = dict(params=0.455,     # param-sized buffers per stage param (gradients, update temporaries)
-               compute_copy=0.0,  # the stage's weights in the compute dtype (fused operands), when it differs
-               gather=0.915,     # dp > 1: per gathered param, in the dtype it is gathered in
+# is collinear with the params term in a set that is all bf16 (its weight: 0, the params' 0.465).
+XLA_GPU = dict(params=0.465,     # param-sized buffers per stage param (gradients, update temporaries)
+               compute_copy=0.000,  # the stage's weights in the compute dtype (fused operands), when it differs
+               gather=0.849,     # dp > 1: per gathered param, in the dtype it is gathered in
                accumulator=1.024,  # m > 2: the scan's gradient sum over the middle microbatches
-               next_microbatch=1.343,  # m > 1: what one more microbatch keeps (the first and the
+               next_microbatch=1.207,  # m > 1: what one more microbatch keeps (the first and the
                                        # last run outside the scan, nothing orders them)
-               ring=1.508,       # tp > 1: the collective-matmul ring's fp32 partial products of a
+               ring=1.286,       # tp > 1: the collective-matmul ring's fp32 partial products of a
                                  # layer's column-parallel matmul (GPUs' default tp_overlap)
-               saved=0.766,      # what the remat policy keeps per layer, all layers (XLA_KEPT's for none)
-               rebuilt=0.288,    # remat dots / full: one layer's activations rebuilt in its backward
-               scores=0.945,     # attention scores of unfused attention (xla)
-               logits=1.870)     # the head's fp32 logits
+               saved=0.993,      # what the remat policy keeps per layer, all layers (LAYER_WIDTHS for none)
+               rebuilt=0.000,    # remat dots / full: one layer's activations rebuilt in its backward
+               scores=1.138,     # attention scores of unfused attention (xla)
+               logits=1.938)     # the head's fp32 logits
+
+# ... and the single stage on CPU devices: the same terms (activations counted in fp32, and the
+# microbatches XLA:CPU holds at once: cpu_microbatches_outside_loop), weighted by non-negative
+# least squares (relative error) on XLA:CPU's bytes of memory_cpu_fit.CPU_FIT_CASES, 40 configs
+# (fp32 and bf16; data: memory_measured_cpu.py): 34 of 40 within 10%, rms 6.6%, worst +11.5%.
+# XLA:CPU runs a remat policy's recomputation early, so its bytes are remat none's whatever the
+# policy (memory() weighs none on CPU). The held-out calibration.MEMORY_CASES: 16 of 16 within
+# 10% (the bf16 single stage was -24% to -35% with the constants this replaced, 2026-12-05).
+XLA_CPU = dict(params=1.540,          # param-sized buffers (gradients, update temporaries)
+               compute_copy=0.000, gather=0.000,   # fitted to nothing beyond the params' term
+               accumulator=0.134,     # m > 2: the scan's gradient sum
+               next_microbatch=1.498,  # the microbatches held beside one (outside the scan)
+               ring=0.000,            # the fit set's tp is plain collectives (tp_overlap none)
+               saved=0.667,           # what one layer keeps (LAYER_WIDTHS), all layers
+               rebuilt=0.000,         # remat is none on CPU
+               scores=1.963,          # unfused attention scores
+               logits=2.079)          # the head's fp32 logits
 
 # Which Memory part each pipeline term belongs to.
 PIPELINE_PARTS = dict(params="params_temp", step_sum="params_temp", gather="params_temp",
                       layer="activations", scores="activations", saved="activations", rebuilt="activations",
-                      rerun="activations", residual="activations", logits="logits", message="pipeline")
-GPU_PARTS = dict(params="params_temp", compute_copy="params_temp", gather="params_temp", accumulator="params_temp",
+                      rerun="activations", residual="activations", residual_none="activations", logits="logits",
+                      message="pipeline")
+SINGLE_STAGE_PARTS = dict(params="params_temp", compute_copy="params_temp", gather="params_temp", accumulator="params_temp",
                  next_microbatch="activations", ring="activations", saved="activations", rebuilt="activations",
                  scores="activations", logits="logits")
 
@@ -171,12 +181,12 @@ def _layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
   if remat == "dots":     # projection outputs; attention and elementwise ops are recomputed
     mlp_outputs = len(MLP_INPUTS[c.mlp]) * c.mlp_dim
     return tokens * ((q + 2 * kv + mlp_outputs) / n + c.hidden_dim * (1 + 1 / n) * norms) * cb, 0.0
-  hidden = XLA_KEPT["hidden"] * norms
+  hidden = LAYER_WIDTHS["hidden"] * norms
   if c.block == "parallel_two_norms":
-    hidden += XLA_KEPT["two_norms"] * (2 - 1 / n)
-  mlp = XLA_KEPT["swiglu" if c.mlp == "swiglu" and not vjp_residuals else "mlp"]
-  kept = tokens * (hidden * c.hidden_dim + XLA_KEPT["qkv"] * (q + 2 * kv) / n + mlp * c.mlp_dim / n) * cb
-  scores = 0.0 if fused_attention else XLA_KEPT["scores"] * b * c.num_heads / n * s * s * 4
+    hidden += LAYER_WIDTHS["two_norms"] * (2 - 1 / n)
+  mlp = LAYER_WIDTHS["swiglu" if c.mlp == "swiglu" and not vjp_residuals else "mlp"]
+  kept = tokens * (hidden * c.hidden_dim + LAYER_WIDTHS["qkv"] * (q + 2 * kv) / n + mlp * c.mlp_dim / n) * cb
+  scores = 0.0 if fused_attention else LAYER_WIDTHS["scores"] * b * c.num_heads / n * s * s * 4
   return kept + scores, scores
 
 
@@ -210,8 +220,8 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   """Per-device bytes of `plan` on the model `c` (the switches applied here). `remat` defaults to
   the model's policy; `fused_attention` (a kernel that never holds the [s, s] scores: Pallas,
   cuDNN, FlashAttention) to the plan's fused_ops switch. `platform`: whose buffer assignment
-  the megajax executor's single stage is weighed by (XLA_GPU on "gpu", XLA_KEPT and the param
-  temps on "cpu"); the pipeline's weights are XLA:CPU's on both."""
+  the megajax executor's single stage is weighed by (XLA_GPU on "gpu", XLA_CPU on "cpu"); the
+  pipeline's weights are XLA:CPU's on both."""
   c = apply_switches(c, plan.opts)
   remat = remat or c.remat
   counts = param_counts(c, plan)
@@ -233,16 +243,11 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
 
   moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
   state = counts.shard * pb * (1 + moments)
-  if plan.pp == 1 and platform == "gpu":
-    return Memory(state, **_weighted(gpu_terms(c, plan, counts, remat, fused_attention), XLA_GPU, GPU_PARTS))
   if plan.pp == 1:
-    step_sync = plan.grad_sync == "step" and plan.microbatches > 1
-    accumulator = (counts.stage * 4 * XLA_STEP_SUM if step_sync
-                   else counts.shard * pb if plan.microbatches > 1 else 0.0)
-    per_layer = _layer_kept(c, plan, remat, fused_attention)[0]
-    transient = _layer_kept(c, plan, "none", fused_attention)[0] if remat != "none" else 0.0
-    params_temp = counts.stage * pb * (XLA_PARAM_TEMPS + (XLA_GATHER_TEMPS if plan.dp > 1 else 0.0)) + accumulator
-    return Memory(state, params_temp, per_layer * layers + transient, XLA_KEPT["logits"] * logits, 0.0)
+    weights = XLA_GPU if platform == "gpu" else XLA_CPU
+    remat = remat if platform == "gpu" else "none"       # XLA:CPU runs the recomputation early
+    return Memory(state, **_weighted(single_stage_terms(c, plan, counts, remat, fused_attention, platform),
+                                     weights, SINGLE_STAGE_PARTS))
   # Pipeline: its terms, weighted; the stage's weights cast to the compute dtype once per step
   # (executor.stage_params) and held through the tick scan are counted exactly.
   parts = _weighted(pipeline_terms(c, plan, counts, remat, fused_attention), XLA_PIPELINE, PIPELINE_PARTS)
@@ -258,10 +263,15 @@ def _weighted(terms: dict[str, float], weights: dict[str, float], part_of: dict[
   return parts
 
 
-def gpu_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str, fused_attention: bool) -> dict[str, float]:
-  """megajax's single stage (pp = 1) on GPUs: the bytes of each term XLA_GPU weighs, unweighted.
-  `c` with the plan's switches applied, `counts` its param_counts."""
+def single_stage_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str, fused_attention: bool,
+                       platform: str = "gpu") -> dict[str, float]:
+  """megajax's single stage (pp = 1): the bytes of each term XLA_GPU (XLA_CPU on "cpu") weighs,
+  unweighted. `c` with the plan's switches applied, `counts` its param_counts. On CPU the
+  activations are counted in fp32 whatever the compute dtype: XLA:CPU computes bf16 operations
+  in f32 (its bf16 normalization), and the fit set's bf16 steps hold 91-100% of their fp32 twins'
+  bytes (memory_measured_cpu.py)."""
   pb, cb = c.param_dtype.itemsize, c.compute_dtype.itemsize
+  act = dataclasses.replace(c, compute_dtype=jnp.dtype("float32")) if platform == "cpu" else c
   terms = dict.fromkeys(XLA_GPU, 0.0)
   terms["params"] = counts.stage * pb
   if c.compute_dtype != c.param_dtype:
@@ -273,17 +283,33 @@ def gpu_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str, fused
   if plan.tp > 1:
     widths = c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + len(MLP_INPUTS[c.mlp]) * c.mlp_dim
     terms["ring"] = plan.micro_batch * c.seq_len * widths / plan.tp * 4
-  kept, scores = _layer_kept(c, plan, remat, fused_attention)     # scores only under remat none
+  kept, scores = _layer_kept(act, plan, remat, fused_attention)     # scores only under remat none
   terms["saved"] = (kept - scores) * c.num_layers
-  if plan.microbatches > 1:
+  if platform == "cpu":
+    terms["next_microbatch"] = cpu_microbatches_outside_loop(plan) * kept * c.num_layers
+  elif plan.microbatches > 1:
     terms["next_microbatch"] = (kept - scores) * c.num_layers
   if remat == "none":
     terms["scores"] = scores * c.num_layers
   else:       # one layer rebuilt in its backward, its scores with it
-    none_layer, terms["scores"] = _layer_kept(c, plan, "none", fused_attention)
+    none_layer, terms["scores"] = _layer_kept(act, plan, "none", fused_attention)
     terms["rebuilt"] = none_layer - terms["scores"]
   terms["logits"] = plan.micro_batch * c.seq_len * c.vocab_size / plan.tp * 4
   return terms
+
+
+def cpu_microbatches_outside_loop(plan: Plan) -> int:
+  """The single stage's microbatches beyond one whose activations XLA:CPU holds at once: those
+  outside the microbatch scan (reference_step.accumulate_gradients: the first before it, with
+  grad_sync "step" the last after it, and a scan of one microbatch, which XLA inlines), less one.
+  Measured (memory_measured_cpu.py): 2 microbatches hold twice one's activations, 3 three times,
+  4 twice; with grad_sync "microbatch", 4 once."""
+  m = plan.microbatches
+  if m == 1:
+    return 0
+  after = 1 if plan.grad_sync == "step" else 0
+  in_scan = m - 1 - after
+  return after + (1 if in_scan == 1 else 0)
 
 
 def pipeline_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str,
@@ -310,7 +336,10 @@ def pipeline_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str,
     terms["saved"] = _layer_kept(c, plan, remat, fused_attention)[0] * chunk_layers
     terms["rebuilt"] = none_layer
   if not plan.pipeline_recompute:
-    terms["residual"] = (residual_slots(plan) + 1) * chunk_residuals(c, plan, remat, fused_attention)
+    # remat none's residuals are the vjp's own, unfused (more words than the kept buffers'):
+    # their own weight
+    terms["residual_none" if remat == "none" else "residual"] = (
+        (residual_slots(plan) + 1) * chunk_residuals(c, plan, remat, fused_attention))
   terms["logits"] = plan.micro_batch * c.seq_len * c.vocab_size / plan.tp * 4
   message = plan.micro_batch * c.seq_len * c.hidden_dim / plan.tp * cb
   terms["message"] = (stash_slots(plan) + cotangent_slots(plan) + 2) * message   # stash + trash, cotangents + trash
@@ -321,6 +350,4 @@ def chunk_residuals(c: ModelConfig, plan: Plan, remat: str, fused_attention: boo
   """megajax's pipeline: bytes of one microbatch-chunk's residuals (its vjp's, what the remat
   policy saves), one residual slot's worth. `c` with the plan's switches applied."""
   per_layer = _layer_kept(c, plan, remat, fused_attention, vjp_residuals=True)[0]
-  if remat == "none":     # XLA_KEPT counts what XLA's buffers hold; the vjp keeps more, unfused
-    per_layer *= XLA_RESIDUALS_NONE
   return per_layer * (c.num_layers // (plan.pp * plan.virtual_stages))

