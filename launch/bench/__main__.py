@@ -56,10 +56,10 @@ _QUICK = flags.DEFINE_boolean("quick", False,
                               "runtime benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
 _MEASURE_MEMORY_GPU = flags.DEFINE_boolean(
     "measure_memory_gpu", False, "planner: first compile the GPU memory cases for a described H100 and rewrite "
-    "parallel/planner/memory_measured_gpu.py (~15 minutes).")
+    "parallel/planner/memory_measured_gpu.py and memory_measured_gpu_pipeline.py (~25 minutes).")
 _MEASURE_MEMORY = flags.DEFINE_boolean(
-    "measure_memory", False, "planner: first recompile the memory fit set and rewrite "
-    "parallel/planner/memory_measured.py (a few minutes).")
+    "measure_memory", False, "planner: first recompile the CPU memory fit sets and held-out cases and rewrite "
+    "parallel/planner/memory_measured.py and memory_measured_cpu.py (about 8 minutes).")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 512, "Tokens the sample benchmark generates per row.")
 _ROUNDS = flags.DEFINE_integer("rounds", 12, "peer: interleaved rounds, one step of each contender per round.")
 _PEER_SIZE = flags.DEFINE_enum("peer_size", "cpu", ["cpu", "tiny"],

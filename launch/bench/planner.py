@@ -18,10 +18,11 @@ Prints:
   memory            the cost model's bytes per device against XLA's memory analysis of the
                     real compiled training step on CPU devices, for configs the memory constants
                     were not fitted on; target: within 10%.
-  memory on GPUs    memory.XLA_GPU refitted now (memory_gpu_fit.fit) on XLA:GPU's bytes of the
-                    single-stage fit set, compiled for a described H100 (memory_measured_gpu.py;
-                    --measure_memory_gpu recompiles the fit set and the held-out cases first and
-                    rewrites it, ~15 min), and the held-out cases (the MFU suite's 1.3B and 3B
+  memory on GPUs    memory.XLA_GPU (memory_gpu_fit) and memory.XLA_GPU_PIPELINE
+                    (memory_gpu_pipeline_fit) refitted now on XLA:GPU's bytes of the single-stage
+                    and pipeline fit sets, compiled for a described H100 (memory_measured_gpu*.py;
+                    --measure_memory_gpu recompiles the fit sets and the held-out cases first and
+                    rewrites them, ~25 min), and the held-out cases (the MFU suite's 1.3B and 3B
                     rows among them) predicted against XLA:GPU; target: within 10%.
   runtime           megajax's runtime against the paper's at 256 and 12,288 GPUs (remat dots and
                     full): the best plan's MFU under each, the gap and its largest parts, and how
@@ -34,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.parallel.planner import (calibration, hardware, memory, memory_cpu_fit, memory_fit, memory_gpu_fit,
-                                      memory_measured, memory_measured_cpu, memory_measured_gpu, plans, published,
-                                      report)
+                                      memory_gpu_pipeline_fit, memory_measured, memory_measured_cpu,
+                                      memory_measured_gpu, memory_measured_gpu_pipeline, plans, published, report)
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE
 
 
@@ -157,24 +158,29 @@ def print_memory_check() -> bool:
 
 
 def print_gpu_memory(measure: bool) -> bool:
-  fit_bytes, held_out_bytes = memory_measured_gpu.FIT, memory_measured_gpu.HELD_OUT
-  if measure:
-    print("\n(compiling the GPU memory cases for a described H100)")
-    fit_bytes = memory_gpu_fit.measure(memory_gpu_fit.GPU_FIT_CASES)
-    held_out_bytes = memory_gpu_fit.measure(memory_gpu_fit.GPU_HELD_OUT)
-    memory_gpu_fit.write_measured(memory_measured_gpu.__file__, fit_bytes, held_out_bytes)
-    print(f"(wrote {memory_measured_gpu.__file__})")
-  fitted, errors = memory_gpu_fit.fit(fit_bytes)
-  print(f"\n== memory on GPUs: memory.XLA_GPU refitted now on XLA:GPU's bytes of {len(errors)} single-stage "
-        f"configs (memory_gpu_fit.GPU_FIT_CASES, a described H100; jax {memory_measured_gpu.JAX_VERSION})")
-  print_fitted(fitted, memory.XLA_GPU, errors)
-  print(f"{'held out (never fitted on)':62} {'predicted GiB':>13} {'XLA:GPU GiB':>12} {'error':>8}")
+  """The single stage's and the pipeline's GPU memory fits and their held-out cases."""
   ok = True
-  for case in memory_gpu_fit.GPU_HELD_OUT:
-    predicted, measured = memory_gpu_fit.predicted_bytes(case), held_out_bytes[case.name]
-    error = predicted / measured - 1
-    ok &= abs(error) <= calibration.MEMORY_TOLERANCE
-    print(f"{case.name:62} {predicted / 2**30:>13.2f} {measured / 2**30:>12.2f} {100 * error:>+7.1f}%")
+  for name, module, data, weights, fit_cases, held_out in (
+      ("XLA_GPU", memory_gpu_fit, memory_measured_gpu, memory.XLA_GPU, memory_gpu_fit.GPU_FIT_CASES,
+       memory_gpu_fit.GPU_HELD_OUT),
+      ("XLA_GPU_PIPELINE", memory_gpu_pipeline_fit, memory_measured_gpu_pipeline, memory.XLA_GPU_PIPELINE,
+       memory_gpu_pipeline_fit.GPU_PIPELINE_FIT_CASES, memory_gpu_pipeline_fit.GPU_PIPELINE_HELD_OUT)):
+    fit_bytes, held_out_bytes = data.FIT, data.HELD_OUT
+    if measure:
+      print(f"\n(compiling the {name} memory cases for a described H100)")
+      fit_bytes, held_out_bytes = memory_gpu_fit.measure(fit_cases), memory_gpu_fit.measure(held_out)
+      module.write_measured(data.__file__, fit_bytes, held_out_bytes)
+      print(f"(wrote {data.__file__})")
+    fitted, errors = module.fit(fit_bytes)
+    print(f"\n== memory on GPUs: memory.{name} refitted now on XLA:GPU's bytes of {len(errors)} configs "
+          f"({module.__name__.rsplit('.', 1)[1]}, a described H100; jax {data.JAX_VERSION})")
+    print_fitted(fitted, weights, errors)
+    print(f"{'held out (never fitted on)':62} {'predicted GiB':>13} {'XLA:GPU GiB':>12} {'error':>8}")
+    for case in held_out:
+      predicted, measured = memory_gpu_fit.predicted_bytes(case), held_out_bytes[case.name]
+      error = predicted / measured - 1
+      ok &= abs(error) <= calibration.MEMORY_TOLERANCE
+      print(f"{case.name:62} {predicted / 2**30:>13.2f} {measured / 2**30:>12.2f} {100 * error:>+7.1f}%")
   print(f"target: within {calibration.MEMORY_TOLERANCE:.0%}: {'met' if ok else 'NOT MET'}")
   return ok
 

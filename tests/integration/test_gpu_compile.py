@@ -19,7 +19,8 @@ from megajax.config import default_config
 from megajax.layers.kernels import pallas_attention
 from megajax.observe.schedule import async_collectives, loop_copies, overlap_counts, synchronous_collectives
 from megajax.parallel import deviceless
-from megajax.parallel.planner import calibration, memory_gpu_fit, memory_measured_gpu
+from megajax.parallel.planner import (calibration, memory_gpu_fit, memory_gpu_pipeline_fit, memory_measured_gpu,
+                                      memory_measured_gpu_pipeline)
 from tests.support.kernels import CUDNN_CALLS, TRITON_CALL
 
 MESHES = {   # (dp, pp, tp, virtual stages, microbatches)
@@ -175,10 +176,12 @@ def test_the_mfu_suite_rows_compile_for_one_h100_and_are_checked_against_its_mem
 
 
 def test_the_gpu_memory_data_is_xla_gpus_own_and_the_planner_holds_a_held_out_case():
-  """memory_measured_gpu.py (what memory.XLA_GPU is fitted to and checked on) is XLA:GPU's
-  bytes: a held-out case compiled again here gives them within 1%, and the planner predicts
-  them within 10%."""
-  case = next(case for case in memory_gpu_fit.GPU_HELD_OUT if case.name.startswith("h 768, 6 layers"))
-  measured = deviceless.compile_for_gpu(memory_gpu_fit.case_config(case), memory_gpu_fit.TARGET).bytes_per_device()
-  assert measured == pytest.approx(memory_measured_gpu.HELD_OUT[case.name], rel=0.01)
-  assert memory_gpu_fit.predicted_bytes(case) == pytest.approx(measured, rel=calibration.MEMORY_TOLERANCE)
+  """memory_measured_gpu.py and memory_measured_gpu_pipeline.py (what memory.XLA_GPU and
+  XLA_GPU_PIPELINE are fitted to and checked on) are XLA:GPU's bytes: a held-out case of each
+  compiled again here gives them within 1%, and the planner predicts them within 10%."""
+  single = next(case for case in memory_gpu_fit.GPU_HELD_OUT if case.name.startswith("h 768, 6 layers"))
+  pipeline = next(case for case in memory_gpu_pipeline_fit.GPU_PIPELINE_HELD_OUT if case.name.startswith("dp 2 pp 4 tp 2 v 2"))
+  for case, stored in ((single, memory_measured_gpu.HELD_OUT), (pipeline, memory_measured_gpu_pipeline.HELD_OUT)):
+    measured = deviceless.compile_for_gpu(memory_gpu_fit.case_config(case), memory_gpu_fit.TARGET).bytes_per_device()
+    assert measured == pytest.approx(stored[case.name], rel=0.01)
+    assert memory_gpu_fit.predicted_bytes(case) == pytest.approx(measured, rel=calibration.MEMORY_TOLERANCE)
