@@ -116,7 +116,9 @@ def main(argv):
   other = next(r for r in RUNTIMES if r != _RUNTIME.value)
   print(f"runtime {_RUNTIME.value}: {report.RUNTIMES[_RUNTIME.value]} (--runtime={other}: {report.RUNTIMES[other]})")
   print(report.LEGEND)
-  print(f"{even} plans divide evenly, {len(best)} fit in {hw.memory_gb - cost_model.MEMORY_RESERVED_GB:g} GB")
+  margin = (f" with a {plans.MEMORY_MARGIN:.0%} margin for the memory estimate's error"
+            if _RUNTIME.value == "megajax" else "")
+  print(f"{even} plans divide evenly, {len(best)} fit in {hw.memory_gb - cost_model.MEMORY_RESERVED_GB:g} GB{margin}")
   print(plans.PLAN_HEADER)
   for i, candidate in enumerate(best[:top], 1):
     print(plans.plan_line(i, candidate))
