@@ -63,11 +63,11 @@ def print_fit() -> None:
   for field in dataclasses.fields(fitted):
     print(f"  {field.name:20} fitted {getattr(fitted, field.name):10.4g}   held {getattr(CALIBRATION, field.name):10.4g}")
   residuals = calibration.fit_residuals(runs, CALIBRATION)
-  print(f"{'calibration row':48} {'error':>7} {'fitted as':>10} {'leave-one-out':>14}")
+  print(f"{'calibration row':48} {'error':>7} {'leave-one-out':>14}  fitted as")
   for (run, error, held_out), residual in zip(calibration.leave_one_out(), residuals):
     unit = "" if run.metric == "mfu" else "%"
-    fitted_as = f"{residual:+.1f}{unit} of its series' slope" if run.series else ""
-    print(f"{run.where:48} {error:>+6.1f}{unit or ' '} {fitted_as:>10} {held_out:>+13.1f}{unit}")
+    fitted_as = f"{residual:+.1f}{unit} off its series' slope (error less the series' mean)" if run.series else "its error"
+    print(f"{run.where:48} {error:>+6.1f}{unit or ' '} {held_out:>+13.1f}{unit or ' '}  {fitted_as}")
 
 
 def print_validation() -> bool:
