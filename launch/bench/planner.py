@@ -88,8 +88,8 @@ def print_validation() -> bool:
   validation = [r for r in rows if not r.run.calibration]
   print("per source (validation rows only): mean error, worst")
   for source in published.SOURCES:
-    errors = [r.error for r in validation if r.run.source == source]
-    unit = "%" if validation and next(r for r in validation if r.run.source == source).run.metric != "mfu" else " points"
+    rows = [r for r in validation if r.run.source == source]
+    errors, unit = [r.error for r in rows], " points" if rows[0].run.metric == "mfu" else "%"
     print(f"  {source:12} {len(errors):3} rows  mean {sum(errors) / len(errors):+5.1f}{unit}  worst "
           f"{max(errors, key=abs):+5.1f}{unit}")
   print(f"MegaScale Table 2's fall in MFU from 256 to 12,288 GPUs (goal: predicted within "
@@ -112,8 +112,8 @@ def print_memory_fit(measure: bool) -> None:
   if measure:
     measured = memory_fit.measure()
     memory_fit.write_measured(memory_measured.__file__, measured)
-    single_stage = memory_cpu_fit.measure(memory_cpu_fit.CPU_FIT_CASES, log=lambda line: None)
-    held_out = memory_cpu_fit.measure(calibration.MEMORY_CASES, log=lambda line: None)
+    single_stage = memory_fit.measure(memory_cpu_fit.CPU_FIT_CASES)
+    held_out = memory_fit.measure(calibration.MEMORY_CASES)
     memory_cpu_fit.write_measured(memory_measured_cpu.__file__, single_stage, held_out)
     print(f"\n(measured {len(measured)} pipeline, {len(single_stage)} single-stage and {len(held_out)} held-out "
           f"cases; wrote {memory_measured.__file__} and {memory_measured_cpu.__file__})")

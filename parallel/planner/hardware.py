@@ -135,9 +135,14 @@ def overlapped_seconds(seconds: float, exposed: float) -> float:
   return exposed + OVERLAP_SLOWDOWN * max(0.0, seconds - exposed)
 
 
+def nodes(gpus: int, hw: Hardware) -> int:
+  """The machines a job on `gpus` GPUs occupies."""
+  return math.ceil(gpus / hw.gpus_per_node)
+
+
 def slow_machine_chance(gpus: int, hw: Hardware) -> float:
-  """The chance that a job on `gpus` GPUs (whole nodes) holds at least one slow machine."""
-  return 1.0 - (1.0 - SLOW_MACHINE_FRACTION) ** math.ceil(gpus / hw.gpus_per_node)
+  """The chance that a job on `gpus` GPUs holds at least one slow machine."""
+  return 1.0 - (1.0 - SLOW_MACHINE_FRACTION) ** nodes(gpus, hw)
 
 
 def link_busbw(group_span: int, hw: Hardware) -> float:

@@ -229,40 +229,64 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   """Per-device bytes of `plan` on the model `c` (the switches applied here). `remat` defaults to
   the model's policy; `fused_attention` (a kernel that never holds the [s, s] scores: Pallas,
   cuDNN, FlashAttention) to the plan's fused_ops switch. `platform`: whose buffer assignment
-  the megajax executor's single stage is weighed by (XLA_GPU on "gpu", XLA_CPU on "cpu"); the
-  pipeline's weights are XLA:CPU's on both."""
+  the megajax executor is weighed by (weighed_terms: XLA_GPU and XLA_GPU_PIPELINE on "gpu",
+  XLA_CPU and XLA_PIPELINE on "cpu")."""
   c = apply_switches(c, plan.opts)
   remat = remat or c.remat
-  counts = param_counts(c, plan)
-  pb = c.param_dtype.itemsize
-  tokens = plan.micro_batch * c.seq_len
-  logits = tokens * c.vocab_size / plan.tp * 4
-  layers = c.num_layers // plan.pp
   fused_attention = plan.opts.fused_ops if fused_attention is None else fused_attention
-  if plan.executor == "paper":
-    # bf16 weights, fp32 gradients, and fp32 master + 2 moments: sharded over dp by the
-    # distributed optimizer, else on every dp rank.
-    state = counts.stage * (2 + 4) + (counts.shard if plan.distributed_optimizer else counts.stage) * 12
-    per_layer = _megatron_layer_kept(c, plan, remat, fused_attention)
-    in_flight = megatron_microbatches_in_flight(plan)
-    kept = per_layer * layers * in_flight
-    if remat == "full":   # one layer's activations are rebuilt during its backward
-      kept += _megatron_layer_kept(c, plan, "none", fused_attention)
-    return Memory(state, 0.0, kept, 2 * logits, 0.0)
+  if plan.executor == "megajax":
+    return weighed_terms(c, plan, remat, fused_attention, platform).memory()
+  # Megatron-LM: bf16 weights, fp32 gradients, and fp32 master + 2 moments: sharded over dp by
+  # the distributed optimizer, else on every dp rank.
+  counts = param_counts(c, plan)
+  state = counts.stage * (2 + 4) + (counts.shard if plan.distributed_optimizer else counts.stage) * 12
+  layers = c.num_layers // plan.pp
+  kept = _megatron_layer_kept(c, plan, remat, fused_attention) * layers * megatron_microbatches_in_flight(plan)
+  if remat == "full":   # one layer's activations are rebuilt during its backward
+    kept += _megatron_layer_kept(c, plan, "none", fused_attention)
+  logits = plan.micro_batch * c.seq_len * c.vocab_size / plan.tp * 4
+  return Memory(state, 0.0, kept, 2 * logits, 0.0)
 
+
+@dataclasses.dataclass(frozen=True)
+class Weighed:
+  """megajax's executor, term by term: what `memory` sums and the memory fits refit."""
+  state: float                # master params + optimizer moments (no weight scales it)
+  counted: float              # params_temp no weight scales (the pipeline's compute-dtype weight copy)
+  terms: dict[str, float]     # each term's unweighted bytes
+  weights: dict[str, float]   # the platform's fitted weights (XLA_CPU, XLA_GPU, XLA_PIPELINE, XLA_GPU_PIPELINE)
+  part_of: dict[str, str]     # the Memory part each term belongs to
+
+  @property
+  def fixed(self) -> float:
+    """The bytes no weight scales."""
+    return self.state + self.counted
+
+  def memory(self) -> Memory:
+    parts = _weighted(self.terms, self.weights, self.part_of)
+    parts["params_temp"] += self.counted
+    return Memory(self.state, **parts)
+
+
+def weighed_terms(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None,
+                  platform: str = "gpu") -> Weighed:
+  """megajax's executor on `platform` (`memory`'s arguments): the single stage's terms weighed
+  by XLA_GPU / XLA_CPU, the pipeline's by XLA_GPU_PIPELINE / XLA_PIPELINE."""
+  c = apply_switches(c, plan.opts)     # idempotent: memory() passes it switched already
+  remat = remat or c.remat
+  fused_attention = plan.opts.fused_ops if fused_attention is None else fused_attention
+  counts = param_counts(c, plan)
   moments = 2     # LAMB and AdamW: mu and nu, shaped like the master shard
-  state = counts.shard * pb * (1 + moments)
+  state = counts.shard * c.param_dtype.itemsize * (1 + moments)
   if plan.pp == 1:
-    weights = XLA_GPU if platform == "gpu" else XLA_CPU
     remat = remat if platform == "gpu" else "none"       # XLA:CPU runs the recomputation early
-    return Memory(state, **_weighted(single_stage_terms(c, plan, counts, remat, fused_attention, platform),
-                                     weights, SINGLE_STAGE_PARTS))
-  # Pipeline: its terms, weighted; the stage's weights cast to the compute dtype once per step
-  # (executor.stage_params) and held through the tick scan are counted exactly.
-  weights = XLA_GPU_PIPELINE if platform == "gpu" else XLA_PIPELINE
-  parts = _weighted(pipeline_terms(c, plan, counts, remat, fused_attention), weights, PIPELINE_PARTS)
-  parts["params_temp"] += counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0
-  return Memory(state, **parts)
+    return Weighed(state, 0.0, single_stage_terms(c, plan, counts, remat, fused_attention, platform),
+                   XLA_GPU if platform == "gpu" else XLA_CPU, SINGLE_STAGE_PARTS)
+  # Pipeline: the stage's weights cast to the compute dtype once per step (executor.stage_params)
+  # and held through the tick scan are counted exactly.
+  copy = counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0
+  return Weighed(state, copy, pipeline_terms(c, plan, counts, remat, fused_attention),
+                 XLA_GPU_PIPELINE if platform == "gpu" else XLA_PIPELINE, PIPELINE_PARTS)
 
 
 def _weighted(terms: dict[str, float], weights: dict[str, float], part_of: dict[str, str]) -> dict[str, float]:

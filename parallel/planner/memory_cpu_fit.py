@@ -5,11 +5,11 @@ the buffer assignment of the real compiled step):
 
   CPU_FIT_CASES   the fit set: CPU_BASE with one or two fields changed (shapes, block, MLP,
                   optimizer, dp, tp, microbatches, grad sync), each in fp32 and bf16.
-  measure         XLA:CPU's bytes of each (`python -m megajax.launch.bench planner --measure_memory`
+  measure         (memory_fit.measure) XLA:CPU's bytes of each (`python -m megajax.launch.bench planner --measure_memory`
                   writes them, with the held-out calibration.MEMORY_CASES', to memory_measured_cpu.py;
                   a few minutes on 8 CPU devices).
   fit             non-negative least squares of the weights of memory.single_stage_terms, in
-                  relative error (memory_fit.fit_weights, the other fits' too).
+                  relative error (memory_fit.fit_platform, the other fits' too).
 
 The held-out cases (calibration.MEMORY_CASES, none of them in a fit set) are checked against the
 same data by tests/unit/test_planner.py, and a few of them against XLA itself, compiled again, by
@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import itertools
 
-from megajax.model import ModelConfig
 from megajax.parallel.planner import memory
-from megajax.parallel.planner.calibration import MemoryCase, measured_bytes, memory_case_config
-from megajax.parallel.planner.cost_model import apply_switches, param_counts
-from megajax.parallel.planner.fits import plan_of
-from megajax.parallel.planner.memory_fit import fit_weights, write_data
+from megajax.parallel.planner.calibration import MemoryCase, memory_case_config
+from megajax.parallel.planner.memory_fit import fit_platform, write_data
 
 CPU_BASE = {"model.hidden_dim": 128, "model.num_heads": 8, "model.seq_len": 128, "model.vocab_size": 512,
             "train.batch_size": 4}
@@ -59,28 +56,9 @@ CPU_FIT_CASES = tuple(
     for (shape, overrides), dtype in itertools.product(_SHAPES.items(), ("float32", "bfloat16")))
 
 
-def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
-  """(the bytes no weight scales: the state, the unweighted terms)."""
-  config = memory_case_config(case)
-  c, plan = ModelConfig.from_config(config.model), plan_of(config, "cpu")
-  total = memory.memory(c, plan, platform="cpu")
-  switched = apply_switches(c, plan.opts)
-  terms = memory.single_stage_terms(switched, plan, param_counts(switched, plan), "none", plan.opts.fused_ops, "cpu")
-  return total.state, terms
-
-
-def measure(cases, log=print) -> dict[str, int]:
-  """{case name: XLA:CPU's bytes a device}, each case's step compiled on this process's devices."""
-  measured = {}
-  for case in cases:
-    measured[case.name] = int(measured_bytes(memory_case_config(case)))
-    log(f"  {case.name}: {measured[case.name] / 1e6:.2f} MB")
-  return measured
-
-
 def fit(measured: dict[str, int], cases=CPU_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
   """(weights of memory.single_stage_terms on CPU, {case: relative error with them})."""
-  return fit_weights(memory.XLA_CPU, [case_terms(case) for case in cases], measured, cases)
+  return fit_platform(memory.XLA_CPU, cases, measured, memory_case_config, "cpu")
 
 
 def write_measured(path: str, fit_bytes: dict[str, int], held_out_bytes: dict[str, int]) -> None:

@@ -25,7 +25,6 @@ from scipy.optimize import nnls
 from megajax.model import ModelConfig
 from megajax.parallel.planner import memory
 from megajax.parallel.planner.calibration import PIPELINE_BASE, MemoryCase, measured_bytes, memory_case_config
-from megajax.parallel.planner.cost_model import apply_switches, param_counts
 from megajax.parallel.planner.fits import plan_of
 
 # calibration.PIPELINE_BASE (itself held out) with one or two fields changed:
@@ -52,26 +51,30 @@ PIPELINE_FIT_CASES = tuple(
                                                               ("none", "dots", "full")))
 
 
-def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
-  """(the bytes no weight scales: state and the compute-dtype weight copy, the unweighted terms)."""
-  config = memory_case_config(case)
-  c, plan = ModelConfig.from_config(config.model), plan_of(config)
-  total = memory.memory(c, plan, platform="cpu")
-  switched = apply_switches(c, plan.opts)
-  terms = memory.pipeline_terms(switched, plan, param_counts(switched, plan), c.remat, plan.opts.fused_ops)
-  weighted = sum(memory.XLA_PIPELINE[term] * nbytes for term, nbytes in terms.items())
-  return total.total - weighted, terms
-
-
-def measure(cases=PIPELINE_FIT_CASES) -> dict[str, int]:
-  """{case name: XLA's bytes}, compiling each case's step on this process's devices."""
-  return {case.name: int(measured_bytes(memory_case_config(case))) for case in cases}
+def measure(cases=PIPELINE_FIT_CASES, log=lambda line: None) -> dict[str, int]:
+  """{case name: XLA:CPU's bytes}, compiling each case's step on this process's devices."""
+  measured = {}
+  for case in cases:
+    measured[case.name] = int(measured_bytes(memory_case_config(case)))
+    log(f"  {case.name}: {measured[case.name] / 1e6:.2f} MB")
+  return measured
 
 
 def fit(measured: dict[str, int], cases=PIPELINE_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
   """(weights of memory.pipeline_terms, {case: relative error with them}), nnls on the cases'
   relative errors."""
-  return fit_weights(memory.XLA_PIPELINE, [case_terms(case) for case in cases], measured, cases)
+  return fit_platform(memory.XLA_PIPELINE, cases, measured, memory_case_config, "cpu")
+
+
+def fit_platform(held: dict[str, float], cases, measured: dict[str, int], config_of, platform: str):
+  """`fit_weights` of `held` (one of memory's weight sets) to the `cases` (`config_of(case)`: its
+  config) on `platform`, each case's terms as memory.weighed_terms gives them."""
+  weighed = []
+  for case in cases:
+    config = config_of(case)
+    weighed.append(memory.weighed_terms(ModelConfig.from_config(config.model), plan_of(config, platform),
+                                        platform=platform))
+  return fit_weights(held, [(w.fixed, w.terms) for w in weighed], measured, cases)
 
 
 def fit_weights(held: dict[str, float], case_terms: list[tuple[float, dict[str, float]]], measured: dict[str, int],

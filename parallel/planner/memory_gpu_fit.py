@@ -24,9 +24,8 @@ from megajax.model import ModelConfig
 from megajax.parallel import deviceless
 from megajax.parallel.planner import memory
 from megajax.parallel.planner.calibration import MemoryCase
-from megajax.parallel.planner.cost_model import apply_switches, param_counts
 from megajax.parallel.planner.fits import plan_of
-from megajax.parallel.planner.memory_fit import fit_weights, write_data
+from megajax.parallel.planner.memory_fit import fit_platform, write_data
 
 TARGET = "h100-80g"
 GPU_BASE = {"model.num_layers": 4, "model.hidden_dim": 512, "model.num_heads": 4, "model.seq_len": 512,
@@ -148,16 +147,6 @@ def predicted_bytes(case: MemoryCase) -> float:
   return memory.memory(ModelConfig.from_config(config.model), plan_of(config, "gpu"), platform="gpu").total
 
 
-def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
-  """(the bytes no weight scales: the state, the unweighted terms)."""
-  config = case_config(case)
-  c, plan = ModelConfig.from_config(config.model), plan_of(config, "gpu")
-  total = memory.memory(c, plan, platform="gpu")
-  switched = apply_switches(c, plan.opts)
-  terms = memory.single_stage_terms(switched, plan, param_counts(switched, plan), c.remat, plan.opts.fused_ops)
-  return total.state, terms
-
-
 def measure(cases, log=print) -> dict[str, int]:
   """{case name: XLA:GPU's bytes a device}, each case's step compiled for described H100s."""
   measured = {}
@@ -170,7 +159,7 @@ def measure(cases, log=print) -> dict[str, int]:
 
 def fit(measured: dict[str, int], cases=GPU_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
   """(weights of memory.single_stage_terms, {case: relative error with them}), nnls on the relative errors."""
-  return fit_weights(memory.XLA_GPU, [case_terms(case) for case in cases], measured, cases)
+  return fit_platform(memory.XLA_GPU, cases, measured, case_config, "gpu")
 
 
 def write_measured(path: str, fit_bytes: dict[str, int], held_out_bytes: dict[str, int]) -> None:

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import itertools
 
-from megajax.model import ModelConfig
 from megajax.parallel.planner import memory
 from megajax.parallel.planner.calibration import MemoryCase
-from megajax.parallel.planner.cost_model import apply_switches, param_counts
-from megajax.parallel.planner.fits import plan_of
-from megajax.parallel.planner.memory_fit import fit_weights, write_data
+from megajax.parallel.planner.memory_fit import fit_platform, write_data
 from megajax.parallel.planner.memory_gpu_fit import GPU_BASE, case_config
 
 GPU_PIPELINE_BASE = {**GPU_BASE, "parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_stages": 2,
@@ -87,20 +84,9 @@ GPU_PIPELINE_KNOWN_MISSES = {
 }
 
 
-def case_terms(case: MemoryCase) -> tuple[float, dict[str, float]]:
-  """(the bytes no weight scales: the state and the compute-dtype weight copy, the unweighted terms)."""
-  config = case_config(case)
-  c, plan = ModelConfig.from_config(config.model), plan_of(config, "gpu")
-  total = memory.memory(c, plan, platform="gpu")
-  switched = apply_switches(c, plan.opts)
-  terms = memory.pipeline_terms(switched, plan, param_counts(switched, plan), c.remat, plan.opts.fused_ops)
-  weighted = sum(memory.XLA_GPU_PIPELINE[term] * nbytes for term, nbytes in terms.items())
-  return total.total - weighted, terms
-
-
 def fit(measured: dict[str, int], cases=GPU_PIPELINE_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
   """(weights of memory.pipeline_terms on GPUs, {case: relative error with them})."""
-  return fit_weights(memory.XLA_GPU_PIPELINE, [case_terms(case) for case in cases], measured, cases)
+  return fit_platform(memory.XLA_GPU_PIPELINE, cases, measured, case_config, "gpu")
 
 
 def write_measured(path: str, fit_bytes: dict[str, int], held_out_bytes: dict[str, int]) -> None:

@@ -138,7 +138,7 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
            ("optimizer", t.optimizer, "the update's pass over its shard"),
            ("data", t.data, "exposed data loading"),
            ("stragglers", t.straggler, f"the wait for a slow machine ({100 * calibration.straggler_slowdown:.0f}% "
-            f"longer x its chance in {-(-plan.gpus // hw.gpus_per_node)} nodes, "
+            f"longer x its chance in {hardware.nodes(plan.gpus, hw)} nodes, "
             f"{hardware.slow_machine_chance(plan.gpus, hw):.0%})"),
            ("(recompute)", t.recompute, "of the above, forwards rerun")]
   lines += [f"  {name:14} {seconds:8.3f} s   {note}" for name, seconds, note in parts]
