@@ -10,12 +10,14 @@ The Python API, in the order a user meets it:
     loss, stats = megajax.make_loss_fn(model)(params, batch)
     result = megajax.train(config, workdir="/tmp/run")      # result.state, result.history
     tokens = megajax.generate(params, config, [[1, 2, 3]], max_new_tokens=32, temperature=0.8)
+    megajax.scope.serve("/tmp/run", port=8470)              # MegaScope's explorer of a run, on 127.0.0.1
 
 This file is the facade over every layer of the package (WORKSPACE.md, "Layering"); code
 inside megajax imports the module it needs, never this one.
 """
 
 import gc as _gc
+import importlib as _importlib
 
 # Importing the package imports jax, flax, optax, orbax and grain: Python's automatic collections
 # ran 376 times meanwhile, walking the objects the import had made so far and finding nothing to
@@ -43,6 +45,16 @@ finally:
     _gc.unfreeze()
   if _collecting:
     _gc.enable()
+
+
+
+def __getattr__(name: str):
+  """megajax.scope (MegaScope's explorer: megajax.scope.serve(workdir, port)) loads on first use:
+  its web stack (starlette, uvicorn, plotly) adds 0.24 s to an import no training job needs."""
+  if name == "scope":
+    return _importlib.import_module("megajax.launch.scope")
+  raise AttributeError(f"module 'megajax' has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError", "GPT", "ModelConfig", "TrainResult", "TrainState", "build_model", "count_params",

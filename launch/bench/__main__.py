@@ -12,6 +12,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
       [--compile_for=h100-80g]   (no GPU: each row compiled for one, XLA's bytes and the fit)
   python -m megajax.launch.bench runtime [--repeats=20] [--quick]
   python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
+  python -m megajax.launch.bench scope [--repeats=20] [--new_tokens=32]   (the explorer's per-token latency)
   python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,2x2x2]
       [--compile_for=h100-80g]   (no GPU: every contender compiled for the GPUs, bytes and overlap)
   python -m megajax.launch.bench gpu --out=DIR [--parts=tests,attention,train,run]
@@ -90,6 +91,7 @@ BENCHMARKS = {
                             if _COMPILE_FOR.value else bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value)),
     "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
+    "scope": lambda bench: bench.run(_REPEATS.value, min(_NEW_TOKENS.value, 32)),
     "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value, _PEER_MESHES.value, _COMPILE_FOR.value),
     "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
                                          _RUN_STEPS.value, _BUDGET_S.value),

@@ -1,0 +1,84 @@
+"""MegaScope's explorer: per-token decode latency with and without capture, and what a page's
+inspection of the finished sequence costs.
+
+  python -m megajax.launch.bench scope [--repeats=20] [--new_tokens=32]
+
+Two models, parameters freshly initialized (speed does not depend on training), greedy, a
+16-token prompt, one row (what the page decodes): the tests' tiny explorer model (3 layers,
+hidden 64, GQA, local and global layers) and configs/gpt_125m.py. Per token, as the page
+streams them: one compiled decode step through the KV cache (megajax.observe.scope.decode)
+
+  plain     the step returns the logits
+  capture   the step also returns every layer's Q, K, V, attention output, MLP output and
+            residual stream at the new token (the interceptor recording them)
+
+Each figure is the median over --repeats decodes (after a warm-up that compiles) of the mean
+seconds per token; "inspect" is one forward pass over prompt + new tokens with every
+internal recorded, then layer 0 head 0's attention map and the residual PCA (a page's view).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from megajax.config import CONFIGS_DIR, default_config, load_config
+from megajax.model import GPT, ModelConfig, init_params
+from megajax.observe import scope
+from megajax.sampling import Sampling
+
+PROMPT = list(range(1, 17))
+
+
+def _tiny() -> ModelConfig:
+  m = default_config().model
+  m.num_layers, m.hidden_dim, m.num_heads, m.num_kv_heads, m.seq_len, m.vocab_size = 3, 64, 4, 2, 64, 256
+  m.window, m.window_pattern = 16, "LLG"
+  return ModelConfig.from_config(m)
+
+
+def _per_token(params, config, new_tokens: int, capture: bool) -> float:
+  started = time.perf_counter()
+  for _ in scope.decode(params, config, PROMPT, new_tokens, Sampling(0.0, 0, 1.0), capture=capture):
+    pass
+  return (time.perf_counter() - started) / new_tokens
+
+
+def _inspect(params, config, tokens) -> None:
+  inside = scope.internals(params, config, tokens)
+  scope.attention_map(config, inside, 0, 0)
+  scope.residual_pca(config, inside)
+
+
+def run(repeats: int = 20, new_tokens: int = 32) -> list[dict]:
+  models = {"tiny (3 layers, h 64)": _tiny(),
+            "gpt_125m": ModelConfig.from_config(load_config(f"{CONFIGS_DIR}/gpt_125m.py").model)}
+  rows = []
+  print(f"{'model':24s} {'params':>10s} {'plain ms/token':>15s} {'capture ms/token':>17s} {'capture/plain':>14s} "
+        f"{'inspect ms':>11s}")
+  for name, config in models.items():
+    params = init_params(GPT(config), jax.random.key(0))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    plain = _median(lambda: _per_token(params, config, new_tokens, False), repeats)
+    captured = _median(lambda: _per_token(params, config, new_tokens, True), repeats)
+    tokens = PROMPT + list(range(100, 100 + new_tokens))
+    inspect = _median(lambda: _inspect(params, config, tokens), max(3, repeats // 4), per_call=True)
+    rows.append(dict(model=name, params=count, plain_ms=1e3 * plain, capture_ms=1e3 * captured,
+                     inspect_ms=1e3 * inspect))
+    print(f"{name:24s} {count:>10,d} {1e3 * plain:15.2f} {1e3 * captured:17.2f} {captured / plain:14.2f} "
+          f"{1e3 * inspect:11.1f}")
+  return rows
+
+
+def _median(fn, repeats: int, per_call: bool = False) -> float:
+  """Median of `fn`'s result (seconds per token) over `repeats` calls after one warm-up; with
+  per_call, of the calls' own durations."""
+  fn()
+  values = []
+  for _ in range(repeats):
+    started = time.perf_counter()
+    value = fn()
+    values.append(time.perf_counter() - started if per_call else value)
+  return float(np.median(values))
