@@ -12,8 +12,8 @@ streams them: one compiled decode step through the KV cache (megajax.observe.sco
   capture   the step also returns every layer's Q, K, V, attention output, MLP output and
             residual stream at the new token (the interceptor recording them)
 
-Each figure is the median over --repeats decodes (after a warm-up that compiles) of the mean
-seconds per token; "inspect" is one forward pass over prompt + new tokens with every
+Each figure is the median over --repeats decodes (after a warm-up that compiles; plain and
+capture alternately) of the mean seconds per token; "inspect" is one forward pass over prompt + new tokens with every
 internal recorded, then layer 0 head 0's attention map and the residual PCA (a page's view).
 """
 
@@ -52,17 +52,20 @@ def _inspect(params, config, tokens) -> None:
   scope.residual_pca(config, inside)
 
 
-def run(repeats: int = 20, new_tokens: int = 32) -> list[dict]:
-  models = {"tiny (3 layers, h 64)": _tiny(),
-            "gpt_125m": ModelConfig.from_config(load_config(f"{CONFIGS_DIR}/gpt_125m.py").model)}
+def run(repeats: int = 20, new_tokens: int = 32, sizes: tuple[str, ...] = ("tiny", "gpt_125m")) -> list[dict]:
+  """Prints and returns a row per model of `sizes` ("tiny", "gpt_125m")."""
+  models = {"tiny (3 layers, h 64)": _tiny} if "tiny" in sizes else {}
+  if "gpt_125m" in sizes:
+    models["gpt_125m"] = lambda: ModelConfig.from_config(load_config(f"{CONFIGS_DIR}/gpt_125m.py").model)
   rows = []
   print(f"{'model':24s} {'params':>10s} {'plain ms/token':>15s} {'capture ms/token':>17s} {'capture/plain':>14s} "
         f"{'inspect ms':>11s}")
-  for name, config in models.items():
+  for name, make in models.items():
+    config = make()
     params = init_params(GPT(config), jax.random.key(0))
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    plain = _median(lambda: _per_token(params, config, new_tokens, False), repeats)
-    captured = _median(lambda: _per_token(params, config, new_tokens, True), repeats)
+    plain, captured = _side_by_side(lambda: _per_token(params, config, new_tokens, False),
+                                    lambda: _per_token(params, config, new_tokens, True), repeats)
     tokens = PROMPT + list(range(100, 100 + new_tokens))
     inspect = _median(lambda: _inspect(params, config, tokens), max(3, repeats // 4), per_call=True)
     rows.append(dict(model=name, params=count, plain_ms=1e3 * plain, capture_ms=1e3 * captured,
@@ -70,6 +73,14 @@ def run(repeats: int = 20, new_tokens: int = 32) -> list[dict]:
     print(f"{name:24s} {count:>10,d} {1e3 * plain:15.2f} {1e3 * captured:17.2f} {captured / plain:14.2f} "
           f"{1e3 * inspect:11.1f}")
   return rows
+
+
+def _side_by_side(first, second, repeats: int) -> tuple[float, float]:
+  """Medians of two measurements taken alternately (after a warm-up of each), so a machine's
+  drift falls on both alike."""
+  first(), second()
+  values = [(first(), second()) for _ in range(repeats)]
+  return float(np.median([a for a, _ in values])), float(np.median([b for _, b in values]))
 
 
 def _median(fn, repeats: int, per_call: bool = False) -> float:

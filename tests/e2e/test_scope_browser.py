@@ -7,7 +7,10 @@ to $MEGAJAX_SCOPE_SCREENSHOTS when set (docs/images/ holds the ones docs/scope.m
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -22,6 +25,7 @@ from megajax.launch.scope.server import listening_socket, server
 from megajax.model import ModelConfig
 from megajax.sampling import generate
 from megajax.tokenizer import ByteTokenizer
+from tests.support.processes import child_env, run_module
 
 pytestmark = pytest.mark.e2e
 
@@ -251,3 +255,33 @@ def test_a_run_that_cannot_be_opened_is_a_message_not_a_traceback(run, tmp_path,
     _wait(browser, lambda d: said in d.find_element("id", "error").text, "the page says why")
   finally:
     empty.stop()
+
+
+def test_the_command_serves_on_loopback_and_prints_its_url(run):
+  """megajax-scope as an operator starts it: one line with the URL (127.0.0.1, a free port
+  with --port=0), the page and the API there; bad flags are one line and exit 2."""
+  process = subprocess.Popen([sys.executable, "-m", "megajax.launch.scope.cli", f"--workdir={run}", "--port=0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+  try:
+    line = process.stdout.readline()          # printed before it serves; the process ends if it cannot
+    match = re.search(r"on (http://127\.0\.0\.1:\d+/) \(this machine only\)", line)
+    assert match, (line, process.poll() is not None and process.stderr.read())
+    url = match.group(1)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+      try:
+        with urllib.request.urlopen(url + "api/info", timeout=5) as reply:
+          info = json.loads(reply.read())
+        break
+      except (urllib.error.URLError, ConnectionError):
+        assert time.monotonic() < deadline and process.poll() is None, "megajax-scope did not answer"
+        time.sleep(0.1)
+    assert info["num_layers"] == 3 and [layer["kind"] for layer in info["layers"]] == ["local", "local", "global"]
+    with urllib.request.urlopen(url, timeout=WAIT_S) as reply:
+      assert "MegaScope" in reply.read().decode()
+  finally:
+    process.terminate()
+    process.wait(timeout=30)
+  result = run_module(["-m", "megajax.launch.scope.cli", f"--workdir={run}", "--port=70000"])
+  assert result.returncode == 2 and result.stderr.strip() == \
+      "megajax-scope: flag error: --port=70000: not a port; use 1 .. 65535, or 0 for any free one", result.stderr

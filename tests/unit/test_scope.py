@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from megajax.config import default_config
+from megajax.launch.bench import scope as bench
 from megajax.layers.attention import sliding_window_mask
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.observe import scope
@@ -156,3 +157,8 @@ def test_heatmaps_take_the_selected_heads_slice(model):
   np.testing.assert_array_equal(k, inside["0:k"][:, 1])
   residual, width = scope.heatmap(inside, dataclasses.replace(config), 1, "residual", head=0, features=16)
   assert residual.shape == (len(PROMPT), 16) and width == config.hidden_dim
+
+
+def test_the_latency_benchmark_times_plain_and_captured_decoding():
+  (row,) = bench.run(repeats=1, new_tokens=2, sizes=("tiny",))
+  assert row["params"] > 0 and all(row[k] > 0 for k in ("plain_ms", "capture_ms", "inspect_ms"))
