@@ -64,7 +64,8 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches: int,
                          reduce_grads: Callable | None = None, zero_grads=None, probes=None,
-                         reduce_sum: Callable | None = None, first_microbatch: Callable | None = None):
+                         reduce_sum: Callable | None = None, first_microbatch: Callable | None = None,
+                         in_order: Callable | None = None):
   """Summed gradients and stats over microbatches; one microbatch's activations live at a time.
 
   `reduce_grads` maps each microbatch's gradients to what is summed (ZeRO-2 per microbatch:
@@ -78,6 +79,11 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
   stats), gradients, the params every later microbatch uses; the 3D step's ZeRO gathers,
   issued inside its forward: `params` is then None). `probes` (megajax.observe.Probes) when
   the stats carry captured activation statistics: their zeros and how microbatches combine.
+  `in_order(microbatch, carry) -> microbatch`: each microbatch after the first made to depend on
+  the running sum, bit for bit the same: a microbatch's forward needs nothing the others
+  compute, and outside a loop (the last one with `reduce_sum`, a scan of one that XLA inlines)
+  XLA ran it before or beside them, holding two or three microbatches' activations at once,
+  which is what accumulating was meant to avoid.
   """
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
   identity = lambda grads: grads
@@ -94,6 +100,8 @@ def accumulate_gradients(loss_sums: Callable, params, batch: dict, microbatches:
 
   def one_microbatch(carry, microbatch):
     grads_sum, stats_sum = carry
+    if in_order is not None:
+      microbatch = in_order(microbatch, carry)
     (_, stats), grads = grad_fn(params, microbatch)
     return (jax.tree.map(jnp.add, grads_sum, reduce_grads(grads)), add_stats(stats_sum, stats)), None
 

@@ -46,7 +46,7 @@ from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding, zero
 from megajax.parallel import collectives
-from megajax.parallel.mesh import DP, PP, TP, batch_sharding, batch_spec
+from megajax.parallel.mesh import DP, MESH_AXES, PP, TP, after, batch_sharding, batch_spec, varying_axes
 from megajax.parallel.pipeline import simulate
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
@@ -63,6 +63,24 @@ XLA_WINDOWED_EINSUM_OPTIONS = {
 # every hop: the permutes then run back to back with nothing under them (the deviceless H100
 # compile shows it: tests/integration/test_gpu_compile.py). Threshold 0: no dot is merged.
 COLLECTIVE_MATMUL_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def _after_the_others(microbatch: dict, carry) -> dict:
+  """A microbatch's tokens, bit for bit, once the running sum of the ones before exists
+  (mesh.after: a data dependency, which XLA:CPU keeps where it drops a barrier): its forward
+  then starts after their backwards (but the first layer's), and one microbatch's activations
+  live at a time. The dependency is one element of every summed gradient leaf, a scalar
+  psum'ed over the axes the tokens do not vary over (tp: one 4-byte all-reduce a microbatch) so
+  that the tokens keep their type."""
+  tokens = microbatch["inputs"]
+  # Not the first layer's and the embedding's, the backward's last: the next forward's first
+  # layer (its tp ring's first hop) may then run under them, as it did before the order.
+  grads = {name: leaf for name, leaf in carry[0].items() if name not in ("embedding", "layer_0")}
+  done = sum(jnp.ravel(jax.lax.stop_gradient(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(grads))
+  beyond = tuple(axis for axis in MESH_AXES if axis in varying_axes(done) - varying_axes(tokens))
+  if beyond:
+    done = collectives.psum(done, beyond)
+  return {**microbatch, "inputs": after(tokens, done, tokens[0, 0] < 0)}   # token ids are never negative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +244,8 @@ class ParallelStep:
       master = zero.gathered_zeros(params, self.layouts, model=m)
       grads, stats = accumulate_gradients(loss, None, batch, c.train.microbatches, first_microbatch=first,
                                           reduce_grads=lambda g: reduce_scatter(zero.to_master_dtype(g, master)),
-                                          zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes)
+                                          zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes,
+                                          in_order=_after_the_others)
     else:
       # grad_sync="step": the scan sums full local gradients (fp32, shaped like the gathered
       # parameters) over the microbatches between the first and the last; the last one's
@@ -235,7 +254,8 @@ class ParallelStep:
       # layers' backward runs.
       grads, stats = accumulate_gradients(
           loss, None, batch, c.train.microbatches, first_microbatch=first, zero_grads=zero.gradient_accumulators(sinks),
-          probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)))
+          probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)),
+          in_order=_after_the_others)
     # Captured statistics are global already (reduced over dp and tp where they were taken).
     return grads, {k: v if k == "capture" else collectives.psum(v, DP) for k, v in stats.items()}
 

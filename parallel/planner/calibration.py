@@ -158,10 +158,32 @@ MEMORY_CASES += (
                                                            "model.compute_dtype": "bfloat16", "train.batch_size": 8,
                                                            "train.microbatches": 4}),
 )
+# Chosen, and measured once, after the microbatch ordering (step._after_the_others) and the fit
+# set's cases for it: unseen by the terms and the fit.
+MEMORY_CASES += (
+    MemoryCase("dp 2, 3 microbatches, h 224, seq 64, swiglu, bf16",
+               {"model.hidden_dim": 224, "model.num_heads": 7, "model.seq_len": 64, "model.vocab_size": 768,
+                "parallel.dp": 2, "model.mlp": "swiglu", "model.compute_dtype": "bfloat16",
+                "train.batch_size": 12, "train.microbatches": 3}),
+    MemoryCase("dp 4 tp 2, 2 microbatches, h 256, seq 48, parallel block",
+               {"model.hidden_dim": 256, "model.num_heads": 8, "model.seq_len": 48, "model.vocab_size": 1024,
+                "parallel.dp": 4, "parallel.tp": 2, "model.block": "parallel", "train.batch_size": 16,
+                "train.microbatches": 2}),
+    MemoryCase("tp 2, 4 microbatches, grad_sync microbatch, h 160, 6 layers, bf16, lamb",
+               {"model.hidden_dim": 160, "model.num_heads": 10, "model.seq_len": 64, "model.vocab_size": 640,
+                "model.num_layers": 6, "parallel.tp": 2, "parallel.grad_sync": "microbatch",
+                "model.compute_dtype": "bfloat16", "optimizer.name": "lamb", "train.batch_size": 16,
+                "train.microbatches": 4}),
+)
 
 
 # Cases outside MEMORY_TOLERANCE, and why as far as known (the integration test holds the list).
-MEMORY_KNOWN_MISSES: dict[str, str] = {}
+MEMORY_KNOWN_MISSES: dict[str, str] = {
+    "dp 2, 3 microbatches, h 224, seq 64, swiglu, bf16":
+        "+12.2% (over: the safe side), unseen: with grad_sync step 3 microbatches leave a scan of one between "
+        "the first and the last, which XLA inlines, so no loop carries the sum the accumulator term counts "
+        "(weight 0.79, fitted on 3- and 4-microbatch cases at h 128 / 256); not changed after it was seen",
+}
 
 
 def memory_case_config(case: MemoryCase):

@@ -72,44 +72,46 @@ XLA_GPU_PIPELINE = dict(params=1.718, step_sum=0.000, gather=0.503, layer=3.772,
 # other buffers than XLA:CPU's: the weight of each of single_stage_terms' terms, non-negative least
 # squares (relative error) on XLA:GPU's bytes of memory_gpu_fit.GPU_FIT_CASES, 43 configs (bf16,
 # compiled for a described H100 without a GPU: parallel.deviceless; measured:
-# memory_measured_gpu.py): 42 of 43 within 10%, rms 4.1% (refitted 2026-12-05 on LAYER_WIDTHS:
-# the held-out cases then moved by -3.6 to +5.8 points, one more of them past 10%, on the
-# over-predicting side: memory_gpu_fit.GPU_KNOWN_MISSES). How the terms took shape: the first
-# fit (no microbatch, ring or large terms; 30 small configs) missed the held-out 1.3B LAMB 4x row
-# by -13%; the step's structure then gave the terms (m > 1: the first and last microbatches run
-# outside the scan, unordered, m > 2: the scan's fp32 sum; tp > 1: the ring's fp32 partials), and
-# the fit set gained the configs to fit them and four at 15-22 GB a device. The last four
-# memory_gpu_fit.GPU_HELD_OUT cases were added after that, unseen. The bf16 copy of the weights
-# is collinear with the params term in a set that is all bf16 (its weight: 0, the params' 0.465).
-XLA_GPU = dict(params=0.465,     # param-sized buffers per stage param (gradients, update temporaries)
+# memory_measured_gpu.py): 43 of 43 within 10%, rms 3.8% (refitted 2026-12-05 after the microbatch
+# ordering, step._after_the_others: XLA:GPU had run the microbatches outside the scan beside the
+# others; the 4-microbatch fit cases and MFU rows now hold 16-24% less, and the second
+# microbatch's remainder weighs 0.32, was 1.21). How the terms took shape: the first fit (no
+# microbatch, ring or large terms; 30 small configs) missed the held-out 1.3B LAMB 4x row by
+# -13%; the step's structure then gave the terms (m > 1: a second microbatch, m > 2: the scan's
+# fp32 sum; tp > 1: the ring's fp32 partials), and the fit set gained the configs to fit them and
+# four at 15-22 GB a device. The last four memory_gpu_fit.GPU_HELD_OUT cases were added after
+# that, unseen; the terms did not change with the ordering, the data did (all remeasured). The
+# bf16 copy of the weights is collinear with the params term in a set that is all bf16.
+XLA_GPU = dict(params=0.538,     # param-sized buffers per stage param (gradients, update temporaries)
                compute_copy=0.000,  # the stage's weights in the compute dtype (fused operands), when it differs
-               gather=0.849,     # dp > 1: per gathered param, in the dtype it is gathered in
-               accumulator=1.024,  # m > 2: the scan's gradient sum over the middle microbatches
-               next_microbatch=1.207,  # m > 1: what one more microbatch keeps (the first and the
-                                       # last run outside the scan, nothing orders them)
-               ring=1.286,       # tp > 1: the collective-matmul ring's fp32 partial products of a
+               gather=0.485,     # dp > 1: per gathered param, in the dtype it is gathered in
+               accumulator=0.854,  # m > 2: the scan's gradient sum over the middle microbatches
+               next_microbatch=0.321,  # m > 1: what is left of a second microbatch's activations
+               ring=1.503,       # tp > 1: the collective-matmul ring's fp32 partial products of a
                                  # layer's column-parallel matmul (GPUs' default tp_overlap)
-               saved=0.993,      # what the remat policy keeps per layer, all layers (LAYER_WIDTHS for none)
+               saved=0.984,      # what the remat policy keeps per layer, all layers (LAYER_WIDTHS for none)
                rebuilt=0.000,    # remat dots / full: one layer's activations rebuilt in its backward
-               scores=1.138,     # attention scores of unfused attention (xla)
-               logits=1.938)     # the head's fp32 logits
+               scores=1.131,     # attention scores of unfused attention (xla)
+               logits=1.874)     # the head's fp32 logits
 
-# ... and the single stage on CPU devices: the same terms (activations counted in fp32, and the
-# microbatches XLA:CPU holds at once: cpu_microbatches_outside_loop), weighted by non-negative
-# least squares (relative error) on XLA:CPU's bytes of memory_cpu_fit.CPU_FIT_CASES, 40 configs
-# (fp32 and bf16; data: memory_measured_cpu.py): 34 of 40 within 10%, rms 6.6%, worst +11.5%.
-# XLA:CPU runs a remat policy's recomputation early, so its bytes are remat none's whatever the
-# policy (memory() weighs none on CPU). The held-out calibration.MEMORY_CASES: 16 of 16 within
-# 10% (the bf16 single stage was -24% to -35% with the constants this replaced, 2026-12-05).
-XLA_CPU = dict(params=1.540,          # param-sized buffers (gradients, update temporaries)
+# ... and the single stage on CPU devices: the same terms (activations counted in fp32),
+# weighted by non-negative least squares (relative error) on XLA:CPU's bytes of
+# memory_cpu_fit.CPU_FIT_CASES, 44 configs (fp32 and bf16; data: memory_measured_cpu.py): 39 of
+# 44 within 10%, rms 6.5%, worst -16.1% (refitted 2026-12-05 after the microbatch ordering,
+# step._after_the_others, which took the single stage's extra microbatches out: XLA:CPU held
+# 2 / 3 microbatches' activations at once with 2 / 3 of them, now one; the fit set gained four
+# cases for it). XLA:CPU runs a remat policy's recomputation early, so its bytes are remat none's
+# whatever the policy (memory() weighs none on CPU). The held-out calibration.MEMORY_CASES: 18 of
+# 19 within 10% (calibration.MEMORY_KNOWN_MISSES).
+XLA_CPU = dict(params=1.971,          # param-sized buffers (gradients, update temporaries)
                compute_copy=0.000, gather=0.000,   # fitted to nothing beyond the params' term
-               accumulator=0.134,     # m > 2: the scan's gradient sum
-               next_microbatch=1.498,  # the microbatches held beside one (outside the scan)
+               accumulator=0.791,     # m > 2: the scan's gradient sum
+               next_microbatch=0.326,  # m > 1: what is left of a second microbatch's activations
                ring=0.000,            # the fit set's tp is plain collectives (tp_overlap none)
-               saved=0.667,           # what one layer keeps (LAYER_WIDTHS), all layers
+               saved=0.514,           # what one layer keeps (LAYER_WIDTHS), all layers
                rebuilt=0.000,         # remat is none on CPU
-               scores=1.963,          # unfused attention scores
-               logits=2.079)          # the head's fp32 logits
+               scores=2.016,          # unfused attention scores
+               logits=1.856)          # the head's fp32 logits
 
 # Which Memory part each pipeline term belongs to.
 PIPELINE_PARTS = dict(params="params_temp", step_sum="params_temp", gather="params_temp",
@@ -312,16 +314,14 @@ def single_stage_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: s
     terms["compute_copy"] = counts.stage * cb
   if plan.dp > 1:
     terms["gather"] = counts.gathered_bytes(cb, pb)
-  if plan.microbatches > 2:
+  if plan.microbatches > 2:    # the scan's running sum (m = 2: the first's gradients are the sum; the fit set prefers it)
     terms["accumulator"] = counts.stage * 4 if plan.grad_sync == "step" else counts.shard * pb
   if plan.tp > 1:
     widths = c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + len(MLP_INPUTS[c.mlp]) * c.mlp_dim
     terms["ring"] = plan.micro_batch * c.seq_len * widths / plan.tp * 4
   kept, scores = _layer_kept(act, plan, remat, fused_attention)     # scores only under remat none
   terms["saved"] = (kept - scores) * c.num_layers
-  if platform == "cpu":
-    terms["next_microbatch"] = cpu_microbatches_outside_loop(plan) * kept * c.num_layers
-  elif plan.microbatches > 1:
+  if plan.microbatches > 1:     # run one after another (step._after_the_others): what is left, fitted
     terms["next_microbatch"] = (kept - scores) * c.num_layers
   if remat == "none":
     terms["scores"] = scores * c.num_layers
@@ -330,20 +330,6 @@ def single_stage_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: s
     terms["rebuilt"] = none_layer - terms["scores"]
   terms["logits"] = plan.micro_batch * c.seq_len * c.vocab_size / plan.tp * 4
   return terms
-
-
-def cpu_microbatches_outside_loop(plan: Plan) -> int:
-  """The single stage's microbatches beyond one whose activations XLA:CPU holds at once: those
-  outside the microbatch scan (reference_step.accumulate_gradients: the first before it, with
-  grad_sync "step" the last after it, and a scan of one microbatch, which XLA inlines), less one.
-  Measured (memory_measured_cpu.py): 2 microbatches hold twice one's activations, 3 three times,
-  4 twice; with grad_sync "microbatch", 4 once."""
-  m = plan.microbatches
-  if m == 1:
-    return 0
-  after = 1 if plan.grad_sync == "step" else 0
-  in_scan = m - 1 - after
-  return after + (1 if in_scan == 1 else 0)
 
 
 def pipeline_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: str,

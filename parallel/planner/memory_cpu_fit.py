@@ -50,6 +50,12 @@ _SHAPES = {
     "h 256, seq 32": {"model.hidden_dim": 256, "model.seq_len": 32},
     "h 256, seq 32, 2 microbatches, dp 2": {"model.hidden_dim": 256, "model.seq_len": 32, "parallel.dp": 2,
                                             "train.batch_size": 16, "train.microbatches": 2},
+    # Added with the microbatch ordering (step._after_the_others), where the gradient sum then
+    # counts for more: more microbatches with parameters outweighing activations.
+    "h 256, seq 32, 4 microbatches, dp 4": {"model.hidden_dim": 256, "model.seq_len": 32, "parallel.dp": 4,
+                                            "train.batch_size": 32, "train.microbatches": 4},
+    "h 256, seq 32, 3 microbatches, dp 2, tp 2": {"model.hidden_dim": 256, "model.seq_len": 32, "parallel.dp": 2,
+                                                  "parallel.tp": 2, "train.batch_size": 24, "train.microbatches": 3},
 }
 CPU_FIT_CASES = tuple(
     MemoryCase(f"{shape}, {dtype}", {**CPU_BASE, **overrides, "model.compute_dtype": dtype})

@@ -14,6 +14,7 @@ import pytest
 
 from megajax.config import TP_OVERLAP_CHOICES
 from megajax.parallel import fused, zero
+from megajax.parallel.deviceless import bytes_per_device
 from tests.support.hlo import collective_counts, compiled_step_text, computations, mesh_groups, replica_groups
 from tests.support.reference import BATCH, SEQ, parallel_step_for, parallel_config, pipeline_config
 
@@ -312,3 +313,21 @@ def test_zero_gathers_the_linears_in_the_compute_dtype(monkeypatch):
   assert fp32["count"] == {gather + ("f32",): len(cast) - packed, scatter + ("f32",): len(cast) - packed}
   assert fp32["bytes"][gather + ("f32",)] == 4 * (linears + others)
   assert got["bytes"][scatter + ("f32",)] == fp32["bytes"][scatter + ("f32",)]
+
+
+@pytest.mark.cpu_only
+def test_microbatches_run_one_after_another():
+  """Gradient accumulation holds one microbatch's activations at a time: each microbatch's
+  forward depends on the running sum (step._after_the_others). Without it XLA ran the ones
+  outside a loop (the last after the scan, a scan of one it inlines) beside the others: dp2-tp2,
+  3 microbatches held 2.4x the bytes of one (XLA:CPU, grad_sync step), 1.15x with it; the
+  gradients and the loss are the reference's either way (tests/integration/test_parallel_reference.py)."""
+  def step_bytes(microbatches):
+    config = parallel_config(dp=2, tp=2, microbatches=microbatches, layers=4)
+    config.model.hidden_dim, config.model.seq_len = 128, 128
+    config.train.batch_size = 4 * microbatches
+    step = parallel_step_for(config)
+    return bytes_per_device(step.train_step().lower(*step.abstract_inputs()).compile())
+
+  one, three = step_bytes(1), step_bytes(3)
+  assert three < 1.4 * one, (three, one)

@@ -167,7 +167,9 @@ def test_cpu_memory_weights_are_the_fit_to_xla_cpu_and_hold_the_held_out_cases()
   assert not any(case.overrides in fitted_overrides for case in held_out)
   fitted, errors = memory_cpu_fit.fit(memory_measured_cpu.FIT)
   assert fitted == pytest.approx(memory.XLA_CPU, abs=0.006)
-  assert max(abs(e) for e in errors.values()) < 0.15
+  # 0.17: the worst fit case since the microbatch ordering, h 256 seq 32 with 4 microbatches on
+  # dp 4 in bf16, is -16.1% (parameters outweigh activations there; the dp gather weighs 0 on CPU)
+  assert max(abs(e) for e in errors.values()) < 0.17
   for case in held_out:
     error = calibration.predicted_bytes(calibration.memory_case_config(case)) / memory_measured_cpu.HELD_OUT[case.name] - 1
     print(f"{case.name:70} {100 * error:+.1f}%")
@@ -229,12 +231,16 @@ def test_the_gpu_memory_cases_mfu_rows_are_the_suites_own(size, shape, seq):
 
 def test_the_mfu_suites_3b_lamb_row_takes_smaller_microbatches_to_fit_an_h100():
   """bench train's rule (fit_to): remat full, then the same batch in more microbatches until
-  the estimate fits 92% of an H100 (80 GB): the 3B LAMB 4x row at s = 8192 needs it."""
+  the estimate fits 92% of an H100 (80 GB). The 3B LAMB 4x row at s = 8192 fits with remat full
+  and its 4 microbatches since they run one after another (XLA:GPU 68.18 GiB, was 81.20: it took
+  8); on a smaller device it still takes more."""
   limit = train_bench.GPU_MEMORY_FRACTION * deviceless.GPU_TARGETS["h100-80g"].memory_bytes
-  config = train_bench.fit_to(train_bench.row_config("3b", 8192, 2048, train_bench.ROWS.index("+ LAMB 4x"), True),
-                              limit)
-  assert (config.model.remat, config.train.batch_size) == ("full", 16) and config.train.microbatches > 4
+  row = lambda: train_bench.row_config("3b", 8192, 2048, train_bench.ROWS.index("+ LAMB 4x"), True)
+  config = train_bench.fit_to(row(), limit)
+  assert (config.model.remat, config.train.batch_size, config.train.microbatches) == ("full", 16, 4)
   assert estimate(config, "gpu").total <= limit
+  smaller = train_bench.fit_to(row(), 0.8 * limit)
+  assert smaller.train.microbatches > 4 and estimate(smaller, "gpu").total <= 0.8 * limit
   baseline = train_bench.fit_to(train_bench.row_config("1.3b", 2048, 512, 0, True), limit)
   assert (baseline.model.remat, baseline.train.microbatches) == ("dots", 1)
 
