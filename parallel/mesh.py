@@ -61,7 +61,7 @@ def after(x, deps, never):
   earliest an asynchronous collective on `x` can start. The result varies over the mesh
   axes of x, deps and never together. No gradient flows into `deps` (an order, not a value:
   inside a differentiated function a cotangent there would transpose whatever made them)."""
-  return jnp.where(never, _picked(deps).astype(x.dtype), x)
+  return jnp.where(never, picked(deps).astype(x.dtype), x)
 
 
 def after_by_one_element(x, deps, never):
@@ -71,10 +71,10 @@ def after_by_one_element(x, deps, never):
   consumer fuses it), and the gradient w.r.t. x is the cotangent itself (after()'s select
   has a select of the cotangent for transpose)."""
   first = (0,) * x.ndim
-  return x.at[first].add(jnp.where(never, _picked(deps), -0.0).astype(x.dtype))
+  return x.at[first].add(jnp.where(never, picked(deps), -0.0).astype(x.dtype))
 
 
-def _picked(deps):
+def picked(deps):
   """One element of each leaf of `deps`, summed (fp32), no gradient: what after() selects."""
   return sum(jnp.ravel(jax.lax.stop_gradient(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))
 

@@ -46,7 +46,7 @@ from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding, zero
 from megajax.parallel import collectives
-from megajax.parallel.mesh import DP, MESH_AXES, PP, TP, after, batch_sharding, batch_spec, varying_axes
+from megajax.parallel.mesh import DP, MESH_AXES, PP, TP, after, batch_sharding, batch_spec, picked, varying_axes
 from megajax.parallel.pipeline import simulate
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
@@ -76,7 +76,7 @@ def _after_the_others(microbatch: dict, carry) -> dict:
   # Not the first layer's and the embedding's, the backward's last: the next forward's first
   # layer (its tp ring's first hop) may then run under them, as it did before the order.
   grads = {name: leaf for name, leaf in carry[0].items() if name not in ("embedding", "layer_0")}
-  done = sum(jnp.ravel(jax.lax.stop_gradient(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(grads))
+  done = picked(grads)
   beyond = tuple(axis for axis in MESH_AXES if axis in varying_axes(done) - varying_axes(tokens))
   if beyond:
     done = collectives.psum(done, beyond)

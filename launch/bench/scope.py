@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from megajax.config import CONFIGS_DIR, default_config, load_config
-from megajax.model import GPT, ModelConfig, init_params
+from megajax.launch.bench.timing import median_seconds
+from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.observe import scope
 from megajax.sampling import Sampling
 
@@ -41,8 +42,7 @@ def _tiny() -> ModelConfig:
 
 def _per_token(params, config, new_tokens: int, capture: bool) -> float:
   started = time.perf_counter()
-  for _ in scope.decode(params, config, PROMPT, new_tokens, Sampling(0.0, 0, 1.0), capture=capture):
-    pass
+  list(scope.decode(params, config, PROMPT, new_tokens, Sampling(0.0, 0, 1.0), capture=capture))
   return (time.perf_counter() - started) / new_tokens
 
 
@@ -63,11 +63,11 @@ def run(repeats: int = 20, new_tokens: int = 32, sizes: tuple[str, ...] = ("tiny
   for name, make in models.items():
     config = make()
     params = init_params(GPT(config), jax.random.key(0))
-    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    count = count_params(params)
     plain, captured = _side_by_side(lambda: _per_token(params, config, new_tokens, False),
                                     lambda: _per_token(params, config, new_tokens, True), repeats)
     tokens = PROMPT + list(range(100, 100 + new_tokens))
-    inspect = _median(lambda: _inspect(params, config, tokens), max(3, repeats // 4), per_call=True)
+    inspect = median_seconds(_inspect, params, config, tokens, repeats=max(3, repeats // 4))
     rows.append(dict(model=name, params=count, plain_ms=1e3 * plain, capture_ms=1e3 * captured,
                      inspect_ms=1e3 * inspect))
     print(f"{name:24s} {count:>10,d} {1e3 * plain:15.2f} {1e3 * captured:17.2f} {captured / plain:14.2f} "
@@ -81,15 +81,3 @@ def _side_by_side(first, second, repeats: int) -> tuple[float, float]:
   first(), second()
   values = [(first(), second()) for _ in range(repeats)]
   return float(np.median([a for a, _ in values])), float(np.median([b for _, b in values]))
-
-
-def _median(fn, repeats: int, per_call: bool = False) -> float:
-  """Median of `fn`'s result (seconds per token) over `repeats` calls after one warm-up; with
-  per_call, of the calls' own durations."""
-  fn()
-  values = []
-  for _ in range(repeats):
-    started = time.perf_counter()
-    value = fn()
-    values.append(time.perf_counter() - started if per_call else value)
-  return float(np.median(values))
