@@ -120,13 +120,51 @@ GPU_HELD_OUT = (
     MemoryCase("h 1536, 12 layers, seq 1024, 4 microbatches, parallel block",
                {**GPU_BASE, "model.hidden_dim": 1536, "model.num_heads": 12, "model.num_layers": 12,
                 "model.seq_len": 1024, "model.block": "parallel", "train.batch_size": 16, "train.microbatches": 4}),
-)
+) + tuple(
+    # A second audit (2026-12-05) of tp with microbatches, where the case above was the only one:
+    # the fit set's small shape and its large one with tp 2-4 and 2-4 microbatches under each remat
+    # policy, measured once, after the fit, never fitted on.
+    MemoryCase(name, {**GPU_BASE, **overrides}) for name, overrides in {
+        "tp 4, 2 microbatches": {"parallel.tp": 4, "train.batch_size": 8, "train.microbatches": 2},
+        "tp 2, 2 microbatches": {"parallel.tp": 2, "train.batch_size": 8, "train.microbatches": 2},
+        "tp 4, 3 microbatches": {"parallel.tp": 4, "train.batch_size": 12, "train.microbatches": 3},
+        "tp 4, 4 microbatches, dp 2": {"parallel.dp": 2, "parallel.tp": 4, "train.batch_size": 16,
+                                       "train.microbatches": 4},
+        "tp 4, 2 microbatches, remat none": {"parallel.tp": 4, "train.batch_size": 8, "train.microbatches": 2,
+                                             "model.remat": "none"},
+        "tp 4, 2 microbatches, remat full": {"parallel.tp": 4, "train.batch_size": 8, "train.microbatches": 2,
+                                             "model.remat": "full"},
+        "tp 2, 2 microbatches, remat full": {"parallel.tp": 2, "train.batch_size": 8, "train.microbatches": 2,
+                                             "model.remat": "full"},
+        "tp 4, h 1024, 2 microbatches": {"parallel.tp": 4, "model.hidden_dim": 1024, "model.num_heads": 8,
+                                         "train.batch_size": 8, "train.microbatches": 2},
+        "h 1024, seq 128, 2 microbatches, tp 4": {**_WIDE_SHORT, "parallel.tp": 4, "train.batch_size": 8,
+                                                  "train.microbatches": 2},
+        "h 2048, 8 layers, seq 2048, batch 8, tp 4": {**_LARGE, "parallel.tp": 4},
+        "h 2048, 8 layers, seq 2048, batch 16, 2 microbatches, tp 2": {
+            **_LARGE, "train.batch_size": 16, "train.microbatches": 2, "parallel.tp": 2},
+        "h 2048, 8 layers, seq 2048, batch 16, 2 microbatches, tp 4": {
+            **_LARGE, "train.batch_size": 16, "train.microbatches": 2, "parallel.tp": 4},
+    }.items())
+
+# tp with microbatches off the planner's sizes: what the second audit found (2026-12-05).
+_SMALL_TP_MICROBATCHES = (
+    "under: tp 2-4 with 2-4 microbatches at 0.1-0.4 GiB a device (h 512-1024, seq 128-512). XLA:GPU "
+    "holds more there than the terms count: at tp 4, remat none, the forward ring's outputs are 117 MB "
+    "with one microbatch (4 x their [b, s, f/tp] fp32 size) and 147 MB with two, and with 2 microbatches "
+    "the first one's weight gradients stay live while the second runs (22 MB). The same layouts at "
+    "seq 2048, h 2048 (1.6-9 GiB) are within 8% (three cases), and a described H100 with 200 MiB "
+    "(memory pressure for the scheduler) still holds 175-314 MiB: not modelled")
 
 # Held-out cases outside 10%, and why as far as known (the unit test holds the list).
 GPU_KNOWN_MISSES = {
     "dp 2, tp 4, h 2048, 8 layers, seq 2048, 2 microbatches":
         "-12.3% (under; unseen case; -19.4% before the microbatch ordering, when XLA held 4.34 GiB, now 3.16): "
         "tp 4 with microbatches; the fit set's tp cases beyond 2 have one microbatch",
+    **{name: _SMALL_TP_MICROBATCHES for name in (
+        "tp 4, 2 microbatches", "tp 2, 2 microbatches", "tp 4, 3 microbatches", "tp 4, 4 microbatches, dp 2",
+        "tp 4, 2 microbatches, remat none", "tp 4, 2 microbatches, remat full", "tp 2, 2 microbatches, remat full",
+        "tp 4, h 1024, 2 microbatches", "h 1024, seq 128, 2 microbatches, tp 4")},
 }
 
 
