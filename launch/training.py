@@ -12,6 +12,7 @@ import sys
 from typing import Callable
 
 from absl import logging
+import jax
 
 from megajax import trainer
 from megajax.checkpoint import CheckpointError
@@ -19,6 +20,7 @@ from megajax.config import ConfigError
 from megajax.launch.cli import QuietLibraries, fail, join_job, one_line_errors
 from megajax.launch.cluster import TopologyError
 from megajax.launch.runtime import configure_runtime
+from megajax.observe.goodput_ledger import job_ledger
 from megajax.trainer.workdir import WorkdirError, check_workdir
 
 
@@ -97,3 +99,8 @@ def run_training(program: str, config, workdir: str, topology: tuple = (None, No
     return
   last = result.history[-1]
   logging.info("done: step %d, loss %.4f; metrics in %s/metrics.jsonl", last["step"], last["loss"], workdir)
+  book = job_ledger(workdir) if workdir and jax.process_index() == 0 else None
+  if book is not None:
+    logging.info("goodput: effective training time ratio %.1f%% (%d steps x %.3f s / %.1f s of wall time, %d "
+                 "run(s)); where the rest went: megajax-goodput %s", 100 * book.ratio, book.kept_steps,
+                 book.iteration_s, book.wall_s, len(book.attempts), workdir)

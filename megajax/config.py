@@ -15,6 +15,8 @@ keys its registry by them (e.g. megajax.layers.ATTENTION_IMPLS, tested equal).
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 
@@ -568,11 +570,23 @@ def _observe() -> ml_collections.ConfigDict:
   o.perturb_scale = 0.0
   o.perturb_bit = 30
   o.perturb_fraction = 1e-3
+  # Weights & Biases as a tracker (pip install 'megajax[wandb]'; nothing of it is imported when
+  # off): a project name logs what TensorBoard gets (loss, eval, throughput, MFU, goodput/*,
+  # checkpoint times; x axis train/step) and the config, from process 0, into one W&B run per
+  # workdir: a restart or resume continues it (its id is kept in WORKDIR/wandb_run_id). Its files
+  # go under WORKDIR/wandb/; WANDB_MODE=offline keeps them there, no network (`wandb sync` uploads).
+  o.wandb_project = ""
+  o.wandb_entity = ""       # the team or user; "": W&B's default for the logged-in account
   return o
 
 
 def _check_observe(config) -> None:
   o, p = config.observe, config.parallel
+  check.require(not o.wandb_project or importlib.util.find_spec("wandb") is not None, "observe.wandb_project",
+                o.wandb_project, "Weights & Biases is not installed", "pip install 'megajax[wandb]', or set "
+                "observe.wandb_project=''")
+  check.require(not set("/\\#?%:") & set(o.wandb_project), "observe.wandb_project", o.wandb_project,
+                "W&B project names cannot hold / \\ # ? % :", "e.g. my-gpt-runs")
   check.non_negative_int(config, "observe.trace_every")
   check.positive_int(config, "observe.capture_every")
   check.non_negative_int(config, "observe.capture_sample")

@@ -32,6 +32,7 @@ from megajax.config import apply_overrides
 from megajax.launch.supervisor.diagnostics import processes_to_evict
 from megajax.launch.supervisor.hang_view import classify, format_hang_view
 from megajax.launch.supervisor.jobs import POLL_SECONDS, CommandJob, LocalJob, job_wait
+from megajax.observe.goodput import append_supervisor_event, process_start_time
 from megajax.observe.records import INCIDENTS, append_jsonl
 from megajax.trainer.heartbeat import HEARTBEAT_DIR, read_heartbeats
 from megajax.trainer.workdir import SUPERVISOR_LOCK_FILE, WorkdirLock, check_workdir
@@ -122,9 +123,14 @@ class Supervisor:
     workdir cannot be used or another supervisor or training job holds it."""
     supervisor_lock = self._claim_workdir()
     previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+    # The goodput ledger's job starts with this process (its start-up is the job's too).
+    append_supervisor_event(self.workdir, "start", time=process_start_time(), processes=self.processes)
+    code = 1
     try:
-      return self._run()
+      code = self._run()
+      return code
     finally:
+      append_supervisor_event(self.workdir, "end", code=code)
       signal.signal(signal.SIGTERM, previous)
       supervisor_lock.release()
 
@@ -170,6 +176,9 @@ class Supervisor:
       if failure.kind == "preempted":
         return 143
       logging.error("attempt %d failed: %s", attempt, failure.detail)
+      append_supervisor_event(self.workdir, "failure", attempt=attempt, kind=failure.kind,
+                              last_sign_of_life=failure.last_sign_of_life, detected_at=failure.detected_at,
+                              last_step=failure.last_step)
       if failure.kind in ("hang", "heartbeat_lost"):
         # Each live worker prints its threads' Python stacks to its log (SIGUSR1, launch/train.py):
         # where the victims wait and what the suspects were doing.

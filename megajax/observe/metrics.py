@@ -1,4 +1,5 @@
-"""Training metrics: where they go (WORKDIR/metrics.jsonl, TensorBoard scalars, the terminal),
+"""Training metrics: where they go (WORKDIR/metrics.jsonl, TensorBoard scalars, the terminal,
+Weights & Biases when observe.wandb_project names a project: wandb_tracker.py),
 how they are read back, and the throughput / MFU and start-up figures that join them.
 
 Held-out evaluation (train.eval_every) writes records of its own, {"step", "eval_loss",
@@ -21,11 +22,11 @@ import time
 
 from absl import logging
 import jax
-import psutil
 import tensorboardX
 
 from megajax.flops import mfu, training_flops_per_token
 from megajax.model import ModelConfig
+from megajax.observe.goodput import process_start_time
 from megajax.observe.records import METRICS, drop_after, read_jsonl
 
 
@@ -63,12 +64,12 @@ class CompilationCacheCounter:
 
 def seconds_since_process_start() -> float:
   """Wall time since this process started (time to first step includes imports and jax start)."""
-  return time.time() - psutil.Process().create_time()
+  return time.time() - process_start_time()
 
 
 # What the progress bar shows, in this order: each the latest value written (an eval_loss stays
 # until the next evaluation, the training records in between carry none).
-PROGRESS_FIELDS = ("loss", "eval_loss", "tokens_per_sec", "mfu")
+PROGRESS_FIELDS = ("loss", "eval_loss", "tokens_per_sec", "mfu", "goodput/ratio")
 
 
 def _json_number(value):
@@ -84,10 +85,11 @@ class MetricsWriter:
   run starts from (its later records are dropped first); 0 starts the file afresh."""
 
   def __init__(self, workdir: str | None, total_steps: int, enabled: bool = True, progress: bool | None = None,
-               start_step: int = 0):
+               start_step: int = 0, tracker=None):
     self.enabled = enabled
     self.total_steps = total_steps
     self._jsonl = self._tensorboard = self._progress = None
+    self._tracker = tracker       # wandb_tracker.WandbTracker (observe.wandb_project), or None
     self._shown = {}            # PROGRESS_FIELDS' latest values
     if not enabled:
       return
@@ -117,11 +119,15 @@ class MetricsWriter:
       for name, value in record.items():
         if name != "step" and isinstance(value, (int, float)):
           self._tensorboard.add_scalar(name, value, step)
+    if self._tracker:
+      self._tracker.log(step, {k: v for k, v in record.items() if k != "step"})
     self._shown.update({k: record[k] for k in PROGRESS_FIELDS if record.get(k) is not None})
     if self._progress:
       self._progress.update(self._task, completed=step, description=self.progress_line())
     else:
-      summary = "  ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "step")
+      # goodput/*: the ratio on the line, its causes in metrics.jsonl and TensorBoard only
+      summary = "  ".join(f"{k}={_fmt(v)}" for k, v in record.items()
+                          if k != "step" and (not k.startswith("goodput/") or k == "goodput/ratio"))
       logging.info("step %d/%d  %s", step, self.total_steps, summary)
 
   def progress_line(self) -> str:
@@ -140,6 +146,8 @@ class MetricsWriter:
       self._jsonl.close()
     if self._tensorboard:
       self._tensorboard.close()
+    if self._tracker:
+      self._tracker.close()
 
 
 def _fmt(value) -> str:

@@ -3,7 +3,7 @@ r"""The run report: one static HTML page that summarizes a training run (megajax
   write_report("/tmp/run")    # writes /tmp/run/report/index.html and its PNG figures
 
 Reads what the run left in its workdir: metrics.jsonl (required; megajax-train),
-incidents.jsonl (megajax-supervise), traces/analysis/ (megajax-trace) and activations.jsonl
+incidents.jsonl (megajax-supervise), goodput/ (the goodput ledger), traces/analysis/ (megajax-trace) and activations.jsonl
 (config.observe.capture). A missing input leaves its section as one line naming what would
 produce it. The page has no JavaScript and no external resources, so the report folder can be
 copied anywhere and opened offline.
@@ -18,12 +18,13 @@ import os
 import shutil
 import statistics
 
+from megajax.observe.goodput_ledger import LEDGER_CAUSES, job_ledger
 from megajax.observe.metrics import read_metrics
 from megajax.observe.probes import read_activations
 from megajax.observe.records import ACTIVATIONS, INCIDENTS, METRICS, read_jsonl
 from megajax.observe.trace_analysis import HEATMAP_CSV, HEATMAP_PNG, STRAGGLERS, analysis_dir
 SECTIONS = (("loss", "Loss"), ("throughput", "Throughput and MFU"), ("checkpoints", "Checkpoints"),
-            ("incidents", "Incidents"), ("stragglers", "Heat map and stragglers"),
+            ("goodput", "Goodput"), ("incidents", "Incidents"), ("stragglers", "Heat map and stragglers"),
             ("activations", "Activations"), ("tensorboard", "TensorBoard"))
 # The supervisor's incident fields, in reading order; any other field follows these.
 INCIDENT_COLUMNS = ("kind", "attempt", "processes", "hosts", "action", "time_to_detect_s", "time_to_resume_s",
@@ -253,6 +254,68 @@ def checkpoints_section(metrics, report_dir: str) -> str:
           + _table(("step", "step blocked (s)", "start to commit (s)"), rows))
 
 
+# The ledger's causes, coloured: productive green, run-time costs blue / purple, faults red.
+_CAUSE_COLOURS = {"productive": "#2ca02c", "redone": "#d62728", "start": "#9ecae1", "setup": "#6baed6",
+                  "restore": "#4292c6", "compile": "#2171b5", "data_wait": "#fdae6b", "checkpoint": "#9467bd",
+                  "eval": "#c5b0d5", "rollback": "#ff9896", "shutdown": "#bcbddc", "detection": "#e377c2",
+                  "recovery": "#ff7f0e", "idle": "#c7c7c7", "unaccounted": "#7f7f7f"}
+
+
+# A run's causes in the order they come (the laps of one cause are summed into one segment).
+_RUN_ORDER = ("start", "setup", "restore", "compile", "productive", "redone", "data_wait", "checkpoint", "eval",
+              "rollback", "shutdown")
+
+
+def plot_goodput(book, path: str) -> None:
+  """Top: the job's wall time as one bar stacked by cause. Bottom: the timeline, each attempt's
+  span stacked by its own causes, the gaps between them by detection, recovery or idle."""
+  plt = _pyplot()
+  fig, (whole, timeline) = plt.subplots(2, 1, figsize=(11, 2.8 + 0.45 * len(book.attempts)),
+                                        gridspec_kw={"height_ratios": [1, max(1, len(book.attempts))]})
+  left = 0.0
+  for cause in LEDGER_CAUSES:
+    seconds = book.seconds[cause]
+    if seconds > 0:
+      whole.barh(0, seconds, left=left, color=_CAUSE_COLOURS[cause], label=f"{cause} {100 * seconds / book.wall_s:.1f}%")
+      left += seconds
+  whole.set_yticks([])
+  whole.legend(loc="upper left", bbox_to_anchor=(1.01, 1.3), ncol=1, fontsize=7, frameon=False)
+  whole.set_title(f"effective training time ratio {100 * book.ratio:.1f}% ({book.kept_steps} steps kept, "
+                  f"{book.redone_steps} redone)")
+  for row, attempt in enumerate(book.attempts):
+    left = attempt.process_start - book.start
+    for cause in _RUN_ORDER:
+      seconds = attempt.seconds.get(cause, 0.0)
+      if seconds > 0:
+        timeline.barh(row, seconds, left=left, color=_CAUSE_COLOURS[cause])
+        left += seconds
+    timeline.text(attempt.end - book.start, row, f" {attempt.status}", va="center", fontsize=8)
+  timeline.set_yticks(range(len(book.attempts)), [f"attempt {a.attempt}" for a in book.attempts])
+  timeline.invert_yaxis()
+  timeline.set_xlim(0, book.wall_s * 1.15)
+  timeline.set_xlabel("seconds since the job's first launch")
+  _save(fig, path)
+
+
+def goodput_section(workdir: str, report_dir: str) -> str:
+  book = job_ledger(workdir)
+  if book is None:
+    return _note("No goodput records: megajax-train writes WORKDIR/goodput/ (a run before them has none).")
+  plot_goodput(book, os.path.join(report_dir, "goodput.png"))
+  summary = (f"Effective training time ratio (MegaScale 6.3: iterations x iteration time / total time): "
+             f"{book.kept_steps} x {book.iteration_s:.3f} s / {book.wall_s:.1f} s = {100 * book.ratio:.1f}%, over "
+             f"{len(book.attempts)} run(s). megajax-goodput WORKDIR prints this table.")
+  causes = [(cause, f"{book.seconds[cause]:.2f}", f"{100 * book.seconds[cause] / book.wall_s:.1f}%")
+            for cause in LEDGER_CAUSES if book.seconds[cause] > 0]
+  attempts = [(a.attempt, f"{a.process_start - book.start:.1f}", f"{a.end - book.start:.1f}",
+               f"{a.start_step} -> {a.last_step}", a.steps_run, a.redone_steps, f"{a.seconds['compile']:.2f}",
+               f"{a.cache.get('hits', 0)} / {a.cache.get('misses', 0)}", a.status) for a in book.attempts]
+  return (_img("goodput.png", "the job's wall time by cause, and its attempts") + f"<p>{_e(summary)}</p>"
+          + _table(("cause", "seconds", "share"), causes)
+          + _table(("attempt", "start (s)", "end (s)", "steps", "run", "redone", "compile (s)", "cache hits / misses",
+                    "how it ended"), attempts))
+
+
 def incidents_section(workdir: str) -> str:
   path = os.path.join(workdir, INCIDENTS)
   if not os.path.exists(path):
@@ -375,7 +438,8 @@ def write_report(workdir: str) -> str:
   os.makedirs(report_dir, exist_ok=True)
   metrics = read_metrics(os.path.join(workdir, METRICS))
   bodies = {"loss": loss_section(metrics, report_dir), "throughput": throughput_section(metrics, report_dir),
-            "checkpoints": checkpoints_section(metrics, report_dir), "incidents": incidents_section(workdir),
+            "checkpoints": checkpoints_section(metrics, report_dir),
+            "goodput": goodput_section(workdir, report_dir), "incidents": incidents_section(workdir),
             "stragglers": stragglers_section(workdir, report_dir),
             "activations": activations_section(workdir, report_dir), "tensorboard": tensorboard_section(workdir)}
   contents = " &middot; ".join(f'<a href="#{key}">{_e(title)}</a>' for key, title in SECTIONS)

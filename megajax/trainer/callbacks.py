@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import signal
 import threading
+import time
 from typing import Any
 
 from absl import logging
@@ -32,6 +33,7 @@ import ml_collections
 
 from megajax.checkpoint import TrainingCheckpointer
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, StepTracer, Throughput
+from megajax.observe.goodput import GoodputClock
 from megajax.observe.metrics import seconds_since_process_start
 from megajax.parallel import ParallelStep
 from megajax.trainer.heartbeat import Heartbeat
@@ -52,6 +54,8 @@ class Loop:
   metrics: dict | None = None       # its metrics, on device (after_step: dispatched, maybe not done)
   preempted: bool = False           # stop after this step (a checkpoint is saved first)
   history: list = dataclasses.field(default_factory=list)   # the logged metrics, one dict per logged step
+  clock: GoodputClock = dataclasses.field(default_factory=lambda: GoodputClock(started=time.time()))
+                                    # this run's time by cause (observe/goodput.py)
 
   def beat(self, **fields) -> None:
     """Updates this process's heartbeat (nothing without a workdir)."""
@@ -206,7 +210,7 @@ class MetricsLog(Callback):
     metrics = {k: float(v) for k, v in jax.device_get(loop.metrics).items()}   # waits for the step
     record = {**metrics, **self.meter.measure(loop.step), "skipped_steps": self.guard.skipped}
     loop.history.append({"step": loop.step, **record})
-    loop.writer.write(loop.step, record)
+    loop.writer.write(loop.step, {**record, **loop.clock.live_scalars()})
 
 
 class Checkpointing(Callback):
@@ -231,7 +235,10 @@ class Checkpointing(Callback):
         logging.warning("step %d: no checkpoint inside a run of skipped updates (since step %d)", loop.step,
                         self.guard.skipping_since)
       else:
+        loop.clock.lap_after("steps", loop.state)     # the step it saves is the step's time
         blocking = self.checkpointer.save(loop.step, loop.state, loop.batches.get_state())
+        loop.clock.lap("checkpoint")
+        loop.clock.flush()
         logging.info("checkpoint %d: the step waited %.3f s (device -> host); writing in the background",
                      loop.step, blocking)
         loop.writer.write(loop.step, {"ckpt_blocking_s": blocking})
@@ -245,7 +252,9 @@ class Checkpointing(Callback):
   def on_end(self, loop: Loop) -> None:
     if self.checkpointer:
       loop.beat(phase="checkpoint commit")
+      loop.clock.lap("steps")
       self.checkpointer.wait()              # stage 2 of the last save
+      loop.clock.lap("checkpoint")
       self._log_committed(loop)
 
   def _log_committed(self, loop: Loop) -> None:

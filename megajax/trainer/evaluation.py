@@ -85,7 +85,9 @@ class Evaluation(Callback):
     if self.compiled is None:
       return None
     loop.beat(phase=f"eval {loop.step}")
+    loop.clock.lap_after("steps", loop.state)     # the step it evaluates is the step's time
     results = evaluate(self.compiled, loop.state.params, self.batches(), self.parallel_step.put_batch)
+    loop.clock.lap("eval")
     self.evaluated_step = loop.step
     logging.info("step %d: held-out loss %.4f, perplexity %.4g (%d tokens in %d batches)", loop.step,
                  results["eval_loss"], results["eval_perplexity"], results["eval_tokens"], results["eval_batches"])

@@ -28,6 +28,8 @@ from megajax.checkpoint import TrainingCheckpointer, initial_state, save_params
 from megajax.config import validate
 from megajax.model import GPT, ModelConfig, count_params
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
+from megajax.observe.goodput import GoodputClock
+from megajax.observe.wandb_tracker import WandbTracker     # imports wandb only when constructed
 from megajax.parallel import ParallelStep, local_batch_slice, local_device_coordinates, make_mesh
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.planner.fits import check_fits
@@ -35,7 +37,7 @@ from megajax.reference_step import TrainState
 from megajax.tokenizer import check_run_identity, copy_tokenizer, record_run_identity, tokenizer_of
 from megajax.trainer import callbacks, drills
 from megajax.trainer.evaluation import Evaluation
-from megajax.trainer.heartbeat import Heartbeat
+from megajax.trainer.heartbeat import Heartbeat, supervisor_attempt
 from megajax.trainer.nonfinite import NonFiniteGuard
 from megajax.trainer.workdir import claim_workdir
 
@@ -63,6 +65,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
           progress: bool | None = None, devices=None) -> TrainResult:
   """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
   validate(config)
+  # --- Goodput: this run's time by cause from its start (WORKDIR/goodput/, observe/goodput.py).
+  clock = GoodputClock(supervisor_attempt())
   # --- Python's garbage collector: collections at the same steps on every process
   # (runtime.gc_every_steps), from the run's start.
   with callbacks.manual_garbage_collection(config.runtime.gc_every_steps):
@@ -72,12 +76,20 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
     # --- The workdir, this job's alone from before anything is written into it to the export:
     # a second job on it, or one it cannot write, fails here with a WorkdirError (workdir.py).
     with claim_workdir(workdir, config.supervisor.startup_timeout_s):
-      return _train(config, workdir, progress, devices)
+      try:
+        result = _train(config, workdir, progress, devices, clock)
+      except BaseException:
+        clock.close("error")
+        raise
+      clock.close("preempted" if result.preempted else "finished")
+      return result
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: bool | None, devices) -> TrainResult:
+def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: bool | None, devices,
+           clock: GoodputClock) -> TrainResult:
   outcome = {"finished": False}       # the heartbeat's last beat reads it as the stack closes
   with contextlib.ExitStack() as cleanup:    # everything opened below closes in reverse, always
+    clock.lap("start")
     # --- Watching the compiles: every one of this run's, for the persistent cache's hits and misses.
     cache = cleanup.enter_context(CompilationCacheCounter())
 
@@ -94,9 +106,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
 
     # --- Workdir: the config, this process's heartbeat, the checkpointer.
     heartbeat, checkpointer = _open_workdir(config, workdir, parallel_step, cleanup, outcome)
+    clock.lap("setup")
+    if workdir and jax.process_index() == 0:    # written from here: a refused start leaves none
+      clock.open(workdir, config.supervisor.heartbeat_interval_s)
 
     # --- State: the latest complete checkpoint (and the data position it saved), or a fresh one.
     state, start_step = _restore_or_init(config, parallel_step, checkpointer, iterator, heartbeat)
+    clock.set_start_step(start_step)
+    clock.lap("restore")
     _describe(config, parallel_step, state)
 
     # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
@@ -104,12 +121,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
 
     # --- Step: compiled ahead of time; with several processes, every one meets the others first.
     step_fn = _compile_and_meet(config, parallel_step, heartbeat, start_step, evaluation, checkpointer)
+    clock.set_cache(cache.counts)
+    clock.lap("compile")
 
     # --- Loop: the steps, each between its collaborators' callbacks.
     writer = MetricsWriter(workdir, config.train.steps, enabled=jax.process_index() == 0, progress=progress,
-                           start_step=start_step)
+                           start_step=start_step, tracker=_tracker(config, workdir))
     cleanup.callback(writer.close)
-    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, heartbeat=heartbeat, writer=writer)
+    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, heartbeat=heartbeat, writer=writer,
+                          clock=clock)
+    clock.lap("setup")
     _run_loop(loop, step_fn, _callbacks(loop, workdir, checkpointer, step_fn, cache, preemption, evaluation))
     outcome["finished"] = not loop.preempted
 
@@ -121,20 +142,27 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
 
 def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callback]) -> None:
   """The steps from the one after loop.start_step to train.steps, each between its callbacks.
-  The heartbeat names the step before its batch is fetched: a data stall shows in that step."""
+  The heartbeat names the step before its batch is fetched: a data stall shows in that step.
+  The goodput clock charges the wait for the batch to data_wait and the rest to the step but
+  what evaluation, checkpointing and a rollback charge to themselves (loop.clock.lap)."""
+  clock = loop.clock
   for step in range(loop.start_step + 1, loop.config.train.steps + 1):
     loop.step = step
     loop.beat(phase=f"step {step}")
+    clock.lap("steps")
     loop.batch = next(loop.batches)
+    clock.lap("data_wait")
     for collaborator in collaborators:
       collaborator.before_step(loop)
     loop.state, loop.metrics = step_fn(loop.state, loop.batch)
     for collaborator in collaborators:
       collaborator.after_step(loop)
+    clock.step_done(step)
     if loop.preempted:
       break
   for collaborator in collaborators:
     collaborator.on_end(loop)
+
 
 
 def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption, evaluation) -> list:
@@ -157,6 +185,13 @@ def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, pree
 
 
 # --- The sections' one calls.
+
+def _tracker(config, workdir: str | None):
+  """Weights & Biases (observe.wandb_project) on process 0; None when off (wandb not imported)."""
+  if not config.observe.wandb_project or jax.process_index() != 0:
+    return None
+  return WandbTracker(config, workdir)
+
 
 def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, cleanup, outcome: dict):
   """(heartbeat, checkpointer), both None without a workdir; process 0 writes config.json."""

@@ -99,6 +99,7 @@ class NonFiniteGuard(Callback):
     self.rollbacks += 1
     self.in_a_row, self.pending = 0, None   # the step in flight ran on the state being replaced
     restored = None
+    loop.clock.lap("steps")
     loop.state = None                       # its buffers go before the restore's arrive (device memory)
     if self.checkpointer:
       self.checkpointer.wait()
@@ -110,6 +111,9 @@ class NonFiniteGuard(Callback):
       loop.state, to_step = loop.parallel_step.init_state(jax.random.key(self.config.train.seed)), 0
       self.tried.append("the initial state")
     self.rolled_back_to = to_step
+    jax.block_until_ready(loop.state)
+    loop.clock.lap("rollback")
+    loop.clock.discarded(loop.step, to_step)       # the step in flight ran on the replaced state too
     logging.warning("step %d: %d non-finite steps in a row: rolled back to the state of step %d (rollback %d); "
                     "the data reads on", step, self.config.train.nonfinite_rollback_after, to_step, self.rollbacks)
     loop.beat(rollbacks=self.rollbacks, last_rollback={"step": step, "to_step": to_step, "time": time.time()})

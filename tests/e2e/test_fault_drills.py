@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ import pytest
 
 from megajax.checkpoint import TrainingCheckpointer, load_params
 from megajax.config import load_config
+from megajax.observe import format_table, job_ledger
 from tests.support import REPO, SMALL_MESH, config_flags
 from tests.support.once import once_per_run
 from tests.support.processes import HANG_S, child_env
@@ -41,6 +43,9 @@ OVERRIDES = {"train.steps": 12, "optimizer.warmup_steps": 3, "train.log_every": 
              "supervisor.heartbeat_interval_s": 0.25, "supervisor.heartbeat_timeout_s": 3,
              "supervisor.hang_timeout_s": 90, "debug.nonfinite_steps": "7,8,9"}
 JOB = ["--config=configs/default.py", *config_flags(OVERRIDES)]
+# The rollback comes at step 9's save, which reads that step's flag (the third skip in a row)
+# first, back to the checkpoint of step 6: steps 7-9 are thrown away.
+ROLLED_BACK = 9 - 6
 HEARTBEAT_TIMEOUT = OVERRIDES["supervisor.heartbeat_timeout_s"]
 
 
@@ -54,6 +59,31 @@ def start_supervisor(workdir, *overrides):
 def finish(process, workdir, timeout=HANG_S) -> str:
   process.wait(timeout=timeout)
   return open(f"{workdir}.log").read()
+
+
+def timed_job(workdir, *overrides) -> tuple[str, float]:
+  """(the supervisor's output, the job's wall time as the test saw it: launch to exit)."""
+  started = time.time()
+  output = finish(start_supervisor(workdir, *overrides), workdir)
+  return output, time.time() - started
+
+
+def steps_run_by_the_logs(workdir) -> int:
+  """The steps process 0 logged, every attempt (train.log_every=1: one line a step it finished)."""
+  return sum(len(re.findall(r"step \d+/12  grad_norm=", log.read_text()))
+             for log in (workdir / "logs").glob("attempt_*.process_0.log"))
+
+
+def check_ledger(workdir, wall_s: float, kept: int) -> None:
+  """The goodput ledger of a drill: its wall time within 2% of the test's, its causes adding up
+  to it, `kept` steps kept, and as many redone as the logs show run beyond them."""
+  book = job_ledger(str(workdir))
+  table = format_table(book)
+  print(table)
+  assert abs(book.wall_s - wall_s) <= 0.02 * wall_s, (wall_s, table)
+  assert sum(book.seconds.values()) == pytest.approx(book.wall_s, rel=1e-6) and min(book.seconds.values()) >= 0
+  assert book.kept_steps == kept, table
+  assert book.redone_steps == steps_run_by_the_logs(workdir) - kept, table
 
 
 def step_records(workdir) -> list[dict]:
@@ -73,8 +103,9 @@ def losses(workdir) -> dict:
 def reference(tmp_path_factory):
   """The uninterrupted job (no fault but the NaN steps): its workdir."""
   def run(workdir):
-    output = finish(start_supervisor(workdir), workdir)
+    output, wall = timed_job(workdir)
     assert "training finished" in output, output[-3000:]
+    (workdir / "wall_s.txt").write_text(str(wall))
   return once_per_run(tmp_path_factory, "fault_drills_reference", run)
 
 
@@ -86,6 +117,10 @@ def test_nan_steps_are_skipped_then_rolled_back(reference, tmp_path):
   assert nonfinite[0]["resumed_from_step"] == 6 and nonfinite[0]["last_step"] == 9
   assert [r["skipped"] for r in step_records(reference) if r["step"] in (7, 8, 9)] == [1, 1, 1]
   _assert_checkpoints_finite(reference, tmp_path)
+  # The ledger: 12 steps run; the rollback came at step 9's save (which reads its own flag first)
+  # and threw steps 7-9 away: 9 kept, 3 redone.
+  check_ledger(reference, float((reference / "wall_s.txt").read_text()), kept=12 - ROLLED_BACK)
+  assert job_ledger(str(reference)).seconds["rollback"] > 0
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, tmp_path):
@@ -97,10 +132,16 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, 
   rng = random.Random(os.getpid())
   victim, at_step = rng.randrange(2), rng.randrange(2, 11)
   drill = f"kill -9 of process {victim} after step {at_step}"     # random: named in every failure
-  process = start_supervisor(killed, f"--config.runtime.compilation_cache_dir={killed}/jax_cache",
-                             f"--config.debug.fail_at_step={at_step}", f"--config.debug.fail_process={victim}")
-  output = finish(process, killed)
+  output, wall = timed_job(killed, f"--config.runtime.compilation_cache_dir={killed}/jax_cache",
+                           f"--config.debug.fail_at_step={at_step}", f"--config.debug.fail_process={victim}")
   assert "training finished" in output, (drill, output[-3000:])
+  # The ledger: the final trajectory keeps all but its one rollback's steps; the steps attempt 0
+  # ran past the checkpoint attempt 1 resumed from are redone; detection and recovery charged.
+  check_ledger(killed, wall, kept=12 - ROLLED_BACK)
+  book = job_ledger(str(killed))
+  assert [a.status for a in book.attempts] == ["failed: exit", "finished"], (drill, format_table(book))
+  # (An exit is seen at the supervisor's next poll: detection may round to nothing.)
+  assert book.seconds["recovery"] > 0 and book.seconds["idle"] == 0, (drill, format_table(book))
   crash = [i for i in incidents(killed) if i["kind"] == "exit"]
   assert len(crash) == 1 and crash[0]["processes"] == [victim], (drill, incidents(killed))
   assert crash[0]["steps_lost"] >= 0 and crash[0]["time_to_resume_s"] > 0, (drill, crash)
@@ -128,10 +169,15 @@ def test_a_hung_worker_is_found_and_the_job_continues_without_it(reference, tmp_
   dp 2 -> 1 with twice the accumulation and the same global batch, so the steps after the
   restart have the uninterrupted run's losses."""
   elastic = tmp_path / "elastic"
-  process = start_supervisor(elastic, "--config.debug.diagnose_slow_process=1", "--config.debug.fail_at_step=5",
-                             "--config.debug.fail_process=1", "--config.debug.fail_mode=hang")
-  output = finish(process, elastic)
+  output, wall = timed_job(elastic, "--config.debug.diagnose_slow_process=1", "--config.debug.fail_at_step=5",
+                           "--config.debug.fail_process=1", "--config.debug.fail_mode=hang")
   assert "training finished" in output, output[-3000:]
+  # The ledger: steps 4-5 run again after the restart from 3 (none from 6), and the rollback's;
+  # the heartbeat timeout is the detection, the diagnostics the recovery.
+  check_ledger(elastic, wall, kept=12 - ROLLED_BACK)
+  book = job_ledger(str(elastic))
+  assert [a.status for a in book.attempts] == ["failed: heartbeat_lost", "finished"], format_table(book)
+  assert book.seconds["detection"] >= HEARTBEAT_TIMEOUT * 0.9, format_table(book)
   incident = [i for i in incidents(elastic) if i["kind"] != "nonfinite"][-1]
   assert incident["kind"] == "heartbeat_lost" and incident["processes"] == [1], incident
   assert incident["time_to_detect_s"] <= 2 * HEARTBEAT_TIMEOUT, incident

@@ -14,7 +14,7 @@ import pytest
 
 from megajax import data
 from megajax.config import ConfigError, validate
-from megajax.observe import MetricsWriter, read_metrics
+from megajax.observe import MetricsWriter, job_ledger, read_metrics
 from megajax.observe.records import METRICS, drop_after, read_jsonl
 from megajax.parallel import ParallelStep
 from megajax.trainer import build_parallel_step, callbacks, drills, train
@@ -174,12 +174,22 @@ def test_a_short_run_through_every_collaborator(tmp_path, tiny_config, monkeypat
   assert dict(metrics["eval_tokens"])[6] == 2 * tiny_config.train.batch_size * tiny_config.model.seq_len
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
   assert [r["step"] for r in read_jsonl(str(tmp_path / "activations.jsonl"))] == [1, 2, 3, 4, 5, 6]
+  # The goodput ledger: one run, every step kept, each cause it met charged, the ratio live.
+  book = job_ledger(str(tmp_path))
+  assert [(a.status, a.steps_run, a.start_step, a.last_step) for a in book.attempts] == [("finished", 6, 0, 6)]
+  assert book.kept_steps == 6 and book.redone_steps == 0
+  assert all(book.seconds[c] > 0 for c in ("productive", "start", "compile", "checkpoint", "eval", "shutdown"))
+  assert sum(book.seconds.values()) == pytest.approx(book.wall_s, rel=1e-6)
+  assert [s for s, _ in metrics["goodput/ratio"]] == [1, 4, 6] and all(0 < r < 1 for _, r in metrics["goodput/ratio"])
   # Again with the same workdir: the checkpoint is at train.steps, nothing to run and nothing
   # compiled (the step is never built), the parameters exported again.
   monkeypatch.setattr(ParallelStep, "train_step", lambda *_, **__: pytest.fail("built a step with nothing to run"))
   again = train(tiny_config, str(tmp_path), devices=jax.devices()[:1])
   assert again.start_step == 6 and again.history == [] and not again.preempted
   assert (tmp_path / "params").is_dir()
+  book = job_ledger(str(tmp_path))      # a second run, nothing to do: its time is badput
+  assert [(a.status, a.steps_run) for a in book.attempts] == [("finished", 6), ("finished", 0)]
+  assert book.kept_steps == 6 and sum(book.seconds.values()) == pytest.approx(book.wall_s, rel=1e-6)
 
 
 @pytest.mark.parametrize("steps,evaluated", [(5, [2, 4, 5]), (4, [2, 4])], ids=["and_after_the_last", "once_at_the_end"])
