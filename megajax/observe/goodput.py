@@ -79,7 +79,6 @@ class GoodputClock:
     self._stop = threading.Event()
     self.path = self.workdir = None
     self._earlier = None      # (earlier runs' records, the supervisor's events), read once
-    self._counted = None      # the last step step_done counted
     self._step_fd = None      # the record's .step file, open for writing
 
   def open(self, workdir: str, interval: float = 2.0) -> None:
@@ -109,23 +108,24 @@ class GoodputClock:
     jax.block_until_ready(arrays)
     self.lap(cause)
 
-  def step_done(self, step: int) -> None:
-    """Step `step` run (after its callbacks: laps "steps"); once per step. The step number is
-    written at once into the record's .step file (20 bytes in place: a few microseconds), so a
-    run killed between two of the record's writes leaves the steps it ran on record, which the
-    ledger's redone count needs."""
-    self.lap("steps")
+  def finished(self, step: int) -> None:
+    """Step `step` computed (its metrics read: the non-finite guard reads each step's one step
+    late, and every step at a save and at the end), so the steps this run ran are its start step
+    to `step` (consecutive): a step dispatched but never finished (a peer died under it) is not
+    counted. Written at once into the record's .step file (20 bytes in place: a few
+    microseconds): a run killed between two of the record's writes leaves them on record, which
+    the ledger's redone count needs."""
     with self._lock:
-      if step == self._counted:
+      if step <= self.record["last_step"]:
         return
-      self._counted = step
-      self.record["steps_run"] += 1
       self.record["last_step"] = step
+      self.record["steps_run"] = step - self.record["start_step"]
     if self._step_fd is not None:
       try:
         os.pwrite(self._step_fd, f"{step:>19}\n".encode(), 0)
       except OSError:   # a full or flaky filesystem: the record's next write has it
         pass
+    self._changed.set()
 
   def discarded(self, step: int, to_step: int) -> None:
     """A rollback at `step` back to the state of `to_step`: the updates after it are lost."""

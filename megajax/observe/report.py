@@ -268,7 +268,7 @@ _RUN_ORDER = ("start", "setup", "restore", "compile", "productive", "redone", "d
 
 def plot_goodput(book, path: str) -> None:
   """Top: the job's wall time as one bar stacked by cause. Bottom: the timeline, each attempt's
-  span stacked by its own causes, the gaps between them by detection, recovery or idle."""
+  span stacked by its own causes, then (hatched) the gap after it: detection, recovery or idle."""
   plt = _pyplot()
   fig, (whole, timeline) = plt.subplots(2, 1, figsize=(11, 2.8 + 0.45 * len(book.attempts)),
                                         gridspec_kw={"height_ratios": [1, max(1, len(book.attempts))]})
@@ -289,7 +289,12 @@ def plot_goodput(book, path: str) -> None:
       if seconds > 0:
         timeline.barh(row, seconds, left=left, color=_CAUSE_COLOURS[cause])
         left += seconds
-    timeline.text(attempt.end - book.start, row, f" {attempt.status}", va="center", fontsize=8)
+    for cause in ("unaccounted", "detection", "recovery", "idle"):     # the gap after it, hatched
+      seconds = attempt.after.get(cause, 0.0)
+      if seconds > 0:
+        timeline.barh(row, seconds, left=left, color=_CAUSE_COLOURS[cause], hatch="//", alpha=0.6)
+        left += seconds
+    timeline.text(left, row, f" {attempt.status}", va="center", fontsize=8)
   timeline.set_yticks(range(len(book.attempts)), [f"attempt {a.attempt}" for a in book.attempts])
   timeline.invert_yaxis()
   timeline.set_xlim(0, book.wall_s * 1.15)

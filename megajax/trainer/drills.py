@@ -57,8 +57,8 @@ class FailAtStep(Callback):
   The heartbeat is written first, so that it names the steps done as a host's that had been
   beating all along would (the beat thread may not have written since the start-up, and a
   worker whose beats show no step yet is judged by the start-up deadline, not the heartbeat's).
-  So is the goodput record, with this step counted: the ledger's redone steps are then the
-  steps the restart runs again (a real kill loses what ran since the record's last write).
+  So is the goodput record, with this step finished: the ledger's redone steps are then the
+  steps the restart runs again (a real kill loses at most the step the guard has not read).
   Once per job: a supervisor's restart (MEGAJAX_ATTEMPT > 0) runs clean, as after a real fault."""
 
   def __init__(self, config: ml_collections.ConfigDict):
@@ -70,7 +70,8 @@ class FailAtStep(Callback):
     if self.after and loop.step == self.after and not loop.preempted:
       if loop.heartbeat:
         loop.heartbeat.write()
-      loop.clock.step_done(loop.step)
+      jax.block_until_ready(loop.metrics)
+      loop.clock.finished(loop.step)
       loop.clock.flush()
       os.kill(os.getpid(), self.signal)
 

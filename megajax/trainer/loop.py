@@ -157,7 +157,7 @@ def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callb
     loop.state, loop.metrics = step_fn(loop.state, loop.batch)
     for collaborator in collaborators:
       collaborator.after_step(loop)
-    clock.step_done(step)
+    clock.lap("steps")          # (nonfinite.NonFiniteGuard tells the clock which steps finished)
     if loop.preempted:
       break
   for collaborator in collaborators:

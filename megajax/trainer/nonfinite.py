@@ -74,6 +74,7 @@ class NonFiniteGuard(Callback):
   def _read(self, pending, loop: Loop) -> None:
     step, metrics = pending
     metrics = jax.device_get(metrics)       # waits for that step only
+    loop.clock.finished(step)
     now = time.time()
     step_time = now - self.last_time if self.last_time else None
     self.last_time = now

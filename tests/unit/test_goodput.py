@@ -25,12 +25,13 @@ def run_record(process_start, seconds, start_step, last_step, steps_run, attempt
           "status": status, "seconds": full}
 
 
-def test_a_runs_laps_add_up_to_its_time_and_each_step_counts_once():
+def test_a_runs_laps_add_up_to_its_time_and_its_finished_steps_count_once():
   clock = goodput.GoodputClock(attempt=2, started=time.time() - 1.0)
   clock.lap("setup")
-  clock.step_done(1)
-  clock.step_done(1)          # a drill's step_done before the loop's: counted once
-  clock.step_done(2)
+  clock.finished(1)
+  clock.finished(2)
+  clock.finished(2)           # a drill's before the guard's: counted once
+  clock.lap("steps")
   clock.discarded(2, 0)
   record = clock.snapshot()
   assert record["steps_run"] == 2 and record["last_step"] == 2 and record["attempt"] == 2

@@ -43,6 +43,23 @@ def write_metrics(workdir):
   append_jsonl(os.path.join(workdir, METRICS), resumed)
 
 
+def write_goodput(workdir):
+  """Two runs: the first killed after step 6 (resumed from 4), the second to step 8; the
+  supervisor detected the failure 1 s after the first's last record and restarted it 3 s later."""
+  os.makedirs(os.path.join(workdir, "goodput"))
+  runs = [(1000.0, {"start": 1.0, "compile": 2.0, "steps": 6.0}, 0, 6, "running", 0),
+          (1013.0, {"start": 1.0, "compile": 1.0, "steps": 4.0}, 4, 8, "finished", 1)]
+  for start, seconds, first, last, status, attempt in runs:
+    record = {"process_start": start, "time": start + sum(seconds.values()), "attempt": attempt, "pid": attempt,
+              "start_step": first, "last_step": last, "steps_run": last - first, "rollbacks": [],
+              "cache": {"hits": attempt, "misses": 1 - attempt}, "status": status, "seconds": seconds}
+    with open(os.path.join(workdir, "goodput", f"run-{int(start)}-{attempt}.json"), "w") as f:
+      json.dump(record, f)
+  with open(os.path.join(workdir, "goodput", "supervisor.jsonl"), "w") as f:
+    f.write(json.dumps({"event": "failure", "attempt": 0, "kind": "exit", "last_sign_of_life": 1009.0,
+                        "detected_at": 1010.0}) + "\n")
+
+
 def write_trace_analysis(workdir):
   import matplotlib
   matplotlib.use("Agg")
@@ -69,6 +86,7 @@ def test_report_of_a_full_workdir(tmp_path):
   with open(os.path.join(workdir, "incidents.jsonl"), "w") as f:
     f.writelines(json.dumps(i) + "\n" for i in INCIDENTS)
   write_trace_analysis(workdir)
+  write_goodput(workdir)
   with open(os.path.join(workdir, "activations.jsonl"), "w") as f:
     for step in (2, 4, 6):
       for point in ("0:attn_probs", "1:residual"):
@@ -84,7 +102,10 @@ def test_report_of_a_full_workdir(tmp_path):
   assert "MFU n/a" in page
   assert "startup" in page and "4.0 s at step 6" in page
   images = re.findall(r'<img src="([^"]+)"', page)
-  assert set(images) == {"loss.png", "throughput.png", "checkpoints.png", "heatmap.png", "activations.png"}
+  assert set(images) == {"loss.png", "throughput.png", "checkpoints.png", "goodput.png", "heatmap.png",
+                         "activations.png"}
+  goodput = page.split('id="goodput"')[1].split("<h2")[0]
+  assert "8 x 1.000 s / 19.0 s = 42.1%" in goodput and "failed: exit" in goodput and "recovery" in goodput
   for name in images:
     assert os.path.isfile(os.path.join(workdir, "report", name)), name
   titles = [title for _, title in report.SECTIONS]
@@ -117,6 +138,7 @@ def test_only_metrics_says_what_would_produce_the_rest(tmp_path):
   assert "observe.capture" in page                          # activations
   assert "tensorboard/" in page and "megajax-train" in page
   assert "checkpoint" in page.split('id="checkpoints"')[1].split("<h2")[0]
+  assert "megajax-train writes WORKDIR/goodput/" in page
   images = re.findall(r'<img src="([^"]+)"', page)
   assert set(images) == {"loss.png", "throughput.png"}
   for name in images:
