@@ -120,6 +120,7 @@ class GoodputClock:
         return
       self.record["last_step"] = step
       self.record["steps_run"] = step - self.record["start_step"]
+      self.record.setdefault("first_step_time", time.time())
     if self._step_fd is not None:
       try:
         os.pwrite(self._step_fd, f"{step:>19}\n".encode(), 0)

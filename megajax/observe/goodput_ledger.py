@@ -11,7 +11,8 @@ megajax-supervise, its events.
   detection    a failed attempt's last sign of life (the supervisor's: last beat, last progress
                for a hang) to the supervisor's detection
   recovery     detection to the next attempt's process start (stopping the job, diagnostics,
-               relaunch); the new attempt's start-up and compile are their own causes
+               relaunch); the new attempt's start-up and compile are their own causes (the
+               attempts' table also gives detection to the next attempt's first finished step)
   idle         between two runs with no failure recorded (a preempted job waiting to be
                resubmitted)
   (the supervisor's own start and launch count as start, its noticing the job's end as shutdown)
@@ -60,6 +61,7 @@ class Attempt:
   cache: dict
   seconds: dict               # its own causes (goodput.CAUSES, "steps" split into productive and redone)
   after: dict = dataclasses.field(default_factory=dict)   # the gap after it, by cause (detection, recovery, ...)
+  resumed_s: float | None = None   # a failed attempt: its detection to the next attempt's first finished step
 
 
 @dataclasses.dataclass
@@ -176,8 +178,11 @@ def ledger(runs: list[dict], events: list[dict] = (), now: float | None = None) 
       after = {"shutdown": max(0.0, gap_end - run_end)}
     for cause, value in after.items():
       totals[cause] += value
+    resumed = (later["first_step_time"] - failure["detected_at"] if failure is not None and later
+               and "first_step_time" in later and "detected_at" in failure else None)
     attempts.append(Attempt(run.get("attempt", 0), run["process_start"], run_end, run["start_step"],
-                            run["last_step"], run["steps_run"], redone, status, run.get("cache", {}), own, after))
+                            run["last_step"], run["steps_run"], redone, status, run.get("cache", {}), own, after,
+                            resumed))
   redone_steps = sum(a.redone_steps for a in attempts)
   kept = sum(a.steps_run for a in attempts) - redone_steps
   return Ledger(end - start, totals, kept, redone_steps, attempts, start)
@@ -240,8 +245,9 @@ def format_table(book: Ledger) -> str:
   lines.append(f"{'attempt':>7} {'start s':>8} {'end s':>8} {'steps':>11} {'run':>5} {'redone':>6} {'compile s':>9} "
                f"{'cache hit/miss':>14}  how it ended")
   for a in book.attempts:
+    resumed = f", its detection to the next attempt's first step {a.resumed_s:.1f} s" if a.resumed_s is not None else ""
     lines.append(f"{a.attempt:>7} {a.process_start - book.start:>8.1f} {a.end - book.start:>8.1f} "
                  f"{f'{a.start_step}->{a.last_step}':>11} {a.steps_run:>5} {a.redone_steps:>6} "
                  f"{a.seconds['compile']:>9.2f} {'{}/{}'.format(a.cache.get('hits', 0), a.cache.get('misses', 0)):>14}"
-                 f"  {a.status}")
+                 f"  {a.status}{resumed}")
   return "\n".join(lines)

@@ -314,11 +314,12 @@ def goodput_section(workdir: str, report_dir: str) -> str:
             for cause in LEDGER_CAUSES if book.seconds[cause] > 0]
   attempts = [(a.attempt, f"{a.process_start - book.start:.1f}", f"{a.end - book.start:.1f}",
                f"{a.start_step} -> {a.last_step}", a.steps_run, a.redone_steps, f"{a.seconds['compile']:.2f}",
-               f"{a.cache.get('hits', 0)} / {a.cache.get('misses', 0)}", a.status) for a in book.attempts]
+               f"{a.cache.get('hits', 0)} / {a.cache.get('misses', 0)}", a.status,
+               "" if a.resumed_s is None else f"{a.resumed_s:.1f}") for a in book.attempts]
   return (_img("goodput.png", "the job's wall time by cause, and its attempts") + f"<p>{_e(summary)}</p>"
           + _table(("cause", "seconds", "share"), causes)
           + _table(("attempt", "start (s)", "end (s)", "steps", "run", "redone", "compile (s)", "cache hits / misses",
-                    "how it ended"), attempts))
+                    "how it ended", "detection to the next first step (s)"), attempts))
 
 
 def incidents_section(workdir: str) -> str:

@@ -1,5 +1,5 @@
 """The command lines besides megajax-train, each run as a user would: megajax-schedule,
-megajax-prepare-data, megajax-plan, megajax-eval, megajax-diagnose's one-line error; XLA accepting every
+megajax-prepare-data, megajax-plan, megajax-eval, megajax-goodput, megajax-diagnose's one-line error; XLA accepting every
 preset flag (a new process reads XLA_FLAGS); and a fresh process importing the package."""
 
 import json
@@ -257,15 +257,35 @@ def test_importing_megajax_leaves_no_global_trace():
   """A fresh process that imports the package and every library in it: no jax event listener
   registered, no XLA backend started (the trainer counts compiles only while it trains), the
   garbage collector on and nothing left frozen (the import's objects stay collectable)."""
-  code = ("import gc\n"
+  code = ("import gc, sys\n"
           "from jax._src import monitoring, xla_bridge\n"
           "import megajax, megajax.trainer, megajax.observe, megajax.checkpoint, megajax.launch.cli\n"
           "import megajax.parallel.planner.calibration, megajax.launch.supervisor, megajax.launch.bench.pipeline\n"
           "print(len(monitoring.get_event_listeners()), xla_bridge.backends_are_initialized(), gc.isenabled(), "
-          "gc.get_freeze_count())\n")
+          "gc.get_freeze_count(), 'wandb' in sys.modules)\n")
   result = run_module(["-c", code])
   assert result.returncode == 0, result.stderr[-2000:]
-  assert result.stdout.split() == ["0", "False", "True", "0"]
+  # (wandb: imported by the trainer only when observe.wandb_project names a project)
+  assert result.stdout.split() == ["0", "False", "True", "0", "False"]
+
+
+def test_goodput_cli_prints_the_ledger_or_one_line(tmp_path):
+  """megajax-goodput WORKDIR: the table with MegaScale's formula, --json, and one line with exit
+  code 2 for a workdir that is not there or holds no run's record (a half-written one is skipped)."""
+  (tmp_path / "goodput").mkdir()
+  record = {"process_start": 5.0, "time": 9.0, "attempt": 0, "pid": 1, "start_step": 0, "last_step": 3,
+            "steps_run": 3, "rollbacks": [], "cache": {"hits": 0, "misses": 2}, "status": "finished",
+            "seconds": {"start": 1.0, "steps": 3.0}}
+  (tmp_path / "goodput" / "run-5000-1.json").write_text(json.dumps(record))
+  (tmp_path / "goodput" / "run-6000-2.json").write_text('{"process_start": 9')      # killed mid-write
+  table = run_module(["-m", "megajax.launch.goodput", str(tmp_path)])
+  assert table.returncode == 0 and "= 3 x 1.0000 s / 4.00 s = 75.0%" in table.stdout, table.stderr[-2000:]
+  as_json = json.loads(run_module(["-m", "megajax.launch.goodput", str(tmp_path), "--json"]).stdout)
+  assert as_json["ratio"] == pytest.approx(0.75) and as_json["kept_steps"] == 3
+  for workdir, problem in ((tmp_path / "nothing", "no such directory"), (tmp_path / "goodput", "no run's record")):
+    missing = run_module(["-m", "megajax.launch.goodput", str(workdir)])
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    assert problem in missing.stderr
 
 
 def test_sample_cli_on_damaged_params_falls_back_or_is_one_line(two_checkpoints):

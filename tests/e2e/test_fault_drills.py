@@ -146,6 +146,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, 
   assert len(crash) == 1 and crash[0]["processes"] == [victim], (drill, incidents(killed))
   assert crash[0]["steps_lost"] >= 0 and crash[0]["time_to_resume_s"] > 0, (drill, crash)
   assert crash[0]["action"] == "restart" and crash[0]["bad_processes"] == [], (drill, crash)
+  # Detection to the restart's first finished step: the incident's time to resume, which the
+  # supervisor sees a heartbeat and a poll later.
+  assert 0 <= crash[0]["time_to_resume_s"] - book.attempts[0].resumed_s < 2.0, (drill, crash, format_table(book))
   assert list((killed / "diagnostics").glob("*.json")), drill     # diagnosed, found healthy
   assert sorted(losses(killed)) == sorted(losses(reference)), drill   # each step logged once, restart or not
   for a, b in zip(jax.tree.leaves(load_params(str(reference / "params"))),

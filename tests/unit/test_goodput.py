@@ -1,18 +1,14 @@
-"""The goodput ledger (megajax.observe.goodput, goodput_ledger, megajax-goodput): a run's laps,
-and a job's wall time split into causes that add up to it across failures and restarts.
-The supervisor drills check it on real faults (tests/e2e/test_fault_drills.py)."""
+"""The goodput ledger (megajax.observe.goodput, goodput_ledger): a run's laps, and a job's wall
+time split into causes that add up to it across failures and restarts. The supervisor drills
+check it on real faults (tests/e2e/test_fault_drills.py), megajax-goodput is run in
+tests/e2e/test_commands.py."""
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from megajax.observe import goodput, goodput_ledger
-from megajax.observe.goodput_ledger import LEDGER_CAUSES, format_table, job_ledger, ledger
-from tests.support import REPO
-from tests.support.processes import child_env
+from megajax.observe.goodput_ledger import LEDGER_CAUSES, format_table, ledger
 
 
 def run_record(process_start, seconds, start_step, last_step, steps_run, attempt=0, status="finished",
@@ -50,6 +46,7 @@ def test_a_crash_and_restart_split_into_their_causes():
              "detected_at": first["time"] + 3.0, "last_step": 7}]
   second = run_record(first["time"] + 7.0, {"start": 1.0, "restore": 0.5, "compile": 0.5, "steps": 5.0}, 5, 10, 5,
                       attempt=1)
+  second["first_step_time"] = second["process_start"] + 3.0
   events.append({"event": "end", "time": second["time"] + 0.25, "code": 0})
   book = ledger([first, second], events)
   assert book.wall_s == pytest.approx(second["time"] + 0.25 - 99.0)
@@ -66,6 +63,7 @@ def test_a_crash_and_restart_split_into_their_causes():
   assert book.seconds["compile"] == pytest.approx(3.5)
   assert book.ratio == pytest.approx(10.0 / book.wall_s)
   assert [a.status for a in book.attempts] == ["failed: exit", "finished"]
+  assert book.attempts[0].resumed_s == pytest.approx(4.0 + 3.0)  # detection -> the restart's first step
   table = format_table(book)
   assert f"= 10 x 1.0000 s / {book.wall_s:.2f} s = {100 * book.ratio:.1f}%" in table
   assert all(name in table for name in ("failure detection", "recovery", "steps run again"))
@@ -89,23 +87,6 @@ def test_runs_without_a_supervisor_leave_the_gap_idle():
   book = ledger([first, second])
   assert book.seconds["idle"] == pytest.approx(55.0) and book.redone_steps == 0 and book.kept_steps == 8
   assert book.wall_s == pytest.approx(65.0) and set(book.seconds) == set(LEDGER_CAUSES)
-
-
-def test_megajax_goodput_prints_the_table_or_one_line(tmp_path):
-  (tmp_path / "goodput").mkdir()
-  (tmp_path / "goodput" / "run-1-1.json").write_text(json.dumps(run_record(5.0, {"start": 1.0, "steps": 3.0}, 0, 3, 3)))
-  (tmp_path / "goodput" / "run-2-2.json").write_text('{"process_start": 9')     # half written: skipped
-  assert job_ledger(str(tmp_path)).kept_steps == 3
-
-  def goodput_command(*args):
-    return subprocess.run([sys.executable, "-m", "megajax.launch.goodput", *args], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-  table = goodput_command(str(tmp_path))
-  assert table.returncode == 0 and "= 3 x 1.0000 s / 4.00 s = 75.0%" in table.stdout, table.stderr
-  as_json = json.loads(goodput_command(str(tmp_path), "--json").stdout)
-  assert as_json["ratio"] == pytest.approx(0.75) and as_json["kept_steps"] == 3
-  empty = goodput_command(str(tmp_path / "nothing"))
-  assert empty.returncode == 2 and len(empty.stderr.strip().splitlines()) == 1 and "no such directory" in empty.stderr
 
 
 def test_a_run_blocked_past_the_failure_gives_that_time_to_detection():

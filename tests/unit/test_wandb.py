@@ -1,10 +1,7 @@
 """Weights & Biases as a tracker (observe.wandb_project), offline: the run's local files hold the
-same scalars metrics.jsonl gets and the config; a resume continues the same W&B run; nothing of
-wandb is imported when it is off; a config naming it without it installed is refused."""
-
-import json
-import subprocess
-import sys
+same scalars metrics.jsonl gets and the config; a resume continues the same W&B run; a config
+naming it without it installed is refused. (That nothing of wandb is imported when it is off:
+tests/e2e/test_commands.py's fresh-process import check.)"""
 
 import jax
 import pytest
@@ -12,8 +9,6 @@ import pytest
 from megajax.config import ConfigError, validate
 from megajax.observe.records import METRICS, read_jsonl
 from megajax.trainer import train
-from tests.support import REPO
-from tests.support.processes import child_env
 from tests.support.wandb_files import config as run_config, history
 
 
@@ -40,16 +35,6 @@ def test_a_run_and_its_resume_log_to_one_wandb_run(tmp_path, tiny_config, monkey
   assert {s for (s, key) in logged if key == "goodput/ratio"} == {1, 2, 4, 6}
   assert {s for (s, key) in logged if key == "ckpt_blocking_s"} == {2, 4, 6}
   assert run_config(files[0])["model"]["hidden_dim"] == tiny_config.model.hidden_dim
-
-
-def test_wandb_is_imported_only_when_configured():
-  """Importing the trainer and writing metrics without a project leaves wandb unimported."""
-  code = ("import sys, tempfile; from megajax.observe import MetricsWriter; import megajax.trainer; "
-          "w = MetricsWriter(tempfile.mkdtemp(), 2, progress=False); w.write(1, {'loss': 1.0}); w.close(); "
-          "print('wandb' in sys.modules)")
-  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=120)
-  assert result.stdout.strip() == "False", result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("project,problem", [("a/b", "cannot hold"), ("runs", "not installed")])
