@@ -135,13 +135,20 @@ def make_reference_step(model: GPT, optimizer: optax.GradientTransformation,
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     grads, stats = accumulate_gradients(loss_sums, state.params, batch, microbatches)
-    tokens = jnp.maximum(stats["tokens"], 1.0)
-    grads = jax.tree.map(lambda g: g / tokens, grads)  # the mean over every token of the global batch
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
-               "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
-    new_state = TrainState(state.step + 1, params, opt_state)
+    new_state, metrics, grads = apply_gradients(optimizer, schedule, state, grads, stats)
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
 
   return jax.jit(train_step, donate_argnums=0)
+
+
+def apply_gradients(optimizer: optax.GradientTransformation, schedule: optax.Schedule, state: TrainState, grads,
+                    stats: dict) -> tuple[TrainState, dict, Any]:
+  """The update from the gradients summed over the batch's tokens: (new state, metrics, the mean
+  gradients). The reference's, and MegaFBD's backward group's (megajax.parallel.fbd)."""
+  tokens = jnp.maximum(stats["tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / tokens, grads)  # the mean over every token of the global batch
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {"loss": stats["nll_sum"] / tokens, "log_z_squared": stats["z_sum"] / tokens,
+             "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+  return TrainState(state.step + 1, params, opt_state), metrics, grads

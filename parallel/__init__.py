@@ -8,12 +8,14 @@
   tensor_parallel.py    the model's forward pass on one device's shards (what trains)
   pipeline/             pipeline schedules, the stacked layout, the tick executor, the baseline
   step.py               ParallelStep: the one jitted shard_map training step
+  fbd.py                MegaFBD: the forward and the backward on separate device groups (FbdStep)
   planner/              the cost model, its calibration and the 3D-parallelism search
   deviceless.py         XLA's GPU compiler for described H100s / H200s, on a machine without one
 """
 
 from megajax.parallel.collective_matmul import (all_gather_matmul, column_parallel_linear, matmul_reduce_scatter,
                                                 row_parallel_linear)
+from megajax.parallel.fbd import FbdStep
 from megajax.parallel.mesh import (DP, MESH_AXES, PP, TP, batch_sharding, local_batch_slice,
                                    local_device_coordinates, make_mesh, mesh_shape)
 from megajax.parallel.pipeline import Tables, pipeline_gradients, simulate, to_model_params, to_pipeline_params
@@ -22,7 +24,7 @@ from megajax.parallel.step import ParallelStep
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 
 __all__ = [
-    "DP", "Layout", "MESH_AXES", "Overlap", "PP", "ParallelStep", "TP", "Tables", "all_gather_matmul",
+    "DP", "FbdStep", "Layout", "MESH_AXES", "Overlap", "PP", "ParallelStep", "TP", "Tables", "all_gather_matmul",
     "batch_sharding", "column_parallel_linear", "local_batch_slice", "local_device_coordinates", "loss_sums",
     "make_mesh", "matmul_reduce_scatter", "mesh_shape", "param_layouts", "pipeline_gradients",
     "row_parallel_linear", "simulate", "to_model_params", "to_pipeline_params",
