@@ -122,6 +122,33 @@ class FbdStep:
     """`state` onto the backward group, its parameters split as the specs say."""
     return jax.device_put(state, self.state_shardings)
 
+  def traffic(self, state: TrainState, batch: dict) -> dict:
+    """What moves between the groups, in global bytes: one microbatch's residuals forward ->
+    backward, the weights backward -> forward once per step; and the peak bytes a device of each
+    group holds, by XLA's memory analysis of its programs (the forward; the backward and the
+    update, the larger)."""
+    f, b = self.forward_mesh, self.backward_mesh
+    shaped = lambda tree, where: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where(x)), tree)
+    params = shaped(state.params, lambda x: None)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                          sharding.named(f, self.param_specs))
+    rows = self.config.train.batch_size // self.config.train.microbatches
+    microbatch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=NamedSharding(f, P(DP)))
+                  for k, v in batch.items()}
+    forward = self._forward.lower(params, microbatch).compile()
+    stats, pullback = jax.eval_shape(self._forward, params, microbatch)
+    on_b = lambda x: _on(b, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
+    pullback = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pullback,
+                            forward.output_shardings[1])
+    received = shaped(pullback, on_b)
+    summed = shaped(state.params, lambda x: x.sharding)
+    backward = self._backward.lower(received, summed).compile()
+    update = self._update.lower(shaped(state, lambda x: x.sharding), summed,
+                                shaped(stats, lambda x: NamedSharding(b, P()))).compile()
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return {"residual_bytes": nbytes(pullback), "weight_bytes": nbytes(state.params),
+            "forward_peak_bytes": _peak(forward), "backward_peak_bytes": max(_peak(backward), _peak(update))}
+
   def train_step(self, state: TrainState, batch: dict, with_gradients: bool = False):
     """One step: the weights forward once, then per microbatch its forward on the forward group
     and its backward on the backward group, dispatched in turn (the groups overlap), the update
@@ -140,3 +167,9 @@ class FbdStep:
       stats_total = stats if stats_total is None else jax.tree.map(jnp.add, stats_total, stats)
     new_state, metrics, grads = self._update(state, summed, stats_total)
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
+
+
+def _peak(compiled) -> int:
+  """A compiled program's bytes on one device: arguments + outputs - aliased + temporaries."""
+  m = compiled.memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes

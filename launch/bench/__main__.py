@@ -2,6 +2,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
 
   python -m megajax.launch.bench pipeline [--stages=4] [--repeats=20]
   python -m megajax.launch.bench attention|operators|observe [--repeats=20]
+  python -m megajax.launch.bench fbd [--repeats=20] [--fbd_size=cpu|tiny]   (MegaFBD vs the co-located 3D step)
   python -m megajax.launch.bench checkpoint [--checkpoint_hidden=1024] [--checkpoint_repeats=5]
   python -m megajax.launch.bench startup
   python -m megajax.launch.bench faults [--trials=20]
@@ -35,6 +36,7 @@ from megajax.launch.runtime import configure_runtime
 
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p for the memory and schedule figures.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs per measurement (the median is printed).")
+_FBD_SIZE = flags.DEFINE_enum("fbd_size", "cpu", ["cpu", "tiny"], "fbd: the model (tiny: the CI smoke test).")
 _CHECKPOINT_HIDDEN = flags.DEFINE_integer("checkpoint_hidden", 1024,
                                           "Hidden size of the checkpoint benchmark's model (1024: a 1.9 GiB state).")
 _CHECKPOINT_REPEATS = flags.DEFINE_integer("checkpoint_repeats", 5,
@@ -85,6 +87,7 @@ BENCHMARKS = {
     "startup": lambda bench: bench.startup(),
     "faults": lambda bench: bench.faults(_TRIALS.value),
     "observe": lambda bench: bench.observe(_REPEATS.value),
+    "fbd": lambda bench: bench.fbd(_REPEATS.value, _FBD_SIZE.value),
     "planner": lambda bench: bench.planner(_MEASURE_MEMORY.value, _MEASURE_MEMORY_GPU.value),
     "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value, _DATA_WORDS.value, _DATA_TOKENS.value),
     "train": lambda bench: (bench.fit_on_gpu(_SIZE.value, _SEQ.value, _WINDOW.value, _COMPILE_FOR.value)

@@ -165,3 +165,17 @@ def test_peer_benchmark_compiles_every_contender_for_h100s():
   scatters = re.search(r"reduce-scatter dp (\d+)/(\d+)", megajax)
   assert scatters.group(1) == scatters.group(2), megajax
   assert " x1: " not in megajax, megajax
+
+
+def test_fbd_benchmark_compares_with_the_colocated_step():
+  """`bench fbd --fbd_size=tiny`: the 3D step and both FBD splits side by side, the same first
+  loss, each FBD split's bytes between its groups."""
+  result = run_module(["-m", "megajax.launch.bench", "fbd", "--fbd_size=tiny", "--repeats=2"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+      r"^(3D step dp2 tp4|FBD 4\+4|FBD 2\+6)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(.+?)\s{2,}(\S+)\s+(\S+)$",
+      result.stdout, re.M)}
+  assert set(rows) == {"3D step dp2 tp4", "FBD 4+4", "FBD 2+6"}, result.stdout
+  assert len({row[2] for row in rows.values()}) == 1, result.stdout          # the same first loss
+  assert rows["3D step dp2 tp4"][1] == "1.000" and float(rows["FBD 4+4"][5]) > 0, result.stdout
+  assert "planner: no MegaFBD term yet" in result.stdout

@@ -1,0 +1,89 @@
+"""`python -m megajax.launch.bench fbd [--repeats=20] [--fbd_size=cpu|tiny]`: MegaFBD's decoupled
+step against the co-located 3D step, side by side on the 8 CPU devices.
+
+The contenders, the same model, batch and LAMB from the same initial parameters:
+  3D step dp2 tp4     megajax's shard_map step on all 8 devices (the co-located baseline)
+  FBD 4+4             the forward on 4 devices (dp 2 x tp 2), the backward and the optimizer on
+                      the other 4 (dp 2 x tp 2): megajax.parallel.fbd.FbdStep
+  FBD 2+6             the forward on 2 (dp 2), the backward on 6 (dp 3 x tp 2)
+Printed per contender: the median step time over interleaved rounds and its ratio to the 3D
+step, the first loss (they must agree), the peak bytes a device holds (XLA's memory analysis:
+the 3D step's program; for FBD each group's), and for FBD the bytes sent forward -> backward
+per microbatch (jax.vjp's residuals: activations under the remat policy and the weights the
+matmuls read) and backward -> forward per step (the weights). The planner has no FBD term yet
+(issue 36): the bench says so rather than print a count it does not have.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from megajax.config import default_config
+from megajax.launch.bench.timing import median_seconds
+from megajax.launch.bench.train import CompiledStep
+from megajax.model import GPT, ModelConfig, init_params
+from megajax.parallel.fbd import FbdStep, _peak
+from megajax.reference_step import fresh_train_state
+
+SIZES = {"cpu": dict(hidden=256, layers=4, heads=8, seq=128, batch=16, microbatches=4),
+         "tiny": dict(hidden=32, layers=2, heads=4, seq=16, batch=8, microbatches=2)}
+SPLITS = {"FBD 4+4": (4, 2, 2, 2, 2), "FBD 2+6": (2, 2, 1, 3, 2)}
+
+
+def _config(size: str):
+  s = SIZES[size]
+  c = default_config()
+  c.model.hidden_dim, c.model.num_layers, c.model.num_heads = s["hidden"], s["layers"], s["heads"]
+  c.model.seq_len, c.model.vocab_size, c.model.compute_dtype = s["seq"], 512, "float32"
+  c.model.window = s["seq"] // 4
+  c.train.batch_size, c.train.microbatches = s["batch"], s["microbatches"]
+  c.parallel.dp, c.parallel.pp, c.parallel.virtual_stages, c.parallel.tp = 2, 1, 1, 4
+  return c
+
+
+class _Fbd:
+  def __init__(self, config, split, batch):
+    f_devices, f_dp, f_tp, b_dp, b_tp = split
+    devices = jax.devices()
+    model = GPT(ModelConfig.from_config(config.model))
+    params = init_params(model, jax.random.key(0))
+    self.step = FbdStep.build(config, model, devices[:f_devices], devices[f_devices:f_devices + b_dp * b_tp],
+                              f_dp, f_tp, b_dp, b_tp, params)
+    self.state = self.step.place_state(jax.jit(fresh_train_state, static_argnums=1)(params, self.step.optimizer))
+    self.batch = batch
+    self.traffic = self.step.traffic(self.state, batch)
+
+  def run(self) -> dict:
+    self.state, metrics = self.step.train_step(self.state, self.batch)
+    return jax.block_until_ready(metrics)
+
+
+def fbd(repeats: int, size: str = "cpu") -> None:
+  config = _config(size)
+  colocated = CompiledStep(config, jax.devices()[:8])
+  batch = {k: np.asarray(v) for k, v in jax.device_get(colocated.batch).items()}
+  contenders = {"3D step dp2 tp4": colocated, **{name: _Fbd(config, split, batch) for name, split in SPLITS.items()}}
+  losses = {name: float(c.run()["loss"]) for name, c in contenders.items()}     # compiled, warmed
+  seconds = {name: [] for name in contenders}
+  for round_ in range(repeats):       # interleaved, the order rotated each round
+    names = list(contenders)[round_ % len(contenders):] + list(contenders)[:round_ % len(contenders)]
+    for name in names:
+      seconds[name].append(median_seconds(contenders[name].run, repeats=1, warmed=True))
+  base = float(np.median(seconds["3D step dp2 tp4"]))
+  s = SIZES[size]
+  print(f"bench fbd: {s['layers']} layers, hidden {s['hidden']}, seq {s['seq']}, batch {s['batch']} in "
+        f"{s['microbatches']} microbatches, fp32, LAMB; {len(jax.devices())} x {jax.devices()[0].device_kind}; "
+        f"medians of {repeats} interleaved rounds")
+  print(f"{'':18}{'step ms':>9}{'x 3D step':>11}{'first loss':>12}{'peak MB/device':>26}"
+        f"{'fwd->bwd MB/microbatch':>24}{'bwd->fwd MB/step':>18}")
+  for name, c in contenders.items():
+    ms = float(np.median(seconds[name])) * 1e3
+    if isinstance(c, _Fbd):
+      t = c.traffic
+      peak = f"fwd {t['forward_peak_bytes'] / 2**20:.2f} / bwd {t['backward_peak_bytes'] / 2**20:.2f}"
+      moved = f"{t['residual_bytes'] / 2**20:>24.2f}{t['weight_bytes'] / 2**20:>18.2f}"
+    else:
+      peak, moved = f"{_peak(c.compiled) / 2**20:.2f}", f"{'-':>24}{'-':>18}"
+    print(f"{name:18}{ms:>9.1f}{ms / (base * 1e3):>11.3f}{losses[name]:>12.5f}{peak:>26}{moved}")
+  print("planner: no MegaFBD term yet (issue 36: the planner's count of these bytes and mixed clusters are next)")
