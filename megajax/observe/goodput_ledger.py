@@ -39,7 +39,6 @@ CAUSES = ("start", "setup", "restore", "compile", "steps", "data_wait", "checkpo
           "shutdown")
 LEDGER_CAUSES = ("productive", "redone", *(c for c in CAUSES if c != "steps"), "detection", "recovery", "idle",
                  "unaccounted")
-BADPUT_CAUSES = LEDGER_CAUSES[1:]
 # goodput/<group>_s: the causes summed by kind.
 SCALAR_GROUPS = {"productive": ("productive",), "redone": ("redone",),
                  "startup": ("start", "setup", "restore", "compile", "shutdown"),
