@@ -4,7 +4,8 @@ groups, each with its own data x tensor parallel degrees, inside one process.
   forward group    holds the weights (sent once per step by the backward group); per
                    microbatch runs the model's forward and keeps what its backward needs
                    (`jax.vjp`'s residuals: the activations under the model's remat policy, the
-                   weights the matmuls read), and sends those residuals on
+                   weights the matmuls read), and sends those residuals on, but for the weights
+                   (the backward group has them: the same values, its master copy)
   backward group   holds the master weights and the optimizer state; per microbatch runs the
                    backward from the residuals it receives, sums the gradients over the step's
                    microbatches, then applies the optimizer (the reference step's update,
@@ -98,16 +99,25 @@ class FbdStep:
     whole_b = NamedSharding(b, P())
 
     def forward(params, microbatch):
-      """(the loss's sums, the backward's residuals: jax.vjp's pullback, a pytree of arrays)."""
+      """(the loss's sums, the residuals the backward group needs): jax.vjp's pullback is a
+      pytree of arrays; those that are the weights themselves are not sent (the backward group
+      holds the same values: the master weights it sent): their places are kept (at trace time,
+      with the pullback's structure) for `backward` to fill in."""
       _, pullback, stats = jax.vjp(lambda p: loss_sums(p, microbatch), params, has_aux=True)
-      return stats, pullback
+      leaves, structure = jax.tree.flatten(pullback)
+      weights = {id(w): i for i, w in enumerate(jax.tree.leaves(params))}
+      self._residual_layout = (structure, tuple(weights.get(id(leaf)) for leaf in leaves))
+      return stats, [leaf for leaf in leaves if id(leaf) not in weights]
 
-    def backward(pullback, summed):
+    def backward(residuals, params, summed):
+      structure, places = self._residual_layout
+      weights, sent = jax.tree.leaves(params), iter(residuals)
+      pullback = jax.tree.unflatten(structure, [next(sent) if i is None else weights[i] for i in places])
       (grads,) = pullback(jnp.ones((), jnp.float32))
       return jax.tree.map(jnp.add, summed, grads)
 
     self._forward = jax.jit(forward, in_shardings=(sharding.named(f, self.param_specs), NamedSharding(f, P(DP))))
-    self._backward = jax.jit(backward, out_shardings=sharding.named(b, self.param_specs), donate_argnums=1)
+    self._backward = jax.jit(backward, out_shardings=sharding.named(b, self.param_specs), donate_argnums=2)
     schedule = learning_rate_schedule(self.config)
     state_shardings = sharding.named(b, self.state_specs)
     self._update = jax.jit(lambda state, grads, stats: apply_gradients(self.optimizer, schedule, state, grads, stats),
@@ -136,17 +146,17 @@ class FbdStep:
     microbatch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=NamedSharding(f, P(DP)))
                   for k, v in batch.items()}
     forward = self._forward.lower(params, microbatch).compile()
-    stats, pullback = jax.eval_shape(self._forward, params, microbatch)
+    stats, residuals = jax.eval_shape(self._forward, params, microbatch)
     on_b = lambda x: _on(b, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
-    pullback = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pullback,
-                            forward.output_shardings[1])
-    received = shaped(pullback, on_b)
+    residuals = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), residuals,
+                             forward.output_shardings[1])
+    received = shaped(residuals, on_b)
     summed = shaped(state.params, lambda x: x.sharding)
-    backward = self._backward.lower(received, summed).compile()
+    backward = self._backward.lower(received, summed, summed).compile()
     update = self._update.lower(shaped(state, lambda x: x.sharding), summed,
                                 shaped(stats, lambda x: NamedSharding(b, P()))).compile()
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    return {"residual_bytes": nbytes(pullback), "weight_bytes": nbytes(state.params),
+    return {"residual_bytes": nbytes(residuals), "weight_bytes": nbytes(state.params),
             "forward_peak_bytes": _peak(forward), "backward_peak_bytes": max(_peak(backward), _peak(update))}
 
   def train_step(self, state: TrainState, batch: dict, with_gradients: bool = False):
@@ -161,8 +171,8 @@ class FbdStep:
     for i in range(c.train.microbatches):
       microbatch = jax.device_put(jax.tree.map(lambda x: x[i], microbatches),
                                   NamedSharding(self.forward_mesh, P(DP)))
-      stats, pullback = self._forward(params, microbatch)
-      summed = self._backward(send(pullback, self.backward_mesh), summed)
+      stats, residuals = self._forward(params, microbatch)
+      summed = self._backward(send(residuals, self.backward_mesh), state.params, summed)
       stats = send(stats, self.backward_mesh)
       stats_total = stats if stats_total is None else jax.tree.map(jnp.add, stats_total, stats)
     new_state, metrics, grads = self._update(state, summed, stats_total)
