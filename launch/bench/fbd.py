@@ -10,11 +10,14 @@ Printed per contender: the median step time over interleaved rounds and its rati
 step, the first loss (they must agree), the peak bytes a device holds (XLA's memory analysis:
 the 3D step's program; for FBD each group's), and for FBD the bytes sent forward -> backward
 per microbatch (jax.vjp's residuals: activations under the remat policy and the weights the
-matmuls read) and backward -> forward per step (the weights). The planner has no FBD term yet
-(issue 36): the bench says so rather than print a count it does not have.
+matmuls read, but the weights) and backward -> forward per step (the weights). Then, per remat
+policy, the bytes sent a microbatch against the planner's count of what a layer keeps for its
+backward (memory.fbd_residual_bytes): jax.vjp keeps more than the memory model counts.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -24,6 +27,8 @@ from megajax.launch.bench.timing import median_seconds
 from megajax.launch.bench.train import CompiledStep
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel.fbd import FbdStep, _peak
+from megajax.parallel.planner import memory
+from megajax.parallel.planner.fits import plan_of
 from megajax.reference_step import fresh_train_state
 
 SIZES = {"cpu": dict(hidden=256, layers=4, heads=8, seq=128, batch=16, microbatches=4),
@@ -86,4 +91,14 @@ def fbd(repeats: int, size: str = "cpu") -> None:
     else:
       peak, moved = f"{_peak(c.compiled) / 2**20:.2f}", f"{'-':>24}{'-':>18}"
     print(f"{name:18}{ms:>9.1f}{ms / (base * 1e3):>11.3f}{losses[name]:>12.5f}{peak:>26}{moved}")
-  print("planner: no MegaFBD term yet (issue 36: the planner's count of these bytes and mixed clusters are next)")
+  print("\nforward -> backward MB per microbatch, FBD 4+4, by remat policy: what jax.vjp keeps (sent) against the "
+        "planner's count (parallel.planner.memory.fbd_residual_bytes: each layer's kept bytes + the fp32 logits)")
+  print(f"{'remat':>8}{'sent':>10}{'planner':>10}{'ratio':>8}")
+  for remat in ("none", "dots", "full"):
+    c = _config(size)
+    c.model.remat = remat
+    sent = _Fbd(c, SPLITS["FBD 4+4"], batch).traffic["residual_bytes"]
+    plan = dataclasses.replace(plan_of(c, "cpu"), micro_batch=c.train.batch_size // c.train.microbatches)
+    counted = memory.fbd_residual_bytes(ModelConfig.from_config(c.model), plan)
+    print(f"{remat:>8}{sent / 2**20:>10.2f}{counted / 2**20:>10.2f}{sent / counted:>8.2f}")
+  print("planner: no MegaFBD plans yet (its search, the transfer's time and mixed clusters are issue 36's next)")

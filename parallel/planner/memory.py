@@ -250,6 +250,19 @@ def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention
   return Memory(state, 0.0, kept, 2 * logits, 0.0)
 
 
+def fbd_residual_bytes(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None) -> float:
+  """MegaFBD (megajax.parallel.fbd): the bytes one microbatch's backward needs from its forward,
+  the whole microbatch's (plan.micro_batch rows; every tp shard): what each layer keeps for its
+  backward under `remat` (LAYER_WIDTHS, the count the memory model uses) and the fp32 logits.
+  The weights are not counted: the backward group holds them."""
+  c = apply_switches(c, plan.opts)
+  remat = remat or c.remat
+  fused_attention = plan.opts.fused_ops if fused_attention is None else fused_attention
+  whole = dataclasses.replace(plan, tp=1)
+  kept, _ = _layer_kept(c, whole, remat, fused_attention)
+  return kept * c.num_layers + plan.micro_batch * c.seq_len * c.vocab_size * 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Weighed:
   """megajax's executor, term by term: what `memory` sums and the memory fits refit."""

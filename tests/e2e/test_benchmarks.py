@@ -178,4 +178,7 @@ def test_fbd_benchmark_compares_with_the_colocated_step():
   assert set(rows) == {"3D step dp2 tp4", "FBD 4+4", "FBD 2+6"}, result.stdout
   assert len({row[2] for row in rows.values()}) == 1, result.stdout          # the same first loss
   assert rows["3D step dp2 tp4"][1] == "1.000" and float(rows["FBD 4+4"][5]) > 0, result.stdout
-  assert "planner: no MegaFBD term yet" in result.stdout
+  by_remat = re.findall(r"^\s+(none|dots|full)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.M)
+  assert [r[0] for r in by_remat] == ["none", "dots", "full"], result.stdout     # sent vs the planner's count
+  assert float(by_remat[0][1]) > float(by_remat[1][1]) > float(by_remat[2][1]) > 0, result.stdout
+  assert "planner: no MegaFBD plans yet" in result.stdout
