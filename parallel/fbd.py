@@ -159,10 +159,12 @@ class FbdStep:
     return {"residual_bytes": nbytes(residuals), "weight_bytes": nbytes(state.params),
             "forward_peak_bytes": _peak(forward), "backward_peak_bytes": max(_peak(backward), _peak(update))}
 
-  def train_step(self, state: TrainState, batch: dict, with_gradients: bool = False):
+  def train_step(self, state: TrainState, batch: dict, with_gradients: bool = False, serialized: bool = False):
     """One step: the weights forward once, then per microbatch its forward on the forward group
     and its backward on the backward group, dispatched in turn (the groups overlap), the update
-    on the backward group."""
+    on the backward group. serialized=True waits for each program before the next is dispatched:
+    the groups never overlap (what bench fbd compares the step with)."""
+    wait = jax.block_until_ready if serialized else lambda x: x
     c = self.config
     params = jax.device_put(state.params, sharding.named(self.forward_mesh, self.param_specs))
     microbatches = split_microbatches(batch, c.train.microbatches)
@@ -171,8 +173,8 @@ class FbdStep:
     for i in range(c.train.microbatches):
       microbatch = jax.device_put(jax.tree.map(lambda x: x[i], microbatches),
                                   NamedSharding(self.forward_mesh, P(DP)))
-      stats, residuals = self._forward(params, microbatch)
-      summed = self._backward(send(residuals, self.backward_mesh), state.params, summed)
+      stats, residuals = wait(self._forward(params, microbatch))
+      summed = wait(self._backward(send(residuals, self.backward_mesh), state.params, summed))
       stats = send(stats, self.backward_mesh)
       stats_total = stats if stats_total is None else jax.tree.map(jnp.add, stats_total, stats)
     new_state, metrics, grads = self._update(state, summed, stats_total)

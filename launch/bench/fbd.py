@@ -6,6 +6,9 @@ The contenders, the same model, batch and LAMB from the same initial parameters:
   FBD 4+4             the forward on 4 devices (dp 2 x tp 2), the backward and the optimizer on
                       the other 4 (dp 2 x tp 2): megajax.parallel.fbd.FbdStep
   FBD 2+6             the forward on 2 (dp 2), the backward on 6 (dp 3 x tp 2)
+  FBD 4+4 serial      FBD 4+4 with each program waited for before the next: the groups never
+                      overlap (the forward of microbatch i + 1 waits for the backward of i), the
+                      measure of what the asynchronous dispatch overlaps
 Printed per contender: the median step time over interleaved rounds and its ratio to the 3D
 step, the first loss (they must agree), the peak bytes a device holds (XLA's memory analysis:
 the 3D step's program; for FBD each group's), and for FBD the bytes sent forward -> backward
@@ -48,7 +51,8 @@ def _config(size: str):
 
 
 class _Fbd:
-  def __init__(self, config, split, batch):
+  def __init__(self, config, split, batch, serialized: bool = False):
+    self.serialized = serialized
     f_devices, f_dp, f_tp, b_dp, b_tp = split
     devices = jax.devices()
     model = GPT(ModelConfig.from_config(config.model))
@@ -60,7 +64,7 @@ class _Fbd:
     self.traffic = self.step.traffic(self.state, batch)
 
   def run(self) -> dict:
-    self.state, metrics = self.step.train_step(self.state, self.batch)
+    self.state, metrics = self.step.train_step(self.state, self.batch, serialized=self.serialized)
     return jax.block_until_ready(metrics)
 
 
@@ -68,7 +72,8 @@ def fbd(repeats: int, size: str = "cpu") -> None:
   config = _config(size)
   colocated = CompiledStep(config, jax.devices()[:8])
   batch = {k: np.asarray(v) for k, v in jax.device_get(colocated.batch).items()}
-  contenders = {"3D step dp2 tp4": colocated, **{name: _Fbd(config, split, batch) for name, split in SPLITS.items()}}
+  contenders = {"3D step dp2 tp4": colocated, **{name: _Fbd(config, split, batch) for name, split in SPLITS.items()},
+                "FBD 4+4 serial": _Fbd(config, SPLITS["FBD 4+4"], batch, serialized=True)}
   losses = {name: float(c.run()["loss"]) for name, c in contenders.items()}     # compiled, warmed
   seconds = {name: [] for name in contenders}
   for round_ in range(repeats):       # interleaved, the order rotated each round
@@ -91,6 +96,9 @@ def fbd(repeats: int, size: str = "cpu") -> None:
     else:
       peak, moved = f"{_peak(c.compiled) / 2**20:.2f}", f"{'-':>24}{'-':>18}"
     print(f"{name:18}{ms:>9.1f}{ms / (base * 1e3):>11.3f}{losses[name]:>12.5f}{peak:>26}{moved}")
+  overlapped = float(np.median(seconds["FBD 4+4"])) / float(np.median(seconds["FBD 4+4 serial"]))
+  print(f"overlap: FBD 4+4 takes {overlapped:.3f} of its time with each program waited for (FBD 4+4 serial: the "
+        "groups never run at once)")
   print("\nforward -> backward MB per microbatch, FBD 4+4, by remat policy: what jax.vjp keeps (sent) against the "
         "planner's count (parallel.planner.memory.fbd_residual_bytes: each layer's kept bytes + the fp32 logits)")
   print(f"{'remat':>8}{'sent':>10}{'planner':>10}{'ratio':>8}")

@@ -182,3 +182,6 @@ def test_fbd_benchmark_compares_with_the_colocated_step():
   assert [r[0] for r in by_remat] == ["none", "dots", "full"], result.stdout     # sent vs the planner's count
   assert float(by_remat[0][1]) > float(by_remat[1][1]) > float(by_remat[2][1]) > 0, result.stdout
   assert "planner: no MegaFBD plans yet" in result.stdout
+  assert re.search(r"^FBD 4\+4 serial\s+[\d.]+", result.stdout, re.M), result.stdout
+  # (the overlap's ratio is printed, not held to a bound: a loaded machine decides it)
+  assert float(re.search(r"overlap: FBD 4\+4 takes ([\d.]+) of its time", result.stdout).group(1)) > 0
