@@ -41,6 +41,7 @@ import optax
 from megajax.model import GPT
 from megajax.optim import learning_rate_schedule, make_optimizer
 from megajax.parallel import sharding
+from megajax.parallel.deviceless import bytes_per_device
 from megajax.parallel.mesh import AXIS_TYPES, DP, MESH_AXES
 from megajax.reference_step import TrainState, apply_gradients, make_loss_sums_fn, split_microbatches
 
@@ -138,26 +139,25 @@ class FbdStep:
     group holds, by XLA's memory analysis of its programs (the forward; the backward and the
     update, the larger)."""
     f, b = self.forward_mesh, self.backward_mesh
-    shaped = lambda tree, where: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where(x)), tree)
-    params = shaped(state.params, lambda x: None)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                          sharding.named(f, self.param_specs))
+    placed = lambda tree, shardings: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    abstract = lambda arrays: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), arrays)
+    params = placed(state.params, sharding.named(f, self.param_specs))
     rows = self.config.train.batch_size // self.config.train.microbatches
     microbatch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=NamedSharding(f, P(DP)))
                   for k, v in batch.items()}
     forward = self._forward.lower(params, microbatch).compile()
     stats, residuals = jax.eval_shape(self._forward, params, microbatch)
-    on_b = lambda x: _on(b, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
-    residuals = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), residuals,
-                             forward.output_shardings[1])
-    received = shaped(residuals, on_b)
-    summed = shaped(state.params, lambda x: x.sharding)
+    received = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_on(b, x)),
+                            placed(residuals, forward.output_shardings[1]))
+    summed = abstract(state.params)
     backward = self._backward.lower(received, summed, summed).compile()
-    update = self._update.lower(shaped(state, lambda x: x.sharding), summed,
-                                shaped(stats, lambda x: NamedSharding(b, P()))).compile()
+    update = self._update.lower(abstract(state), summed, placed(stats, jax.tree.map(lambda _: NamedSharding(b, P()),
+                                                                                    stats))).compile()
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     return {"residual_bytes": nbytes(residuals), "weight_bytes": nbytes(state.params),
-            "forward_peak_bytes": _peak(forward), "backward_peak_bytes": max(_peak(backward), _peak(update))}
+            "forward_peak_bytes": bytes_per_device(forward),
+            "backward_peak_bytes": max(bytes_per_device(backward), bytes_per_device(update))}
 
   def train_step(self, state: TrainState, batch: dict, with_gradients: bool = False, serialized: bool = False):
     """One step: the weights forward once, then per microbatch its forward on the forward group
@@ -179,9 +179,3 @@ class FbdStep:
       stats_total = stats if stats_total is None else jax.tree.map(jnp.add, stats_total, stats)
     new_state, metrics, grads = self._update(state, summed, stats_total)
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
-
-
-def _peak(compiled) -> int:
-  """A compiled program's bytes on one device: arguments + outputs - aliased + temporaries."""
-  m = compiled.memory_analysis()
-  return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes

@@ -29,7 +29,8 @@ from megajax.config import default_config
 from megajax.launch.bench.timing import median_seconds
 from megajax.launch.bench.train import CompiledStep
 from megajax.model import GPT, ModelConfig, init_params
-from megajax.parallel.fbd import FbdStep, _peak
+from megajax.parallel.deviceless import bytes_per_device
+from megajax.parallel.fbd import FbdStep
 from megajax.parallel.planner import memory
 from megajax.parallel.planner.fits import plan_of
 from megajax.reference_step import fresh_train_state
@@ -94,7 +95,7 @@ def fbd(repeats: int, size: str = "cpu") -> None:
       peak = f"fwd {t['forward_peak_bytes'] / 2**20:.2f} / bwd {t['backward_peak_bytes'] / 2**20:.2f}"
       moved = f"{t['residual_bytes'] / 2**20:>24.2f}{t['weight_bytes'] / 2**20:>18.2f}"
     else:
-      peak, moved = f"{_peak(c.compiled) / 2**20:.2f}", f"{'-':>24}{'-':>18}"
+      peak, moved = f"{bytes_per_device(c.compiled) / 2**20:.2f}", f"{'-':>24}{'-':>18}"
     print(f"{name:18}{ms:>9.1f}{ms / (base * 1e3):>11.3f}{losses[name]:>12.5f}{peak:>26}{moved}")
   overlapped = float(np.median(seconds["FBD 4+4"])) / float(np.median(seconds["FBD 4+4 serial"]))
   print(f"overlap: FBD 4+4 takes {overlapped:.3f} of its time with each program waited for (FBD 4+4 serial: the "

@@ -29,6 +29,7 @@ the export, closing).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -69,7 +70,7 @@ class GoodputClock:
     self.started = started
     self.seconds = dict.fromkeys(CAUSES, 0.0)
     self.record = {"process_start": self.started, "attempt": attempt, "pid": os.getpid(), "start_step": 0,
-                   "last_step": 0, "steps_run": 0, "discarded_steps": 0, "rollbacks": [],
+                   "last_step": 0, "rollbacks": [],
                    "cache": {"hits": 0, "misses": 0}, "status": "running"}
     self._wall = time.time()
     self._mono = time.monotonic()
@@ -111,7 +112,7 @@ class GoodputClock:
   def finished(self, step: int) -> None:
     """Step `step` computed (its metrics read: the non-finite guard reads each step's one step
     late, and every step at a save and at the end), so the steps this run ran are its start step
-    to `step` (consecutive): a step dispatched but never finished (a peer died under it) is not
+    to `step` (consecutive: their count is last_step - start_step): a step dispatched but never finished (a peer died under it) is not
     counted. Written at once into the record's .step file (20 bytes in place: a few
     microseconds): a run killed between two of the record's writes leaves them on record, which
     the ledger's redone count needs."""
@@ -119,19 +120,15 @@ class GoodputClock:
       if step <= self.record["last_step"]:
         return
       self.record["last_step"] = step
-      self.record["steps_run"] = step - self.record["start_step"]
       self.record.setdefault("first_step_time", time.time())
     if self._step_fd is not None:
-      try:
+      with contextlib.suppress(OSError):    # a full or flaky filesystem: the record's next write has it
         os.pwrite(self._step_fd, f"{step:>19}\n".encode(), 0)
-      except OSError:   # a full or flaky filesystem: the record's next write has it
-        pass
     self._changed.set()
 
   def discarded(self, step: int, to_step: int) -> None:
     """A rollback at `step` back to the state of `to_step`: the updates after it are lost."""
     with self._lock:
-      self.record["discarded_steps"] += step - to_step
       self.record["rollbacks"].append({"step": step, "to_step": to_step})
     self._changed.set()
 
@@ -172,10 +169,8 @@ class GoodputClock:
     while not self._stop.wait(interval):
       if self._changed.is_set():
         self._changed.clear()
-        try:
+        with contextlib.suppress(OSError):    # a full or flaky filesystem: the next write tries again
           self.flush()
-        except OSError:     # a full or flaky filesystem: the next write tries again
-          pass
 
   def close(self, status: str) -> None:
     """The last lap ("shutdown"), how the run ended ("finished", "preempted", "error"), written."""
@@ -185,10 +180,8 @@ class GoodputClock:
     self._stop.set()
     if self.path:
       self._thread.join(timeout=5)
-      try:
+      with contextlib.suppress(OSError):    # the record is informative; never mask how the run ended
         self.flush()
-      except OSError:     # the record is informative; never mask how the run ended
-        pass
       os.close(self._step_fd)
 
 

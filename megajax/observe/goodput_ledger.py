@@ -25,6 +25,7 @@ kept iterations x their mean iteration time / wall time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -107,15 +108,10 @@ def read_runs(workdir: str) -> list[dict]:
         record = json.load(f)
     except (OSError, json.JSONDecodeError):
       continue
-    if isinstance(record, dict) and {"process_start", "time", "seconds", "steps_run"} <= record.keys():
-      try:
+    if isinstance(record, dict) and {"process_start", "time", "seconds", "start_step", "last_step"} <= record.keys():
+      with contextlib.suppress(OSError, ValueError):    # no .step file, or a torn one: the record's own
         with open(step_file(path)) as f:
-          last = int(f.read().strip() or 0)
-      except (OSError, ValueError):
-        last = 0
-      if last > record["last_step"]:
-        record["steps_run"] += last - record["last_step"]
-        record["last_step"] = last
+          record["last_step"] = max(record["last_step"], int(f.read().strip() or 0))
       runs.append(record)
   return sorted(runs, key=lambda r: r["process_start"])
 
@@ -141,13 +137,14 @@ def ledger(runs: list[dict], events: list[dict] = (), now: float | None = None) 
   attempts = []
   for i, run in enumerate(runs):
     later = runs[i + 1] if i + 1 < len(runs) else None
+    steps_run = run["last_step"] - run["start_step"]      # a run's steps are consecutive
     # Redone: the steps this run ran past the checkpoint the next run resumed from, and those its
     # rollbacks discarded (each step once: a rollback's steps may be past that checkpoint too),
     # at this run's mean step time.
     wasted = [(r["to_step"], r["step"]) for r in run.get("rollbacks", ())]
     if later and later["start_step"] < run["last_step"]:
       wasted.append((later["start_step"], run["last_step"]))
-    redone = min(run["steps_run"], _union_length(wasted))
+    redone = min(steps_run, _union_length(wasted))
     seconds = {c: float(run["seconds"].get(c, 0.0)) for c in CAUSES}
     gap_end = later["process_start"] if later else end
     failure = failures.get(run.get("attempt")) if run.get("status") != "finished" else None
@@ -158,7 +155,7 @@ def ledger(runs: list[dict], events: list[dict] = (), now: float | None = None) 
       # the failure's, taken from its last causes.
       run_end = max(failure["last_sign_of_life"], run["process_start"])
       _take(seconds, run["time"] - run_end, ("shutdown", "steps", *reversed(CAUSES)))
-    step_s = seconds["steps"] / run["steps_run"] if run["steps_run"] else 0.0
+    step_s = seconds["steps"] / steps_run if steps_run else 0.0
     own = {c: v for c, v in seconds.items() if c != "steps"}
     own["redone"] = redone * step_s
     own["productive"] = seconds["steps"] - own["redone"]
@@ -180,7 +177,7 @@ def ledger(runs: list[dict], events: list[dict] = (), now: float | None = None) 
     resumed = (later["first_step_time"] - failure["detected_at"] if failure is not None and later
                and "first_step_time" in later and "detected_at" in failure else None)
     attempts.append(Attempt(run.get("attempt", 0), run["process_start"], run_end, run["start_step"],
-                            run["last_step"], run["steps_run"], redone, status, run.get("cache", {}), own, after,
+                            run["last_step"], steps_run, redone, status, run.get("cache", {}), own, after,
                             resumed))
   redone_steps = sum(a.redone_steps for a in attempts)
   kept = sum(a.steps_run for a in attempts) - redone_steps

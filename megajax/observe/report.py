@@ -18,7 +18,7 @@ import os
 import shutil
 import statistics
 
-from megajax.observe.goodput_ledger import LEDGER_CAUSES, job_ledger
+from megajax.observe.goodput_ledger import CAUSES, LEDGER_CAUSES, job_ledger
 from megajax.observe.metrics import read_metrics
 from megajax.observe.probes import read_activations
 from megajax.observe.records import ACTIVATIONS, INCIDENTS, METRICS, read_jsonl
@@ -262,8 +262,7 @@ _CAUSE_COLOURS = {"productive": "#2ca02c", "redone": "#d62728", "start": "#9ecae
 
 
 # A run's causes in the order they come (the laps of one cause are summed into one segment).
-_RUN_ORDER = ("start", "setup", "restore", "compile", "productive", "redone", "data_wait", "checkpoint", "eval",
-              "rollback", "shutdown")
+_RUN_ORDER = tuple(part for cause in CAUSES for part in (("productive", "redone") if cause == "steps" else (cause,)))
 
 
 def plot_goodput(book, path: str) -> None:

@@ -157,9 +157,9 @@ def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callb
     loop.state, loop.metrics = step_fn(loop.state, loop.batch)
     for collaborator in collaborators:
       collaborator.after_step(loop)
-    clock.lap("steps")          # (nonfinite.NonFiniteGuard tells the clock which steps finished)
     if loop.preempted:
       break
+  clock.lap("steps")            # (nonfinite.NonFiniteGuard tells the clock which steps finished)
   for collaborator in collaborators:
     collaborator.on_end(loop)
 

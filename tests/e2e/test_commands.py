@@ -274,7 +274,7 @@ def test_goodput_cli_prints_the_ledger_or_one_line(tmp_path):
   code 2 for a workdir that is not there or holds no run's record (a half-written one is skipped)."""
   (tmp_path / "goodput").mkdir()
   record = {"process_start": 5.0, "time": 9.0, "attempt": 0, "pid": 1, "start_step": 0, "last_step": 3,
-            "steps_run": 3, "rollbacks": [], "cache": {"hits": 0, "misses": 2}, "status": "finished",
+            "rollbacks": [], "cache": {"hits": 0, "misses": 2}, "status": "finished",
             "seconds": {"start": 1.0, "steps": 3.0}}
   (tmp_path / "goodput" / "run-5000-1.json").write_text(json.dumps(record))
   (tmp_path / "goodput" / "run-6000-2.json").write_text('{"process_start": 9')      # killed mid-write

@@ -11,12 +11,12 @@ from megajax.observe import goodput, goodput_ledger
 from megajax.observe.goodput_ledger import LEDGER_CAUSES, format_table, ledger
 
 
-def run_record(process_start, seconds, start_step, last_step, steps_run, attempt=0, status="finished",
+def run_record(process_start, seconds, start_step, last_step, attempt=0, status="finished",
                rollbacks=()):
   """A run's record as goodput.GoodputClock writes it: its causes' seconds end at `time`."""
   full = dict.fromkeys(goodput_ledger.CAUSES, 0.0) | seconds
   return {"process_start": process_start, "time": process_start + sum(full.values()), "attempt": attempt,
-          "pid": attempt, "start_step": start_step, "last_step": last_step, "steps_run": steps_run,
+          "pid": attempt, "start_step": start_step, "last_step": last_step,
           "rollbacks": [{"step": s, "to_step": t} for s, t in rollbacks], "cache": {"hits": 0, "misses": 3},
           "status": status, "seconds": full}
 
@@ -30,7 +30,7 @@ def test_a_runs_laps_add_up_to_its_time_and_its_finished_steps_count_once():
   clock.lap("steps")
   clock.discarded(2, 0)
   record = clock.snapshot()
-  assert record["steps_run"] == 2 and record["last_step"] == 2 and record["attempt"] == 2
+  assert record["last_step"] - record["start_step"] == 2 and record["last_step"] == 2 and record["attempt"] == 2
   assert record["rollbacks"] == [{"step": 2, "to_step": 0}]
   assert sum(record["seconds"].values()) == pytest.approx(record["time"] - record["process_start"], abs=1e-6)
   assert record["seconds"]["start"] == pytest.approx(1.0, abs=0.05)
@@ -40,11 +40,11 @@ def test_a_crash_and_restart_split_into_their_causes():
   """Attempt 0 runs steps 1-7 (5 s of steps) and is killed; the supervisor saw its last sign of
   life 1 s after its last record and detected it 2 s later; attempt 1 starts 4 s after the
   detection, resumes from the checkpoint of step 5 and runs 6-10. Steps 6 and 7 ran twice."""
-  first = run_record(100.0, {"start": 2.0, "compile": 3.0, "steps": 7.0}, 0, 7, 7, status="running")
+  first = run_record(100.0, {"start": 2.0, "compile": 3.0, "steps": 7.0}, 0, 7, status="running")
   events = [{"event": "start", "time": 99.0},
             {"event": "failure", "attempt": 0, "kind": "exit", "last_sign_of_life": first["time"] + 1.0,
              "detected_at": first["time"] + 3.0, "last_step": 7}]
-  second = run_record(first["time"] + 7.0, {"start": 1.0, "restore": 0.5, "compile": 0.5, "steps": 5.0}, 5, 10, 5,
+  second = run_record(first["time"] + 7.0, {"start": 1.0, "restore": 0.5, "compile": 0.5, "steps": 5.0}, 5, 10,
                       attempt=1)
   second["first_step_time"] = second["process_start"] + 3.0
   events.append({"event": "end", "time": second["time"] + 0.25, "code": 0})
@@ -72,8 +72,8 @@ def test_a_crash_and_restart_split_into_their_causes():
 def test_a_rollback_and_a_restart_over_the_same_steps_count_them_once():
   """Attempt 0 rolls back at step 10 to the checkpoint of step 6 (steps 7-10 discarded) and is
   killed after step 10; attempt 1 resumes from 6: steps 7-10 are wasted once, not twice."""
-  first = run_record(0.0, {"steps": 10.0}, 0, 10, 10, status="running", rollbacks=[(10, 6)])
-  second = run_record(20.0, {"steps": 6.0}, 6, 12, 6, attempt=1, rollbacks=[])
+  first = run_record(0.0, {"steps": 10.0}, 0, 10, status="running", rollbacks=[(10, 6)])
+  second = run_record(20.0, {"steps": 6.0}, 6, 12, attempt=1, rollbacks=[])
   book = ledger([first, second], [{"event": "failure", "attempt": 0, "kind": "exit",
                                    "last_sign_of_life": 10.0, "detected_at": 11.0}])
   assert book.redone_steps == 4 and book.kept_steps == 12
@@ -82,8 +82,8 @@ def test_a_rollback_and_a_restart_over_the_same_steps_count_them_once():
 
 def test_runs_without_a_supervisor_leave_the_gap_idle():
   """A preempted run resubmitted later: the time between the two is idle, nothing redone."""
-  first = run_record(0.0, {"start": 1.0, "steps": 4.0}, 0, 4, 4, status="preempted")
-  second = run_record(60.0, {"start": 1.0, "steps": 4.0}, 4, 8, 4)
+  first = run_record(0.0, {"start": 1.0, "steps": 4.0}, 0, 4, status="preempted")
+  second = run_record(60.0, {"start": 1.0, "steps": 4.0}, 4, 8)
   book = ledger([first, second])
   assert book.seconds["idle"] == pytest.approx(55.0) and book.redone_steps == 0 and book.kept_steps == 8
   assert book.wall_s == pytest.approx(65.0) and set(book.seconds) == set(LEDGER_CAUSES)
@@ -94,8 +94,8 @@ def test_a_run_blocked_past_the_failure_gives_that_time_to_detection():
   record, blocks in step 6's collective and runs on in the stop's grace (its laps end at 16 s);
   the supervisor detects at 13 s. 10 -> 13 s is detection, 13 -> the restart recovery, and the
   record's 6 s past the last sign of life leave its steps."""
-  first = run_record(0.0, {"start": 2.0, "steps": 14.0}, 0, 8, 8, status="running")
-  second = run_record(20.0, {"steps": 2.0}, 5, 7, 2, attempt=1)
+  first = run_record(0.0, {"start": 2.0, "steps": 14.0}, 0, 8, status="running")
+  second = run_record(20.0, {"steps": 2.0}, 5, 7, attempt=1)
   book = ledger([first, second], [{"event": "failure", "attempt": 0, "kind": "heartbeat_lost",
                                    "last_sign_of_life": 10.0, "detected_at": 13.0}])
   assert book.seconds["detection"] == pytest.approx(3.0) and book.seconds["recovery"] == pytest.approx(7.0)

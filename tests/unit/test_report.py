@@ -51,7 +51,7 @@ def write_goodput(workdir):
           (1013.0, {"start": 1.0, "compile": 1.0, "steps": 4.0}, 4, 8, "finished", 1)]
   for start, seconds, first, last, status, attempt in runs:
     record = {"process_start": start, "time": start + sum(seconds.values()), "attempt": attempt, "pid": attempt,
-              "start_step": first, "last_step": last, "steps_run": last - first, "rollbacks": [],
+              "start_step": first, "last_step": last, "rollbacks": [],
               "cache": {"hits": attempt, "misses": 1 - attempt}, "status": status, "seconds": seconds}
     with open(os.path.join(workdir, "goodput", f"run-{int(start)}-{attempt}.json"), "w") as f:
       json.dump(record, f)
