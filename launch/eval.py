@@ -74,7 +74,9 @@ def main(argv):
     fail(PROGRAM, "config error", error)
 
   # The run's mesh when this machine has its devices (a CPU-only one is given them, before jax
-  # starts a backend), else one device: the restore converts the layout either way.
+  # starts a backend), else one device: the restore converts the layout either way. A MegaFBD
+  # run's state is a pp = 1 state: its backward group's dp x tp evaluates it with the 3D step.
+  config.parallel.fbd.enabled = False
   size = math.prod(mesh_shape(config))
   request_host_devices(size)
   configure_runtime(config, workdir)

@@ -18,6 +18,11 @@ and when that is compute, the largest loss beside it).
                  paper (Megatron-LM / MegaScale's runtime, the one the paper measured).
   --explain      dp,pp,tp,v,b: one plan's full accounting instead of the search (memory by part,
                  one layer's operation times, the step by part, model FLOPs per GPU).
+  --fbd_forward  HARDWARE:COUNT: MegaFBD on a mixed cluster (megajax.parallel.planner.fbd): the forward on
+                 COUNT GPUs of HARDWARE, the backward and optimizer on the --gpus --hardware ones; its best
+                 plans (each group's dp x tp, the microbatch) against the best 3D plan on --hardware alone:
+                 megajax-plan --config=configs/gpt_1p3b.py --hardware=h100-80g --gpus=8 --batch=128
+                 --fbd_forward=a100-80g:32 --remat=full
   --compile      the config's own plan (its parallel.dp x pp x tp = --gpus) compiled for
                  --hardware (h100-80g or h200-141g) by XLA's GPU compiler on this machine, no
                  GPU needed (megajax.parallel.deviceless): XLA's bytes per device next to the
@@ -42,7 +47,7 @@ from megajax.model import ModelConfig
 from megajax.observe.schedule import overlap_counts
 from megajax.parallel import deviceless
 from megajax.parallel.mesh import mesh_shape
-from megajax.parallel.planner import cost_model, fits, hardware, plans, report
+from megajax.parallel.planner import cost_model, fbd, fits, hardware, plans, report
 
 PROGRAM = "megajax-plan"
 RUNTIMES = tuple(report.RUNTIMES)
@@ -55,6 +60,8 @@ _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaS
 _RUNTIME = flags.DEFINE_enum("runtime", "megajax", RUNTIMES, "Whose runtime executes the plan.")
 _REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
 _EXPLAIN = flags.DEFINE_string("explain", "", "dp,pp,tp,v,b: print this plan's full accounting instead of the search.")
+_FBD_FORWARD = flags.DEFINE_string("fbd_forward", "", "HARDWARE:COUNT: MegaFBD plans with the forward on COUNT GPUs of "
+                                   "HARDWARE and the backward on the --gpus --hardware ones, against those alone.")
 _COMPILE = flags.DEFINE_bool("compile", False, "Compile the config's own plan for --hardware without a GPU and "
                               "print XLA's bytes per device next to the planner's.")
 flags.mark_flags_as_required(["config", "gpus"])
@@ -88,6 +95,9 @@ def main(argv):
   remat = _REMAT.value or c.remat
   if _EXPLAIN.value:
     _explain(c, gpus, batch, hw, opts, remat)
+    return
+  if _FBD_FORWARD.value:
+    _fbd(c, gpus, batch, hw, remat, top)
     return
   best, even = plans.search(c, gpus, batch, hw, opts, _RUNTIME.value, remat)
   if not even:
@@ -128,6 +138,50 @@ def main(argv):
   remat_flag = f" --config.model.remat={remat}" if remat != c.remat else ""
   print(f"overrides: {plans.config_overrides(best[0].plan)}{remat_flag}")
   print(f"best: {plans.describe(best[0].plan)}: {plans.breakdown(best[0].time)}")
+
+
+def _fbd(c, gpus: int, batch: int, hw, remat: str, top: int) -> None:
+  """MegaFBD on a mixed cluster: the forward group (--fbd_forward) beside the --gpus --hardware
+  ones (the backward group), against the best 3D plan on the latter alone."""
+  name, _, count = _FBD_FORWARD.value.partition(":")
+  forward_hw = cost_model.HARDWARE.get(name)
+  if forward_hw is None or not count.isdigit() or int(count) < 1:
+    _flag_error("fbd_forward", _FBD_FORWARD.value, "not HARDWARE:COUNT",
+                f"e.g. --fbd_forward=a100-80g:32 (hardware one of {', '.join(cost_model.HARDWARE)})")
+  forward_gpus = int(count)
+  found = fbd.search(c, forward_hw, forward_gpus, hw, gpus, batch, remat)
+  alone, _ = plans.search(c, gpus, batch, hw, cost_model.MEGASCALE, "megajax", remat)
+  print(f"{PROGRAM}: MegaFBD, forward on {forward_gpus} {forward_hw.name}, backward and optimizer on {gpus} "
+        f"{hw.name}, batch {batch}, remat {remat} (megajax.parallel.planner.fbd: the 3D model's operation times; "
+        "the residuals and weights cross the groups' NICs)")
+  for extrapolated in {forward_hw, hw}:
+    _note_extrapolated(extrapolated)
+  if not found:
+    _flag_error("fbd_forward", _FBD_FORWARD.value, "no MegaFBD plan fits (each group's tp within a node; the "
+                "microbatch a multiple of both groups' dp dividing the batch)", "use more GPUs or --remat=full")
+  print(f"{'#':>2}  {'plan':<78} {'step s':>7} {'MFU':>6}  per microbatch: forward / transfer / backward s, memory "
+        "GB fwd / bwd")
+  for i, x in enumerate(found[:top], 1):
+    t = x.time
+    print(f"{i:>2}  {fbd.describe(x.plan):<78} {t.total:>7.3f} {100 * t.mfu:>5.1f}%  {t.forward:.4f} / "
+          f"{t.transfer:.4f} / {t.backward:.4f} ({t.bottleneck}-bound), weights {t.weights:.3f} a step; "
+          f"{x.forward_bytes / cost_model.GB:.1f} / {x.backward_bytes / cost_model.GB:.1f}")
+  best = found[0]
+  if alone:
+    base = alone[0]
+    ratio = base.time.total / best.time.total
+    verdict = "beats" if ratio > 1 else "does not beat"
+    print(f"{hw.name} alone: {plans.describe(base.plan)}: {base.time.total:.3f} s, MFU {100 * base.time.mfu:.1f}%")
+    print(f"MegaFBD {verdict} the {gpus} {hw.name} alone: {best.time.total:.3f} s against {base.time.total:.3f} s a "
+          f"step ({ratio:.2f}x their speed), adding {forward_gpus} {forward_hw.name} for the forward")
+  else:
+    print(f"{hw.name} alone: no 3D plan fits on {gpus}; MegaFBD's #1 does: {best.time.total:.3f} s a step")
+  print(f"overrides: {fbd.config_overrides(best.plan)}")
+  hosts = hardware.nodes(forward_gpus, forward_hw) + hardware.nodes(gpus, hw)
+  if hosts > 1:
+    print(f"note: this plan spans {hosts} hosts; megajax-train runs MegaFBD in one process (one host) today, its "
+          "groups' transfers being jax.device_put between that process's devices: the plan is what the design costs "
+          "on this cluster, not a job megajax-train starts")
 
 
 def _note_extrapolated(hw) -> None:

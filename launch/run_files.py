@@ -82,6 +82,7 @@ def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, s
   for axis in ("dp", "pp", "tp", "virtual_stages"):
     one_device.parallel[axis] = 1
   one_device.parallel.schedule = "1f1b"
+  one_device.parallel.fbd.enabled = False     # a MegaFBD run's state is a pp = 1 state: one device reads it
   one_device.train.microbatches = 1
   parallel_step = build_parallel_step(one_device, jax.local_devices()[:1])
   with TrainingCheckpointer(checkpoints, one_device, read_only=True) as checkpointer:

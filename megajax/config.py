@@ -266,6 +266,15 @@ def _parallel() -> ml_collections.ConfigDict:
   # forward uses them (the backward makes them); 0: one collective per leaf. Fewer, larger
   # collectives: each costs a launch and a rendezvous (XLA:GPU combines independent ones too).
   p.dp_bucket_mb = 32.0
+  # MegaFBD (MegatronApp section 4; megajax.parallel.fbd): the forward of every microbatch on a
+  # group of devices of its own (forward_dp x forward_tp of them, the job's first), the backward
+  # and the optimizer on the rest (parallel.dp x parallel.tp, pp = 1): the job has
+  # forward_dp * forward_tp + dp * tp devices. Residuals stream forward -> backward per
+  # microbatch, the weights (in the compute dtype) backward -> forward once per step. One process.
+  p.fbd = ml_collections.ConfigDict()
+  p.fbd.enabled = False
+  p.fbd.forward_dp = 1
+  p.fbd.forward_tp = 1
   return p
 
 
@@ -320,6 +329,43 @@ def _check_parallel(config) -> None:
     check.require(t.microbatches % p.pp == 0, "train.microbatches", t.microbatches,
                   f"interleaved 1F1B sends microbatches through the chunks in groups of parallel.pp={p.pp}",
                   f"use a multiple of {p.pp}, e.g. {-(-t.microbatches // p.pp) * p.pp}")
+  _check_fbd(config)
+
+
+def _check_fbd(config) -> None:
+  """parallel.fbd: the forward group splits the model as tp does; what the decoupled step does
+  not run is refused here (its devices and processes at build: megajax.parallel.fbd)."""
+  m, p, t, f = config.model, config.parallel, config.train, config.parallel.fbd
+  check.boolean(config, "parallel.fbd.enabled")
+  if not f.enabled:
+    return
+  for field in ("parallel.fbd.forward_dp", "parallel.fbd.forward_tp"):
+    check.positive_int(config, field)
+  kv_heads, mlp_dim = m.num_kv_heads or m.num_heads, m.mlp_dim or 4 * m.hidden_dim
+  for size, what in ((m.num_heads, "heads"), (kv_heads, "KV heads"), (mlp_dim, "MLP units"),
+                     (m.vocab_size, "vocabulary entries")):
+    check.require(size % f.forward_tp == 0, "parallel.fbd.forward_tp", f.forward_tp,
+                  f"the model's {size} {what} do not split over the forward group's tp",
+                  f"use a divisor of {size}, e.g. {check.nearest_divisor(size, f.forward_tp)}")
+  check.require((t.batch_size // t.microbatches) % f.forward_dp == 0, "parallel.fbd.forward_dp", f.forward_dp,
+                f"a microbatch of {t.batch_size // t.microbatches} sequences does not split over it",
+                f"use a divisor of {t.batch_size // t.microbatches}")
+  # The decoupled step is two GSPMD programs per microbatch and a third for the update: what the
+  # 3D step's shard_map adds (a pipeline, probes inside the model, the straggler drill's work,
+  # a single module for the trace's operations) has no place in it.
+  for field, value, ok, why, off in (
+      ("parallel.pp", p.pp, p.pp == 1, "MegaFBD's groups are dp x tp each (no pipeline)", "1"),
+      ("observe.capture", config.observe.capture, not config.observe.capture,
+       "activation capture runs inside the 3D step's model", "''"),
+      ("observe.perturb", config.observe.perturb, not config.observe.perturb,
+       "perturbations run inside the 3D step's model", "''"),
+      ("observe.trace_every", config.observe.trace_every, not config.observe.trace_every,
+       "MegaScan's trace reads one compiled step's operations; MegaFBD's step is several programs "
+       "(python -m megajax.launch.bench fbd traces their overlap)", "0"),
+      ("debug.slow_rank", config.debug.slow_rank, not config.debug.slow_rank,
+       "the straggler drill adds work inside the 3D step's shard_map", "''")):
+    check.require(ok, field, value, f"not with parallel.fbd.enabled=True: {why}",
+                  f"set {field}={off}, or parallel.fbd.enabled=False")
 
 
 # --- data -------------------------------------------------------------------------------------

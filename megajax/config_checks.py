@@ -25,8 +25,9 @@ def require(ok: bool, field: str, value, problem: str, fix: str) -> None:
 
 
 def _value(config, field: str):
-  group, name = field.split(".")
-  return config[group][name]
+  for name in field.split("."):     # "section.field", or deeper: "parallel.fbd.forward_dp"
+    config = config[name]
+  return config
 
 
 def finite(value) -> bool:

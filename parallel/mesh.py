@@ -84,6 +84,14 @@ def mesh_shape(config) -> tuple[int, int, int]:
   return (config.parallel.dp, config.parallel.pp, config.parallel.tp)
 
 
+def job_device_count(config) -> int:
+  """The devices a config's job runs on: dp * pp * tp, plus MegaFBD's forward group
+  (parallel.fbd: forward_dp * forward_tp more)."""
+  dp, pp, tp = mesh_shape(config)
+  fbd = config.parallel.fbd
+  return dp * pp * tp + (fbd.forward_dp * fbd.forward_tp if fbd.enabled else 0)
+
+
 def _host_split(dp: int, pp: int, tp: int, per_host: int):
   """(in-host, across-host) sizes in physical (pp, dp, tp) order; TP first, then DP, in a host."""
   if per_host % tp:

@@ -151,6 +151,11 @@ class ParallelStep:
     return Overlap(tp_overlap(self.config, self.platform), self.config.parallel.tp_overlap_chunks)
 
   @property
+  def devices(self) -> list:
+    """Every device of the step (what MFU divides by)."""
+    return list(self.mesh.devices.flat)
+
+  @property
   def state_shardings(self):
     return sharding.named(self.mesh, self.state_specs)
 
@@ -334,6 +339,10 @@ class ParallelStep:
                            in_specs=(self.state_specs, batch_spec(self.mesh)), out_specs=out_specs)
     return jax.jit(mapped, donate_argnums=0, compiler_options=self.compiler_options)
 
+  def compiled_train_step(self):
+    """train_step(), compiled now from abstract inputs (ahead of the first step)."""
+    return self.train_step().lower(*self.abstract_inputs()).compile()
+
   # --- Held-out evaluation: the forward alone, on the same mesh and layouts.
 
   def _eval_sums(self, params, batch):
@@ -368,6 +377,10 @@ class ParallelStep:
     mapped = jax.shard_map(self._for_platform(self._eval_sums), mesh=self.mesh, in_specs=(self.state_specs.params, batch_spec(self.mesh)),
                            out_specs=P())
     return jax.jit(mapped, compiler_options=self.compiler_options)
+
+  def compiled_eval_step(self):
+    state, batch = self.abstract_inputs()
+    return self.eval_step().lower(state.params, batch).compile()
 
   @property
   def compiler_options(self) -> dict | None:

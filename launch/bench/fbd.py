@@ -15,28 +15,44 @@ the 3D step's program; for FBD each group's), and for FBD the bytes sent forward
 per microbatch (jax.vjp's residuals: activations under the remat policy and the weights the
 matmuls read, but the weights) and backward -> forward per step (the weights). Then, per remat
 policy, the bytes sent a microbatch against the planner's count of what a layer keeps for its
-backward (memory.fbd_residual_bytes): jax.vjp keeps more than the memory model counts.
+backward (memory.fbd_residual_bytes), and the weights sent a step (fp32 and bf16 compute)
+against cost_model.param_counts. Then traces (jax.profiler) of FBD 4+4, FBD 1+1 (one device a
+group: programs without collectives) and FBD 1+1 serial: from the device events, the ms each
+group runs its program's operations and both at once (the overlap, traced). Last, the planner's
+MegaFBD on a mixed cluster (parallel/planner/fbd.py; docs/parallelism.md's worked example).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
+import gzip
+import json
+import os
+import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from megajax.config import default_config
+from megajax.config import default_config, load_config
 from megajax.launch.bench.timing import median_seconds
 from megajax.launch.bench.train import CompiledStep
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel.deviceless import bytes_per_device
 from megajax.parallel.fbd import FbdStep
-from megajax.parallel.planner import memory
+from megajax.parallel.planner import cost_model, memory, plans
+from megajax.parallel.planner import fbd as planner_fbd
 from megajax.parallel.planner.fits import plan_of
 from megajax.reference_step import fresh_train_state
 
 SIZES = {"cpu": dict(hidden=256, layers=4, heads=8, seq=128, batch=16, microbatches=4),
          "tiny": dict(hidden=32, layers=2, heads=4, seq=16, batch=8, microbatches=2)}
+TRACED_STEPS = 3
+ONE_AND_ONE = (1, 1, 1, 1, 1)
+PLANNED = {"config": "configs/gpt_1p3b.py", "batch": 128, "forward_hw": "a100-80g", "forward_gpus": 32,
+           "backward_hw": "h100-80g", "backward_gpus": 8}    # one device a group: programs without collectives
 SPLITS = {"FBD 4+4": (4, 2, 2, 2, 2), "FBD 2+6": (2, 2, 1, 3, 2)}
 
 
@@ -53,20 +69,58 @@ def _config(size: str):
 
 class _Fbd:
   def __init__(self, config, split, batch, serialized: bool = False):
-    self.serialized = serialized
     f_devices, f_dp, f_tp, b_dp, b_tp = split
     devices = jax.devices()
     model = GPT(ModelConfig.from_config(config.model))
     params = init_params(model, jax.random.key(0))
     self.step = FbdStep.build(config, model, devices[:f_devices], devices[f_devices:f_devices + b_dp * b_tp],
-                              f_dp, f_tp, b_dp, b_tp, params)
+                              f_dp, f_tp, b_dp, b_tp)
     self.state = self.step.place_state(jax.jit(fresh_train_state, static_argnums=1)(params, self.step.optimizer))
-    self.batch = batch
-    self.traffic = self.step.traffic(self.state, batch)
+    self.batch = self.step.put_batch(batch)
+    self.traffic = self.step.traffic()
+    # The trainer's programs (compiled ahead, as FbdStep.compiled_train_step gives them).
+    self.train_step = functools.partial(self.step.compiled_train_step(), serialized=serialized)
 
   def run(self) -> dict:
-    self.state, metrics = self.step.train_step(self.state, self.batch, serialized=self.serialized)
+    self.state, metrics = self.train_step(self.state, self.batch)
     return jax.block_until_ready(metrics)
+
+
+def _busy(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  """The union of [start, end) intervals, as disjoint sorted ones."""
+  merged = []
+  for start, end in sorted(intervals):
+    if merged and start <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+    else:
+      merged.append((start, end))
+  return merged
+
+
+def traced_overlap(contender: _Fbd, steps: int, directory: str) -> dict:
+  """`steps` steps of `contender` under jax.profiler; from the trace's device events: the time
+  the forward group runs forward operations, the backward group backward ones, and both at once
+  (the intersection of the two busy sets), in ms; and the trace file."""
+  contender.run()
+  jax.profiler.start_trace(directory)
+  for _ in range(steps):
+    contender.run()
+  jax.profiler.stop_trace()
+  path = max(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+  with gzip.open(path) as f:
+    events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "hlo_module" in (e.get("args") or {})]
+  groups = {"forward": (contender.step.forward_mesh, "jit_forward"),
+            "backward": (contender.step.backward_mesh, "jit_backward")}
+  busy = {}
+  for name, (mesh, module) in groups.items():
+    ids = {str(d.id) for d in mesh.devices.flat}
+    busy[name] = _busy([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                        if e["args"]["hlo_module"] == module and str(e["args"].get("device_ordinal")) in ids])
+  both = sum(max(0.0, min(a_end, b_end) - max(a_start, b_start))
+             for a_start, a_end in busy["forward"] for b_start, b_end in busy["backward"])
+  total = lambda spans: sum(end - start for start, end in spans)
+  return {"forward_ms": total(busy["forward"]) / 1e3, "backward_ms": total(busy["backward"]) / 1e3,
+          "both_ms": both / 1e3, "trace": path}
 
 
 def fbd(repeats: int, size: str = "cpu") -> None:
@@ -110,4 +164,42 @@ def fbd(repeats: int, size: str = "cpu") -> None:
     plan = dataclasses.replace(plan_of(c, "cpu"), micro_batch=c.train.batch_size // c.train.microbatches)
     counted = memory.fbd_residual_bytes(ModelConfig.from_config(c.model), plan)
     print(f"{remat:>8}{sent / 2**20:>10.2f}{counted / 2**20:>10.2f}{sent / counted:>8.2f}")
-  print("planner: no MegaFBD plans yet (its search, the transfer's time and mixed clusters are issue 36's next)")
+  model_config = ModelConfig.from_config(config.model)
+  for dtype in ("float32", "bfloat16"):    # the weights a step, in the compute dtype: sent and counted
+    c = _config(size)
+    c.model.compute_dtype = dtype
+    sent = _Fbd(c, SPLITS["FBD 4+4"], batch).traffic["weight_bytes"]
+    counted = cost_model.param_counts(model_config, dataclasses.replace(plan_of(c, "cpu"), dp=1, pp=1, tp=1)
+                                      ).gathered_bytes(jnp.dtype(dtype).itemsize, 4)
+    print(f"weights backward -> forward a step, compute dtype {dtype}: sent {sent / 2**20:.2f} MB, planner "
+          f"{counted / 2**20:.2f} MB (cost_model.param_counts: the linears and head in it, the rest fp32)")
+  print(f"\ntraces of {TRACED_STEPS} steps (jax.profiler, device events): the ms each group runs its own program's "
+        "operations, and both groups at once")
+  traced = {"FBD 4+4": contenders["FBD 4+4"], "FBD 1+1": _Fbd(config, ONE_AND_ONE, batch),
+            "FBD 1+1 serial": _Fbd(config, ONE_AND_ONE, batch, serialized=True)}
+  print(f"{'':24}{'forward ms':>12}{'backward ms':>13}{'both at once ms':>17}")
+  with tempfile.TemporaryDirectory() as directory:
+    for name, contender in traced.items():
+      t = traced_overlap(contender, TRACED_STEPS, os.path.join(directory, name.replace(" ", "_")))
+      print(f"{'trace ' + name:24}{t['forward_ms']:>12.1f}{t['backward_ms']:>13.1f}{t['both_ms']:>17.1f}")
+  print("(XLA:CPU runs programs that hold collectives one at a time, whatever their devices: the groups of FBD 4+4 "
+        "never compute at once here; FBD 1+1's programs have none, and the forward of microbatch i + 1 runs under "
+        "the backward of i. On GPUs each device runs its own streams.)")
+  _planned()
+
+
+def _planned() -> None:
+  """The planner's MegaFBD on a mixed cluster (docs/parallelism.md's worked example)."""
+  c = ModelConfig.from_config(load_config(PLANNED["config"]).model)
+  forward_hw, backward_hw = (cost_model.HARDWARE[PLANNED[k]] for k in ("forward_hw", "backward_hw"))
+  print(f"\nplanner, a mixed cluster ({PLANNED['config']}, batch {PLANNED['batch']}: the forward on "
+        f"{PLANNED['forward_gpus']} {forward_hw.name}, the backward on {PLANNED['backward_gpus']} {backward_hw.name}; "
+        f"megajax-plan --fbd_forward)")
+  for remat in ("full", "dots"):
+    best = planner_fbd.search(c, forward_hw, PLANNED["forward_gpus"], backward_hw, PLANNED["backward_gpus"],
+                              PLANNED["batch"], remat)[0]
+    alone = plans.search(c, PLANNED["backward_gpus"], PLANNED["batch"], backward_hw, remat=remat)[0][0]
+    t = best.time
+    print(f"  remat {remat}: MegaFBD {t.total:.3f} s ({t.bottleneck}-bound: forward {t.forward:.4f}, transfer "
+          f"{t.transfer:.4f}, backward {t.backward:.4f} s a microbatch) against the {backward_hw.name} alone "
+          f"{alone.time.total:.3f} s: {alone.time.total / t.total:.2f}x")

@@ -51,6 +51,7 @@ import numpy as np
 
 from megajax.observe.records import write_atomically
 from megajax.parallel import make_mesh
+from megajax.parallel.fbd import group_mesh
 from megajax.trainer.drills import diagnose_slowed
 
 # Sizes that keep an accelerator busy long enough to time, and a CPU run to a few seconds.
@@ -228,7 +229,8 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
   """Measures this job's devices and collectives; every process must call it. Returns the whole
   job's report (see the module docstring) on every process."""
   start = time.perf_counter()
-  mesh = make_mesh(config)
+  # MegaFBD's job is two groups, not one mesh: every device measured as one dp line of them.
+  mesh = group_mesh(jax.devices(), len(jax.devices()), 1) if config.parallel.fbd.enabled else make_mesh(config)
   platform = jax.devices()[0].platform
   sizes = CPU_SIZES if platform == "cpu" else ACCELERATOR_SIZES
   matmul_size = matmul_size or sizes["matmul_size"]

@@ -162,11 +162,11 @@ class Throughput:
   """Tokens/s, TFLOP/s per device and MFU between logged steps (the first one compiles:
   measured from its end onwards)."""
 
-  def __init__(self, config, model: ModelConfig, mesh):
+  def __init__(self, config, model: ModelConfig, devices):
     self.tokens_per_step = config.train.batch_size * config.model.seq_len
     self.flops_per_token = training_flops_per_token(model)
-    self.device_kind = mesh.devices.flat[0].device_kind
-    self.num_devices = mesh.size
+    self.device_kind = devices[0].device_kind
+    self.num_devices = len(devices)
     self.last_time, self.last_step = None, None
 
   def measure(self, step: int) -> dict:

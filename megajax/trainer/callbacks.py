@@ -197,7 +197,7 @@ class MetricsLog(Callback):
 
   def __init__(self, config: ml_collections.ConfigDict, parallel_step: ParallelStep, guard):
     self.config = config
-    self.meter = Throughput(config, parallel_step.model.config, parallel_step.mesh)
+    self.meter = Throughput(config, parallel_step.model.config, parallel_step.devices)
     self.guard = guard                      # nonfinite.NonFiniteGuard: the updates skipped so far
 
   def due(self, step: int) -> bool:

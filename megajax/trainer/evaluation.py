@@ -70,8 +70,7 @@ class Evaluation(Callback):
     return cls(config, parallel_step, held_out_batches(config, parallel_step))
 
   def compile(self) -> None:
-    state, batch = self.parallel_step.abstract_inputs()
-    self.compiled = self.parallel_step.eval_step().lower(state.params, batch).compile()
+    self.compiled = self.parallel_step.compiled_eval_step()
 
   def after_step(self, loop: Loop) -> None:
     if loop.step % self.every == 0:

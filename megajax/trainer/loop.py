@@ -30,7 +30,7 @@ from megajax.model import GPT, ModelConfig, count_params
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
 from megajax.observe.goodput import GoodputClock
 from megajax.observe.wandb_tracker import WandbTracker     # imports wandb only when constructed
-from megajax.parallel import ParallelStep, local_batch_slice, local_device_coordinates, make_mesh
+from megajax.parallel import FbdStep, ParallelStep, local_batch_slice, local_device_coordinates, make_mesh
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.planner.fits import check_fits
 from megajax.reference_step import TrainState
@@ -54,9 +54,12 @@ def build_model(config: ml_collections.ConfigDict) -> GPT:
   return GPT(ModelConfig.from_config(config.model))
 
 
-def build_parallel_step(config: ml_collections.ConfigDict, devices=None) -> ParallelStep:
+def build_parallel_step(config: ml_collections.ConfigDict, devices=None) -> ParallelStep | FbdStep:
   """The 3D-parallel step the trainer runs on `devices` (default: all of the job's): the
-  model, the mesh, what to observe (observe.*) and the straggler drill (debug.slow_rank)."""
+  model, the mesh, what to observe (observe.*) and the straggler drill (debug.slow_rank); with
+  parallel.fbd.enabled, MegaFBD's decoupled step over the same devices (megajax.parallel.fbd)."""
+  if config.parallel.fbd.enabled:
+    return FbdStep.from_config(config, build_model(config), jax.devices() if devices is None else devices)
   return ParallelStep.build(config, build_model(config), make_mesh(config, devices),
                             probes=Probes.from_config(config), extra_work=drills.straggler_work(config))
 
@@ -260,6 +263,13 @@ def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator
 
 def _describe(config, parallel_step: ParallelStep, state) -> None:
   logging.info("%s", data.describe_data(config))
+  if isinstance(parallel_step, FbdStep):
+    f, b = parallel_step.forward_mesh.shape, parallel_step.backward_mesh.shape
+    logging.info("model: %s block, %d layers, %.2fM parameters; MegaFBD: forward on %d devices (dp=%d tp=%d), "
+                 "backward and optimizer on %d (dp=%d tp=%d)", config.model.block, config.model.num_layers,
+                 count_params(state.params) / 1e6, f["dp"] * f["tp"], f["dp"], f["tp"], b["dp"] * b["tp"], b["dp"],
+                 b["tp"])
+    return
   logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
                config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
                *parallel_step.mesh.devices.shape, parallel_step.overlap.mode)
@@ -293,7 +303,7 @@ def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step
     return None
   if heartbeat:
     heartbeat.update(phase="compiling the step")
-  compiled = parallel_step.train_step().lower(*parallel_step.abstract_inputs()).compile()
+  compiled = parallel_step.compiled_train_step()
   if evaluation:
     evaluation.compile()
   if checkpointer:

@@ -280,7 +280,7 @@ class StepTime:
     return f"compute (then {loss} {losses[loss] / self.total:.0%})"
 
 
-def _pipelined(pieces: int, piece_seconds: float, window: float) -> float:
+def pipelined(pieces: int, piece_seconds: float, window: float) -> float:
   """Exposed seconds of `pieces` equal collectives issued one compute `window` ahead of use,
   back to back on one link: the first hides under nothing, each later one under its window."""
   return piece_seconds + (pieces - 1) * max(0.0, piece_seconds - window) if pieces else 0.0
@@ -295,7 +295,7 @@ def mean_layer(c: ModelConfig, plan: Plan, hw: Hardware, k: Calibration) -> oper
   return operations.LayerTimes(*(sum(getattr(times[w], f) for w in windows) / len(windows) for f in fields))
 
 
-def _tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware):
+def tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware):
   """(forward, backward) seconds of one layer's tp collectives per microbatch, and the head's
   (forward, backward): sequence parallelism all-gathers each column-parallel input and
   reduce-scatters each row-parallel output (Megatron-LM gathers the input once more in the
@@ -345,7 +345,7 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   # Tensor parallelism: the forward's collectives (again where the forward reruns), the
   # backward's (Megatron-LM hides them under the weight-gradient GEMMs where it can), MegaScale's
   # collective matmul hides a share of what is left (megajax's too: its collective_matmul).
-  tp_forward, tp_backward, tp_head = _tp_seconds(c, plan, hw)
+  tp_forward, tp_backward, tp_head = tp_seconds(c, plan, hw)
   forward_comm = layers * tp_forward * (1 + again) + tp_head[0]
   backward_comm = layers * tp_backward + tp_head[1]
   if not megajax and plan.tp_backward_overlap:
@@ -426,8 +426,8 @@ def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, c
     # Each layer's gather issued one layer ahead in the first microbatch's forward
     # (zero.layer_ahead_gathers); each layer's reduce-scatter under the backward of the
     # layers before it (the last microbatch's, or each microbatch's with "microbatch").
-    exposed = (_pipelined(layers, t_gather / layers, forward / layers)
-               + syncs * _pipelined(layers, t_scatter / (syncs * layers), backward / layers))
+    exposed = (pipelined(layers, t_gather / layers, forward / layers)
+               + syncs * pipelined(layers, t_scatter / (syncs * layers), backward / layers))
     return hardware.overlapped_seconds(t_gather + t_scatter, exposed)
   # executor.py: the first chunk's rows and the shared leaves before / after the tick scan,
   # exposed; the other chunks' rows in pieces, one per head tick (a chunk's forward each) and,

@@ -179,12 +179,32 @@ def test_plan_cli_explains_one_plan():
                                          (["--gpus=256", "--batch=768", "--explain=8,4,8"], "--explain=8,4,8"),
                                          (["--gpus=256", "--batch=768", "--explain=8,4,8,5,1"], "--explain=8,4,8,5,1"),
                                          (["--gpus=8", "--compile"], "--hardware=a100-80g"),
-                                         (["--gpus=3", "--hardware=h100-80g", "--compile"], "--gpus=3")])
+                                         (["--gpus=3", "--hardware=h100-80g", "--compile"], "--gpus=3"),
+                                         (["--gpus=8", "--fbd_forward=a100:8"], "--fbd_forward=a100:8"),
+                                         (["--gpus=8", "--fbd_forward=a100-80g:x"], "--fbd_forward=a100-80g:x")])
 def test_plan_cli_bad_input_is_one_line_naming_the_flag(flags, flag):
   result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", *flags])
   assert result.returncode == 2
   error = result.stderr.strip().splitlines()
   assert len(error) == 1 and flag in error[0] and "; " in error[0], result.stderr
+
+
+def test_plan_cli_plans_megafbd_on_a_mixed_cluster():
+  """--fbd_forward: the forward on A100s beside the H100s' backward, against the H100s alone
+  (the docs' worked example, docs/parallelism.md): with remat full FBD wins, with dots (more
+  residuals over the NICs) it loses; either way said in one verdict line, with the overrides."""
+  verdicts = {}
+  for remat in ("full", "dots"):
+    result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_1p3b.py", "--hardware=h100-80g", "--gpus=8",
+                         "--batch=128", "--fbd_forward=a100-80g:32", f"--remat={remat}", "--top=2"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert any(line.split()[:2] == ["1", "forward"] and "backward 8 h100-80g" in line for line in lines), result.stdout
+    verdicts[remat] = next(line for line in lines if line.startswith("MegaFBD "))
+    assert any(line.startswith("overrides: --config.parallel.fbd.enabled=True") for line in lines)
+    assert any(line.startswith("note: this plan spans 5 hosts") for line in lines)
+  assert verdicts["full"].startswith("MegaFBD beats the 8 h100-80g alone"), verdicts
+  assert verdicts["dots"].startswith("MegaFBD does not beat the 8 h100-80g alone"), verdicts
 
 
 def test_plan_cli_compiles_the_configs_plan_for_h100s_without_a_gpu():

@@ -8,7 +8,7 @@ import numpy as np
 
 from megajax import data
 from megajax.checkpoint import load_params
-from tests.support.processes import SHORT_DEFAULT_JOB, run_module, short_default_job
+from tests.support.processes import SHORT_DEFAULT_JOB, launch_two_processes, run_module, short_default_job
 from tests.support.records import metrics
 
 
@@ -154,3 +154,19 @@ def test_launcher_losses_are_the_same_on_any_mesh(tmp_path, tmp_path_factory):
   np.testing.assert_allclose(meshed, single, rtol=1e-5)
   np.testing.assert_allclose(two_hosts, single, rtol=1e-5)
   assert single[-1] < single[0]
+
+
+def test_megafbd_across_processes_is_refused_on_each_in_one_line(tmp_path):
+  """parallel.fbd in a 2-process job: every process exits 2 with the one line naming the field
+  and why (its groups' transfers are jax.device_put between one process's devices), at the
+  step's build: after joining the job, before the workdir is written or anything compiles."""
+  fbd = ["--config.parallel.fbd.enabled=True", "--config.parallel.fbd.forward_tp=2", "--config.parallel.pp=1",
+         "--config.parallel.virtual_stages=1"]
+  codes, errors = launch_two_processes([*SHORT_DEFAULT_JOB, f"--workdir={tmp_path}/run", *fbd])
+  assert codes == [2, 2], errors
+  for stderr in errors:
+    lines = [line for line in stderr.splitlines() if line.strip() and not re.match(r"[IW]\d{4} ", line)]
+    assert "Traceback" not in stderr and len(lines) == 1, lines
+    assert lines[0].startswith("megajax-train: config error: parallel.fbd.enabled=True: MegaFBD runs in one process, "
+                               "this job has 2"), lines[0]
+  assert not (tmp_path / "run" / "config.json").exists()

@@ -185,3 +185,30 @@ def test_the_gpu_memory_data_is_xla_gpus_own_and_the_planner_holds_a_held_out_ca
     measured = deviceless.compile_for_gpu(memory_gpu_fit.case_config(case), memory_gpu_fit.TARGET).bytes_per_device()
     assert measured == pytest.approx(stored[case.name], rel=0.01)
     assert memory_gpu_fit.predicted_bytes(case) == pytest.approx(measured, rel=calibration.MEMORY_TOLERANCE)
+
+
+def test_megafbd_groups_compile_for_h100s_with_zero_and_tp_collectives():
+  """MegaFBD's programs (megajax.parallel.fbd) for 8 described H100s, the forward on 4 (dp 2 x
+  tp 2), the backward on the other 4 (dp 2 x tp 2): the backward reduce-scatters the gradients
+  over its dp (ZeRO: each device keeps its shard of the sum), never all-reduces them over dp; the
+  forward reduces its activations over tp and gathers no weights; each program fits an H100."""
+  from megajax.model import GPT, ModelConfig
+  from megajax.observe.hlo import collective_counts
+  from megajax.parallel.fbd import FbdStep
+  # XLA's attention: cuDNN's, partitioned by XLA's SPMD pass, is a custom partitioning whose
+  # Python rule a compile-only client does not register.
+  config = gpu_config("dp2-tp4", "xla")
+  config.parallel.tp = 2
+  devices = deviceless.gpu_devices("h100-80g", 8)
+  step = FbdStep.build(config, GPT(ModelConfig.from_config(config.model)), devices[:4], devices[4:], 2, 2, 2, 2)
+  programs = step.compile_programs(lambda lowered: deviceless.compile_lowered(lowered)[0])
+  backward = collective_counts(programs["backward"].as_text(), step.backward_mesh)
+  forward = collective_counts(programs["forward"].as_text(), step.forward_mesh)
+  by_axis = lambda counts: {(op, axis) for op, axis, _ in counts}
+  assert ("reduce-scatter", "dp") in by_axis(backward), backward
+  assert ("all-reduce", "dp") not in by_axis(backward), backward
+  # The forward gathers no weights (they arrive whole over dp) and scatters nothing.
+  assert ("all-reduce", "tp") in by_axis(forward), forward
+  assert not {op for op, _ in by_axis(forward)} & {"all-gather", "reduce-scatter"}, forward
+  limit = deviceless.GPU_TARGETS["h100-80g"].memory_bytes
+  assert all(deviceless.bytes_per_device(p) < limit for p in programs.values())

@@ -100,6 +100,35 @@ def test_tensor_parallel_splits_are_checked(field, value, named):
   assert message.startswith(named + "=") and "parallel.tp" in message and "\n" not in message, message
 
 
+# MegaFBD (parallel.fbd.enabled=True with a forward group of 1 x 2): what it refuses, one line each.
+INVALID_FOR_FBD = [
+    ("parallel.fbd.forward_tp", 3, "parallel.fbd.forward_tp"),           # heads do not split
+    ("parallel.fbd.forward_dp", 0, "parallel.fbd.forward_dp"),
+    ("parallel.fbd.forward_dp", 32, "parallel.fbd.forward_dp"),          # 16-row microbatch
+    ("observe.perturb", "noise", "observe.perturb"),
+    ("parallel.pp", 2, "parallel.pp"),
+    ("observe.capture", "0:attn_probs", "observe.capture"),
+    ("observe.trace_every", 10, "observe.trace_every"),
+    ("debug.slow_rank", "0,0,0", "debug.slow_rank"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", INVALID_FOR_FBD, ids=[f"{f}={v}" for f, v, _ in INVALID_FOR_FBD])
+def test_megafbd_refuses_what_it_cannot_run(field, value, named):
+  config = default_config()
+  config.parallel.fbd.enabled, config.parallel.fbd.forward_tp = True, 2
+  validate(config)
+  *sections, name = field.split(".")
+  node = config
+  for section in sections:
+    node = node[section]
+  node[name] = value
+  with pytest.raises(ConfigError) as error:
+    validate(config)
+  message = str(error.value)
+  assert message.startswith(named + "=") and "\n" not in message and ";" in message, message
+
+
 def test_heads_must_split_over_tp():
   config = default_config()
   config.model.hidden_dim, config.parallel.tp = 96, 4
