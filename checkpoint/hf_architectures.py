@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
-from megajax.model import ModelConfig
+from megajax.model import GPT, ModelConfig, init_params
 
 NEOX, LLAMA, MISTRAL = "gpt_neox", "llama", "mistral"
-ARCHITECTURES = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM"}
+NATIVE = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM"}
+# Every other megajax model: its own code beside the weights (checkpoint/remote_code/, loaded
+# with trust_remote_code=True), megajax's parameter names and layouts, nothing transformed.
+REMOTE = "megajax"
+ARCHITECTURES = {**NATIVE, REMOTE: "MegajaxForCausalLM"}
+REMOTE_CODE_FILES = ("configuration_megajax.py", "modeling_megajax.py")
 # megajax's GeLUs by HF's hidden_act names: model.mlp=gelu is the tanh form (HF writes it two
 # ways; export writes gelu_new), gelu_exact the erf one (HF's "gelu", Pythia's).
 HF_ACT_OF_MLP = {"gelu": "gelu_new", "gelu_exact": "gelu"}
@@ -76,10 +82,32 @@ def architecture(model: ModelConfig) -> str:
                       "has it (GPT-NeoX: layernorm + gelu; Llama, Mistral: rmsnorm + swiglu)")
 
 
+FORMATS = ("auto", "native", "remote")
+
+
+def export_architecture(model: ModelConfig, format: str = "auto") -> tuple[str, str]:
+  """(the architecture megajax-export-hf writes `model` as, why): a native one where it holds the
+  model exactly ("auto", "native": refused naming the field it cannot carry), else megajax's own
+  code beside the weights ("auto", "remote")."""
+  if format not in FORMATS:
+    raise HfFormatError(f"format={format!r}: one of {', '.join(FORMATS)}")
+  if format == "remote":
+    return REMOTE, "asked for (--format=remote)"
+  try:
+    arch = architecture(model)
+  except HfFormatError as error:
+    if format == "native":
+      raise
+    return REMOTE, f"no native architecture holds it: {error}"
+  return arch, f"{NATIVE[arch]} holds it exactly"
+
+
 def hf_config(arch: str, model: ModelConfig, eos_id: int | None, bos_id: int | None) -> dict:
   """The config.json of `model` as `arch`: the keys transformers 4.x reads and 5.x's
   rope_parameters, both."""
   dtype = np.dtype(model.param_dtype).name
+  if arch == REMOTE:
+    return remote_config(model, eos_id, bos_id)
   config = {
       "architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": model.vocab_size,
       "hidden_size": model.hidden_dim, "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
@@ -133,7 +161,9 @@ def model_fields(hf: dict) -> tuple[str, dict]:
   arch = hf.get("model_type")
   if arch not in ARCHITECTURES:
     raise HfFormatError(f"model_type={arch!r}: megajax reads gpt_neox (GPTNeoXForCausalLM), llama "
-                        "(LlamaForCausalLM) and mistral (MistralForCausalLM)")
+                        "(LlamaForCausalLM), mistral (MistralForCausalLM) and its own megajax (MegajaxForCausalLM)")
+  if arch == REMOTE:
+    return arch, remote_fields(hf)
   heads, hidden = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
   if hidden % heads:
     raise HfFormatError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
@@ -175,6 +205,8 @@ def model_fields(hf: dict) -> tuple[str, dict]:
 
 def tensor_table(arch: str, model: ModelConfig) -> list[Tensor]:
   """Every tensor of the HF checkpoint of `model`, in the order HF lists them."""
+  if arch == REMOTE:
+    return [Tensor(".".join(path), "copy", (path,)) for path in parameter_paths(model)]
   if arch == NEOX:
     table = [Tensor("gpt_neox.embed_in.weight", "copy", (("embedding",),))]
     for layer in range(model.num_layers):
@@ -262,3 +294,60 @@ def hf_shape(kind: str, shapes: list[tuple]) -> tuple:
   return {"copy": lambda: s, "linear": lambda: s[::-1], "heads_in": lambda: (s[1] * s[2], s[0]),
           "heads_out": lambda: (s[2], s[0] * s[1]), "qkv": lambda: (3 * s[1] * s[2], s[0]),
           "qkv_bias": lambda: (3 * s[0] * s[1],)}[kind]()
+
+
+# --- megajax's own architecture (trust_remote_code).
+
+def parameter_paths(model: ModelConfig) -> list[tuple]:
+  """The model's parameter paths, as megajax.init_params nests them (shapes only)."""
+  abstract = jax.eval_shape(lambda: init_params(GPT(model), jax.random.key(0)))
+  return [tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+
+
+def remote_config(model: ModelConfig, eos_id: int | None, bos_id: int | None) -> dict:
+  """config.json of megajax's own architecture: what configuration_megajax.MegajaxConfig reads,
+  `auto_map` naming the code files, each layer's window (null: global)."""
+  dtype = np.dtype(model.param_dtype).name
+  return {"architectures": [ARCHITECTURES[REMOTE]], "model_type": REMOTE,
+          "auto_map": {"AutoConfig": "configuration_megajax.MegajaxConfig",
+                       "AutoModelForCausalLM": "modeling_megajax.MegajaxForCausalLM"},
+          "vocab_size": model.vocab_size, "hidden_size": model.hidden_dim, "num_hidden_layers": model.num_layers,
+          "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+          "intermediate_size": model.mlp_dim, "max_position_embeddings": model.seq_len, "block": model.block,
+          "norm": model.norm, "mlp": model.mlp, "use_bias": model.use_bias, "rope_theta": model.rope_theta,
+          "layer_norm_eps": model.layernorm_epsilon, "tie_embeddings": model.tie_embeddings,
+          "layer_windows": [model.layer_window(layer) for layer in range(model.num_layers)],
+          "initializer_range": model.init_std, "tie_word_embeddings": False, "use_cache": True,
+          "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype}
+
+
+def _window_fields(windows: list) -> dict:
+  """model.window and the shortest model.window_pattern that give each layer its window."""
+  local = {w for w in windows if w is not None}
+  if not local:
+    return {"window": 0, "window_pattern": "L"}
+  if len(local) > 1:
+    raise HfFormatError(f"layer_windows={windows}: megajax's local layers share one window (model.window)")
+  letters = "".join("G" if w is None else "L" for w in windows)
+  period = next(p for p in range(1, len(letters) + 1)
+                if all(letters[i] == letters[i % p] for i in range(len(letters))))
+  return {"window": local.pop(), "window_pattern": letters[:period]}
+
+
+def remote_fields(hf: dict) -> dict:
+  """megajax's model fields from its own architecture's config.json (remote_config's inverse)."""
+  heads, hidden = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
+  if hidden % heads:
+    raise HfFormatError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+  layers = _int(hf, "num_hidden_layers")
+  windows = hf.get("layer_windows")
+  if not isinstance(windows, list) or len(windows) != layers or not all(
+      w is None or (isinstance(w, int) and not isinstance(w, bool) and w > 0) for w in windows):
+    raise HfFormatError(f"layer_windows={windows!r}: not one window (a positive integer, or null) per layer")
+  return {"vocab_size": _int(hf, "vocab_size"), "seq_len": _int(hf, "max_position_embeddings"),
+          "num_layers": layers, "hidden_dim": hidden, "num_heads": heads,
+          "num_kv_heads": _int(hf, "num_key_value_heads", heads), "mlp_dim": _int(hf, "intermediate_size"),
+          "block": str(hf.get("block")), "norm": str(hf.get("norm")), "mlp": str(hf.get("mlp")),
+          "use_bias": bool(hf.get("use_bias")), "rope_theta": float(hf.get("rope_theta", 10000.0)),
+          "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
+          "tie_embeddings": bool(hf.get("tie_embeddings", False)), **_window_fields(windows)}

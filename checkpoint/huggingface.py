@@ -30,14 +30,16 @@ from safetensors import SafetensorError, safe_open
 import safetensors.numpy
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from megajax.checkpoint.hf_architectures import (BUFFER_SUFFIXES, NEOX, HfFormatError, architecture, from_hf,
-                                                 hf_config, hf_shape, model_fields, tensor_table, to_hf)
+from megajax.checkpoint.hf_architectures import (BUFFER_SUFFIXES, NEOX, REMOTE, REMOTE_CODE_FILES, HfFormatError,
+                                                 export_architecture, from_hf, hf_config, hf_shape, model_fields,
+                                                 tensor_table, to_hf)
 from megajax.config import validate
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.token_files import EOS
 from megajax.tokenizer import TokenizerError, load_tokenizer
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+REMOTE_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_code")
 DEFAULT_MAX_SHARD_SIZE = "5GB"                       # transformers' save_pretrained default
 BYTES_EOS_TOKEN = "<|endoftext|>"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -48,13 +50,15 @@ _NEOX_BIASES = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_
 # --- Export.
 
 def export_hf(config: ml_collections.ConfigDict, params, out_dir: str, tokenizer_dir: str | None = None,
-              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, format: str = "auto") -> list[str]:
   """Writes `params` (the model's pytree, as megajax.init_params or WORKDIR/params give it) of
   `config`'s model as a Hugging Face directory `out_dir` (new, or empty); returns the file
   names written. `tokenizer_dir`: the run's tokenizer file, or the directory holding it
-  (WORKDIR/tokenizer); None or no file there: a byte-level run."""
+  (WORKDIR/tokenizer); None or no file there: a byte-level run. `format`: hf_architectures.FORMATS
+  ("auto": native where an HF architecture holds the model exactly, else megajax's own code
+  beside the weights, loaded with trust_remote_code=True)."""
   model = ModelConfig.from_config(config.model)
-  arch = architecture(model)
+  arch, _ = export_architecture(model, format)
   limit = parse_size(max_shard_size)
   params = jax.tree.map(np.asarray, jax.device_get(params))
   _check_params(model, params)
@@ -65,6 +69,10 @@ def export_hf(config: ml_collections.ConfigDict, params, out_dir: str, tokenizer
   eos = eos_id if eos_id < model.vocab_size else None     # a model smaller than its tokenizer never says EOS
   files["config.json"] = _json(hf_config(arch, model, eos_id=eos, bos_id=eos))
   files["generation_config.json"] = _json({"bos_token_id": eos, "eos_token_id": eos})
+  if arch == REMOTE:
+    for name in REMOTE_CODE_FILES:
+      with open(os.path.join(REMOTE_CODE_DIR, name), "rb") as f:
+        files[name] = f.read()
   out = os.path.abspath(out_dir)
   if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
     raise FileExistsError(f"{out}: exists and is not an empty directory; pass a new output directory")

@@ -43,8 +43,9 @@ def test_export_a_run_then_import_it_and_train_from_its_weights(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.splitlines()
   assert lines[0] == f"wrote {hf}: LlamaForCausalLM from {run}/params, tokenizer bytes"
+  assert lines[1] == "format native: LlamaForCausalLM holds it exactly"
   files = sorted(os.listdir(hf))
-  assert [line.split()[0] for line in lines[1:]] == files
+  assert [line.split()[0] for line in lines[2:]] == files
   assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
           "tokenizer_config.json", "model-00001-of-00004.safetensors"} <= set(files)
   result = run_module(export)
@@ -69,3 +70,30 @@ def test_export_a_run_then_import_it_and_train_from_its_weights(tmp_path):
   _, stats = megajax.make_loss_fn(megajax.build_model(trained))(params, batch)
   first = next(r for r in metrics(tuned) if "loss" in r)
   assert first["step"] == 1 and first["loss"] == pytest.approx(float(stats["loss"]), rel=1e-5)
+
+
+def test_the_default_model_exports_with_its_own_code_and_native_is_refused_naming_the_field(tmp_path):
+  """The default job's model (parallel block, local and global layers): megajax-export-hf says
+  it writes megajax's own code and why; --format=native is one line naming the field, exit 2."""
+  config = default_config()
+  config.model.update({"num_layers": 2, "hidden_dim": 32, "num_heads": 4, "seq_len": 32, "window": 8,
+                       "window_pattern": "LG", "vocab_size": 64})
+  model = megajax.build_model(config)
+  shapes = jax.eval_shape(lambda: megajax.init_params(model, jax.random.key(0)))
+  run, hf = tmp_path / "run", tmp_path / "hf"
+  run.mkdir()
+  (run / "config.json").write_text(config.to_json(indent=2))
+  save_params(str(run / "params"), jax.tree.map(lambda s: np.full(s.shape, 0.01, np.float32), shapes))
+  result = run_module(["-m", "megajax.launch.export_hf", f"--workdir={run}", f"--out={hf}"])
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.splitlines()
+  assert lines[0] == f"wrote {hf}: MegajaxForCausalLM from {run}/params, tokenizer bytes"
+  assert lines[1].startswith("format remote: no native architecture holds it: model.window=8") and lines[1].endswith(
+      "load it with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")
+  assert {"modeling_megajax.py", "configuration_megajax.py"} <= set(os.listdir(hf))
+  result = run_module(["-m", "megajax.launch.export_hf", f"--workdir={run}", f"--out={tmp_path}/native",
+                       "--format=native"])
+  assert result.returncode == 2 and result.stderr.splitlines() == [
+      "megajax-export-hf: cannot export: model.window=8 (window_pattern='LG'): GPT-NeoX has no sliding window; only "
+      "a model whose every layer is global (model.window=0) exports"]
+  assert not os.path.exists(tmp_path / "native")

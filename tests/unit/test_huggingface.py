@@ -5,6 +5,7 @@ in transformers itself (skipped where it is not installed); what either side can
 is refused in one line naming it; a fresh state from imported parameters (train.init_params)
 on a pipelined mesh."""
 
+import ast
 import dataclasses
 import json
 import os
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer
 
 import megajax
 from megajax.checkpoint import CheckpointError, HfFormatError, export_hf, import_hf, initial_state, save_params
+from megajax.checkpoint.hf_architectures import export_architecture
 from megajax.checkpoint.huggingface import parse_size
 from megajax.config import default_config
 from megajax.model import ModelConfig
@@ -113,6 +115,77 @@ def test_transformers_computes_megajax_logits(tmp_path):
   assert tokenizer("héllo wörld")["input_ids"] == list("héllo wörld".encode())
 
 
+# Models no native architecture holds: megajax's own code beside the weights (trust_remote_code).
+REMOTE_CASES = {
+    "default-block": {"block": "parallel", "window": 5, "window_pattern": "LG", "num_kv_heads": 2},
+    "two-norms-gelu-exact-tied": {"block": "parallel_two_norms", "mlp": "gelu_exact", "window": 4,
+                                  "window_pattern": "LLG", "num_layers": 3, "tie_embeddings": True},
+    "serial-rmsnorm-swiglu-windows": {**LLAMA, "window": 6, "window_pattern": "GL", "num_kv_heads": 1},
+}
+REMOTE_FILES = sorted([*SINGLE_FILE, "configuration_megajax.py", "modeling_megajax.py"])
+
+
+@pytest.mark.parametrize("name", REMOTE_CASES)
+def test_a_model_no_native_architecture_holds_exports_with_its_own_code_and_round_trips(tmp_path, name):
+  """auto: MegajaxForCausalLM with its code (auto_map), each layer's window; import gives the
+  same model and the parameters bit for bit; exporting that again gives every file bit for bit."""
+  config = _config(**REMOTE_CASES[name])
+  params = _params(config)
+  assert export_hf(config, params, str(tmp_path / "hf")) == REMOTE_FILES
+  hf = _json(tmp_path / "hf" / "config.json")
+  model = ModelConfig.from_config(config.model)
+  assert hf["architectures"] == ["MegajaxForCausalLM"] and hf["auto_map"]["AutoModelForCausalLM"] == \
+      "modeling_megajax.MegajaxForCausalLM"
+  assert hf["layer_windows"] == [model.layer_window(i) for i in range(model.num_layers)]
+  for code in ("configuration_megajax.py", "modeling_megajax.py"):     # Python that parses, no megajax import
+    tree = ast.parse((tmp_path / "hf" / code).read_text())
+    imported_modules = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not any(m.startswith("megajax") for m in imported_modules), imported_modules
+  imported, back = import_hf(str(tmp_path / "hf"), _config(num_layers=5, hidden_dim=64, block="serial"))
+  assert _model(imported) == _model(config)
+  _assert_bitwise(params, back)
+  export_hf(imported, back, str(tmp_path / "again"))
+  for file in REMOTE_FILES:
+    assert (tmp_path / "again" / file).read_bytes() == (tmp_path / "hf" / file).read_bytes(), file
+
+
+def test_the_format_is_chosen_or_forced():
+  """auto: native where one holds the model exactly, else remote, saying why; native: refused
+  naming the field; remote: any model."""
+  llama, default = ModelConfig.from_config(_config(**LLAMA).model), ModelConfig.from_config(_config(window=4).model)
+  assert export_architecture(llama) == ("llama", "LlamaForCausalLM holds it exactly")
+  arch, why = export_architecture(default)
+  assert arch == "megajax" and why.startswith("no native architecture holds it: model.window=4")
+  assert export_architecture(llama, "remote")[0] == "megajax"
+  with pytest.raises(HfFormatError, match=r"^model.window=4 \(window_pattern='L'\): GPT-NeoX has no sliding window"):
+    export_architecture(default, "native")
+
+
+def test_transformers_runs_megajax_own_code_as_megajax_does(tmp_path):
+  """transformers loads the remote directories (trust_remote_code=True): logits within 1e-4 of
+  megajax's (fp32) and greedy tokens equal to megajax.sampling's for 32 tokens past the window,
+  through transformers' generate and its KV cache (not installed in CI: skipped)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  for name, fields in REMOTE_CASES.items():
+    config = _config(**fields)
+    params = _params(config)
+    export_hf(config, params, str(tmp_path / name))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / name), trust_remote_code=True,
+                                                              dtype=torch.float32)
+    assert type(model).__name__ == "MegajaxForCausalLM"
+    with torch.no_grad():
+      theirs = model(torch.tensor(TOKENS, dtype=torch.long), use_cache=False).logits.numpy()
+    np.testing.assert_allclose(theirs, _logits(config, params), rtol=1e-4, atol=1e-4, err_msg=name)
+    prompt, new = TOKENS[:1, :4], config.model.window + 32
+    ours = megajax.generate(params, config, prompt.tolist(), max_new_tokens=new, temperature=0.0,
+                            allow_past_seq_len=True)
+    out = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)
+    assert out[0, 4:].tolist() == np.asarray(ours)[0].tolist(), name
+
+
 def test_a_forced_small_shard_size_writes_shards_and_an_index_that_read_back(tmp_path):
   config = _config(**LLAMA, num_kv_heads=2)
   params = _params(config)
@@ -183,10 +256,10 @@ def test_a_byte_level_run_gets_a_tokenizer_that_encodes_bytes_and_a_run_s_tokeni
     ({**LLAMA, "use_bias": True}, "model.use_bias=True: Llama and Mistral have no biases"),
     ({"norm": "rmsnorm"}, "model.norm=rmsnorm, model.mlp=gelu: no Hugging Face architecture"),
 ])
-def test_export_refuses_what_the_architecture_cannot_carry_in_one_line(tmp_path, fields, message):
+def test_a_native_export_refuses_what_the_architecture_cannot_carry_in_one_line(tmp_path, fields, message):
   config = _config(**fields)
   with pytest.raises(HfFormatError) as error:
-    export_hf(config, _params(config), str(tmp_path / "hf"))
+    export_hf(config, _params(config), str(tmp_path / "hf"), format="native")
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
   assert not os.path.exists(tmp_path / "hf")
 
