@@ -6,11 +6,16 @@ config.json fields, and every tensor's name and layout. No file is read or writt
   layernorm + gelu[_exact], any block, no window, no GQA  GPTNeoXForCausalLM (gpt_neox)
   rmsnorm + swiglu, serial, no bias, every layer G    LlamaForCausalLM (llama)
   rmsnorm + swiglu, serial, no bias, every layer L    MistralForCausalLM (mistral, sliding_window)
+  layernorm_nobias + swiglu, parallel, no bias, NoPE on G layers, any L/G pattern
+                                                      Cohere2ForCausalLM (cohere2, layer_types, logit_scale)
+  anything else                                       MegajaxForCausalLM (trust_remote_code)
 
 Both sides rotate (x[..., :d/2], x[..., d/2:]) by theta^(-2i/d) (HF's rotate_half), scale
 scores by 1/sqrt(head_dim) and attend i - w < j <= i in a window, so a tensor only changes
 its name and its layout: torch's Linear weight is [out, in], megajax's kernel [in, ...];
-GPT-NeoX fuses q, k and v per head ([heads, 3, head_dim] rows). Exact both ways (fp32).
+GPT-NeoX fuses q, k and v per head ([heads, 3, head_dim] rows); Cohere rotates interleaved
+pairs (2i, 2i + 1), so its q and k rows are megajax's head dims (i, i + d/2) interleaved (scores
+are the same under one permutation of q and k). Exact both ways (fp32).
 Anything one side cannot say is refused with one line naming it (HfFormatError).
 """
 
@@ -23,8 +28,9 @@ import numpy as np
 
 from megajax.model import GPT, ModelConfig, init_params
 
-NEOX, LLAMA, MISTRAL = "gpt_neox", "llama", "mistral"
-NATIVE = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM"}
+NEOX, LLAMA, MISTRAL, COHERE2 = "gpt_neox", "llama", "mistral", "cohere2"
+NATIVE = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM",
+          COHERE2: "Cohere2ForCausalLM"}
 # Every other megajax model: its own code beside the weights (checkpoint/remote_code/, loaded
 # with trust_remote_code=True), megajax's parameter names and layouts, nothing transformed.
 REMOTE = "megajax"
@@ -59,6 +65,20 @@ class Tensor:
 def architecture(model: ModelConfig) -> str:
   """The HF model_type of a megajax model; HfFormatError naming the field it cannot carry."""
   windows = [model.layer_window(layer) for layer in range(model.num_layers)]
+  if model.norm == "layernorm_nobias" and model.mlp == "swiglu":
+    if model.block != "parallel":
+      raise HfFormatError(f"model.block={model.block}: Cohere2's block is parallel off one norm (model.block=parallel)")
+    if model.use_bias:
+      raise HfFormatError("model.use_bias=True: Cohere2 has no biases (model.use_bias=False)")
+    if model.global_rope and None in windows:
+      raise HfFormatError("model.global_rope=True: Cohere2's global layers have no positions "
+                          "(model.global_rope=False)")
+    return COHERE2
+  if model.logit_scale != 1.0:
+    raise HfFormatError(f"model.logit_scale={model.logit_scale}: GPT-NeoX, Llama and Mistral have no logit scale "
+                        "(1.0; Cohere2 has one: layernorm_nobias + swiglu)")
+  if not model.global_rope and None in windows:
+    raise HfFormatError("model.global_rope=False: GPT-NeoX, Llama and Mistral rotate every layer's positions")
   if model.norm == "layernorm" and model.mlp in HF_ACT_OF_MLP:
     if any(w is not None for w in windows):
       raise HfFormatError(f"model.window={model.window} (window_pattern={model.window_pattern!r}): GPT-NeoX has no "
@@ -79,7 +99,8 @@ def architecture(model: ModelConfig) -> str:
     raise HfFormatError(f"model.window_pattern={model.window_pattern!r} mixes local and global layers: Mistral has "
                         "every layer local (pattern L), Llama every layer global (model.window=0)")
   raise HfFormatError(f"model.norm={model.norm}, model.mlp={model.mlp}: no Hugging Face architecture megajax writes "
-                      "has it (GPT-NeoX: layernorm + gelu; Llama, Mistral: rmsnorm + swiglu)")
+                      "has it (GPT-NeoX: layernorm + gelu; Llama, Mistral: rmsnorm + swiglu; Cohere2: "
+                      "layernorm_nobias + swiglu)")
 
 
 FORMATS = ("auto", "native", "remote")
@@ -120,6 +141,14 @@ def hf_config(arch: str, model: ModelConfig, eos_id: int | None, bos_id: int | N
             "use_parallel_residual": model.block != "serial", "attention_bias": True, "hidden_dropout": 0.0,
             "rotary_pct": 1.0, "rotary_emb_base": model.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta, "partial_rotary_factor": 1.0}}
+  if arch == COHERE2:
+    return {**config, "hidden_act": "silu", "layer_norm_eps": model.layernorm_epsilon,
+            "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim, "attention_bias": False,
+            "logit_scale": model.logit_scale, "rope_theta": model.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+            "sliding_window": model.window or model.seq_len,
+            "layer_types": ["full_attention" if model.layer_window(i) is None else "sliding_attention"
+                            for i in range(model.num_layers)]}
   config.update({"hidden_act": "silu", "rms_norm_eps": model.layernorm_epsilon, "num_key_value_heads": model.num_kv_heads,
                  "head_dim": model.head_dim, "attention_bias": False, "rope_theta": model.rope_theta,
                  "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}})
@@ -170,7 +199,7 @@ def model_fields(hf: dict) -> tuple[str, dict]:
   fields = {"vocab_size": _int(hf, "vocab_size"), "seq_len": _int(hf, "max_position_embeddings"),
             "num_layers": _int(hf, "num_hidden_layers"), "hidden_dim": hidden, "num_heads": heads,
             "mlp_dim": _int(hf, "intermediate_size"), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "rope_theta": _rope(hf, arch), "window": 0, "window_pattern": "L"}
+            "rope_theta": _rope(hf, arch), "window": 0, "window_pattern": "L", "global_rope": True, "logit_scale": 1.0}
   act = hf.get("hidden_act")
   if arch == NEOX:
     if act not in MLP_OF_HF_ACT:
@@ -184,6 +213,8 @@ def model_fields(hf: dict) -> tuple[str, dict]:
                   "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5))}
   if act not in SILUS:
     raise HfFormatError(f"hidden_act={act!r}: megajax's SwiGLU gates with silu")
+  if arch == COHERE2:
+    return arch, _cohere2_fields(hf, fields)
   if hf.get("head_dim") not in (None, hidden // heads):
     raise HfFormatError(f"head_dim={hf['head_dim']}: megajax's head dim is hidden_size / num_attention_heads = "
                         f"{hidden // heads}")
@@ -201,12 +232,46 @@ def model_fields(hf: dict) -> tuple[str, dict]:
   return arch, fields
 
 
+def _cohere2_fields(hf: dict, fields: dict) -> dict:
+  """Cohere2's model fields: its layer_types (or the older sliding_window_pattern, every n-th layer
+  global) with sliding_window, its logit scale; NoPE on the global layers."""
+  heads, hidden = fields["num_heads"], fields["hidden_dim"]
+  if hf.get("head_dim") not in (None, hidden // heads):
+    raise HfFormatError(f"head_dim={hf['head_dim']}: megajax's head dim is hidden_size / num_attention_heads = "
+                        f"{hidden // heads}")
+  if hf.get("attention_bias"):
+    raise HfFormatError("attention_bias=true: megajax's Cohere2 blocks have no biases")
+  if hf.get("use_qk_norm"):
+    raise HfFormatError("use_qk_norm=true: megajax has no query / key norms")
+  kv_heads = _int(hf, "num_key_value_heads", heads)
+  if heads % kv_heads:
+    raise HfFormatError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+  layers = fields["num_layers"]
+  types = hf.get("layer_types")
+  if types is None:
+    pattern = _int(hf, "sliding_window_pattern", 4)
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+  if not isinstance(types, list) or len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+    raise HfFormatError(f"layer_types={types!r}: not sliding_attention / full_attention for each of {layers} layers")
+  window = min(_int(hf, "sliding_window"), fields["seq_len"]) if "sliding_attention" in types else None
+  windows = [window if kind == "sliding_attention" else None for kind in types]
+  scale = hf.get("logit_scale", 0.0625)
+  if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+    raise HfFormatError(f"logit_scale={scale!r}: not a positive number")
+  return {**fields, "norm": "layernorm_nobias", "mlp": "swiglu", "block": "parallel", "use_bias": False,
+          "num_kv_heads": kv_heads, "global_rope": False, "logit_scale": float(scale),
+          "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+          "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)), **_window_fields(windows)}
+
+
 # --- Tensors.
 
 def tensor_table(arch: str, model: ModelConfig) -> list[Tensor]:
   """Every tensor of the HF checkpoint of `model`, in the order HF lists them."""
   if arch == REMOTE:
     return [Tensor(".".join(path), "copy", (path,)) for path in parameter_paths(model)]
+  if arch == COHERE2:
+    return _cohere2_table(model)
   if arch == NEOX:
     table = [Tensor("gpt_neox.embed_in.weight", "copy", (("embedding",),))]
     for layer in range(model.num_layers):
@@ -226,6 +291,27 @@ def tensor_table(arch: str, model: ModelConfig) -> list[Tensor]:
                 for x, name in (("gate", "wi_gate"), ("up", "wi_up"), ("down", "wo"))]]
   table.append(Tensor("model.norm.weight", "copy", (("final_norm", "scale"),)))
   return table + ([] if model.tie_embeddings else [Tensor("lm_head.weight", "linear", (("head",),))])
+
+
+def _cohere2_table(model: ModelConfig) -> list[Tensor]:
+  table = [Tensor("model.embed_tokens.weight", "copy", (("embedding",),))]
+  for layer in range(model.num_layers):
+    p, own = f"model.layers.{layer}.", f"layer_{layer}"
+    table += [Tensor(p + "input_layernorm.weight", "copy", ((own, "norm", "scale"),)),
+              Tensor(p + "self_attn.q_proj.weight", "heads_in_interleaved", ((own, "attention", "query", "kernel"),)),
+              Tensor(p + "self_attn.k_proj.weight", "heads_in_interleaved", ((own, "attention", "key", "kernel"),)),
+              Tensor(p + "self_attn.v_proj.weight", "heads_in", ((own, "attention", "value", "kernel"),)),
+              Tensor(p + "self_attn.o_proj.weight", "heads_out", ((own, "attention", "out", "kernel"),)),
+              *[Tensor(f"{p}mlp.{x}_proj.weight", "linear", ((own, "mlp", name, "kernel"),))
+                for x, name in (("gate", "wi_gate"), ("up", "wi_up"), ("down", "wo"))]]
+  table.append(Tensor("model.norm.weight", "copy", (("final_norm", "scale"),)))
+  return table + ([] if model.tie_embeddings else [Tensor("lm_head.weight", "linear", (("head",),))])
+
+
+def _interleaved(head_dim: int) -> np.ndarray:
+  """Cohere's rotary pairs (2i, 2i + 1) from megajax's (i, i + d/2): HF dim j is megajax dim perm[j]."""
+  half = np.arange(head_dim // 2)
+  return np.stack([half, half + head_dim // 2], axis=1).reshape(-1)
 
 
 def _neox_layer(model: ModelConfig, layer: int) -> list[Tensor]:
@@ -261,6 +347,8 @@ def to_hf(kind: str, arrays: list[np.ndarray]) -> np.ndarray:
     return a.T
   if kind == "heads_in":                                # [hidden, heads, d] -> [heads * d, hidden]
     return a.reshape(a.shape[0], -1).T
+  if kind == "heads_in_interleaved":                    # the same, each head's dims in Cohere's order
+    return a[..., _interleaved(a.shape[-1])].reshape(a.shape[0], -1).T
   if kind == "heads_out":                               # [heads, d, hidden] -> [hidden, heads * d]
     return a.reshape(-1, a.shape[-1]).T
   if kind == "qkv":                                     # 3 x [hidden, heads, d] -> [heads * 3 * d, hidden]
@@ -278,6 +366,8 @@ def from_hf(kind: str, tensor: np.ndarray, shapes: list[tuple]) -> list[np.ndarr
     return [tensor.T]
   if kind in ("heads_in", "heads_out"):
     return [tensor.T.reshape(shapes[0])]
+  if kind == "heads_in_interleaved":
+    return [tensor.T.reshape(shapes[0])[..., np.argsort(_interleaved(shapes[0][-1]))]]
   if kind == "qkv":
     hidden, heads, d = shapes[0]
     fused = tensor.T.reshape(hidden, heads, 3, d)
@@ -292,6 +382,7 @@ def hf_shape(kind: str, shapes: list[tuple]) -> tuple:
   """The HF tensor's shape for megajax leaves of `shapes`."""
   s = shapes[0]
   return {"copy": lambda: s, "linear": lambda: s[::-1], "heads_in": lambda: (s[1] * s[2], s[0]),
+          "heads_in_interleaved": lambda: (s[1] * s[2], s[0]),
           "heads_out": lambda: (s[2], s[0] * s[1]), "qkv": lambda: (3 * s[1] * s[2], s[0]),
           "qkv_bias": lambda: (3 * s[0] * s[1],)}[kind]()
 
@@ -316,6 +407,7 @@ def remote_config(model: ModelConfig, eos_id: int | None, bos_id: int | None) ->
           "intermediate_size": model.mlp_dim, "max_position_embeddings": model.seq_len, "block": model.block,
           "norm": model.norm, "mlp": model.mlp, "use_bias": model.use_bias, "rope_theta": model.rope_theta,
           "layer_norm_eps": model.layernorm_epsilon, "tie_embeddings": model.tie_embeddings,
+          "global_rope": model.global_rope, "logit_scale": model.logit_scale,
           "layer_windows": [model.layer_window(layer) for layer in range(model.num_layers)],
           "initializer_range": model.init_std, "tie_word_embeddings": False, "use_cache": True,
           "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype}
@@ -350,4 +442,5 @@ def remote_fields(hf: dict) -> dict:
           "block": str(hf.get("block")), "norm": str(hf.get("norm")), "mlp": str(hf.get("mlp")),
           "use_bias": bool(hf.get("use_bias")), "rope_theta": float(hf.get("rope_theta", 10000.0)),
           "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
-          "tie_embeddings": bool(hf.get("tie_embeddings", False)), **_window_fields(windows)}
+          "tie_embeddings": bool(hf.get("tie_embeddings", False)), "global_rope": bool(hf.get("global_rope", True)),
+          "logit_scale": float(hf.get("logit_scale", 1.0)), **_window_fields(windows)}

@@ -159,6 +159,7 @@ class Attention(nn.Module):
   head_dim: int
   window: int | None
   rope_theta: float = 10000.0
+  rope: bool = True           # False: no rotary positions (NoPE: model.global_rope=False's global layers)
   use_bias: bool = True
   init_std: float = 0.02
   out_init_std: float = 0.02
@@ -181,8 +182,9 @@ class Attention(nn.Module):
     q = projection(self.num_heads, "heads", "query")(x)                   # [b, s, h, d]
     k = projection(self.num_kv_heads, "kv_heads", "key")(x)               # [b, s, kv_h, d]
     v = projection(self.num_kv_heads, "kv_heads", "value")(x)
-    q = rotary_embedding(q, positions, self.rope_theta)
-    k = rotary_embedding(k, positions, self.rope_theta)
+    if self.rope:
+      q = rotary_embedding(q, positions, self.rope_theta)
+      k = rotary_embedding(k, positions, self.rope_theta)
     if self.has_variable("cache", "key"):                                  # decoding: megajax.sampling
       names = ("key", "value", "positions")
       cache = {name: self.get_variable("cache", name) for name in names}

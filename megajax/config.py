@@ -34,7 +34,7 @@ CONFIGS_DIR = os.path.join(REPO, "configs")
 # --- model ------------------------------------------------------------------------------------
 
 BLOCK_CHOICES = ("parallel", "parallel_two_norms", "serial")   # megajax.model.BLOCK_MODULES' keys
-NORM_CHOICES = ("layernorm", "rmsnorm")               # megajax.layers.NORM_MODULES' keys
+NORM_CHOICES = ("layernorm", "layernorm_nobias", "rmsnorm")   # megajax.layers.NORM_MODULES' keys
 MLP_CHOICES = ("gelu", "gelu_exact", "swiglu")                      # megajax.layers.MLP_INPUTS' (and MLP_ACTIVATIONS') keys
 ATTENTION_IMPL_CHOICES = ("xla", "pallas", "cudnn")   # megajax.layers.ATTENTION_IMPLS' keys
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -55,7 +55,8 @@ def _model() -> ml_collections.ConfigDict:
   # "parallel" (MegaScale PTB: x + Attn(N(x)) + MLP(N(x))), "parallel_two_norms" (GPT-NeoX:
   # x + Attn(N1(x)) + MLP(N2(x))) or "serial" (GPT, Llama: z = x + Attn(N1(x)); z + MLP(N2(z))).
   m.block = "parallel"
-  m.norm = "layernorm"      # "layernorm" (scale and bias) or "rmsnorm" (Llama: scale only).
+  m.norm = "layernorm"      # "layernorm" (scale and bias), "layernorm_nobias" (scale: Cohere) or
+                            # "rmsnorm" (Llama: scale only).
   m.mlp = "gelu"            # "gelu" (wi, wo; tanh GeLU), "gelu_exact" (erf GeLU: Pythia) or "swiglu"
                             # (Llama: wo(silu(wi_gate(x)) * wi_up(x))).
   m.attention_impl = "xla"
@@ -64,6 +65,8 @@ def _model() -> ml_collections.ConfigDict:
   m.tie_embeddings = False
   m.use_bias = True         # biases in the attention and MLP linears (False: Llama, PaLM).
   m.rope_theta = 10000.0
+  m.global_rope = True      # False: global (G) layers see no positions (NoPE; Cohere2's), local ones rotate.
+  m.logit_scale = 1.0       # The logits times this (Cohere's 0.0625): in the loss, sampling and export.
   m.layernorm_epsilon = 1e-5  # the epsilon of model.norm, either kind.
   m.init_std = 0.02
   m.remat = "none"          # Activation recomputation per block.
@@ -76,6 +79,9 @@ def _check_model(config) -> None:
     check.positive_int(config, field)
   check.choice(config, "model.block", BLOCK_CHOICES)
   check.choice(config, "model.norm", NORM_CHOICES)
+  check.boolean(config, "model.global_rope")
+  check.require(check.finite(m.logit_scale) and m.logit_scale > 0, "model.logit_scale", m.logit_scale,
+                "must be a finite number > 0", "e.g. 1.0 (none), or Cohere's 0.0625")
   check.choice(config, "model.mlp", MLP_CHOICES)
   check.choice(config, "model.attention_impl", ATTENTION_IMPL_CHOICES)
   check.choice(config, "model.compute_dtype", DTYPE_CHOICES)

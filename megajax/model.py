@@ -55,6 +55,8 @@ class ModelConfig:
   tie_embeddings: bool
   use_bias: bool
   rope_theta: float
+  global_rope: bool
+  logit_scale: float
   layernorm_epsilon: float
   init_std: float
   remat: str
@@ -83,7 +85,7 @@ def _attention(config: ModelConfig, window: int | None) -> Attention:
   # GPT-2: residual-output projections scaled by 1/sqrt(2 * layers) keep the stream's variance flat.
   return Attention(
       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-      window=window, rope_theta=config.rope_theta, use_bias=config.use_bias, init_std=config.init_std,
+      window=window, rope_theta=config.rope_theta, rope=window is not None or config.global_rope, use_bias=config.use_bias, init_std=config.init_std,
       out_init_std=config.init_std / math.sqrt(2 * config.num_layers), impl=config.attention_impl,
       dtype=config.compute_dtype, param_dtype=config.param_dtype, name="attention")
 
@@ -179,8 +181,9 @@ class GPT(nn.Module):
       head = self.param("head", initializers.normal(c.init_std, ("embed", "vocab")),
                         (c.hidden_dim, c.vocab_size), c.param_dtype)
     # fp32 accumulation and output: the softmax over a large vocab is sensitive to bf16 rounding.
-    return jnp.einsum("bsh,hv->bsv", x, head.astype(c.compute_dtype),
-                      preferred_element_type=jnp.float32)                 # [b, s, vocab]
+    logits = jnp.einsum("bsh,hv->bsv", x, head.astype(c.compute_dtype),
+                        preferred_element_type=jnp.float32)               # [b, s, vocab]
+    return logits * c.logit_scale if c.logit_scale != 1.0 else logits
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -86,8 +86,9 @@ def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=
   sees the whole sequence here, so positions and segment_ids are the full [b, s]."""
   b, s, _ = q.shape
   d = c.head_dim
-  q = rotary_embedding(q.reshape(b, s, -1, d), positions, c.rope_theta)
-  k = rotary_embedding(k.reshape(b, s, -1, d), positions, c.rope_theta)
+  q, k = q.reshape(b, s, -1, d), k.reshape(b, s, -1, d)
+  if window is not None or c.global_rope:          # model.global_rope=False: global layers NoPE
+    q, k = rotary_embedding(q, positions, c.rope_theta), rotary_embedding(k, positions, c.rope_theta)
   if probe is not None and probe.wants("attn_probs"):   # recomputed: fused kernels never hold them
     captured["attn_probs"] = probe.capture_probs(q, k, window, segment_ids)
   out = ATTENTION_IMPLS[c.attention_impl](q, k, v.reshape(b, s, -1, d), window, segment_ids)
@@ -269,6 +270,8 @@ def head_loss_sums(params, x, batch, c: ModelConfig, overlap: Overlap, z_loss: f
   y = _norm(params["final_norm"], x, c)
   head = params["embedding"].T if c.tie_embeddings else params["head"]   # [hidden, vocab/n]
   logits = overlap.column(y, head.astype(c.compute_dtype), out_dtype=jnp.float32)  # [b, s, vocab/n]
+  if c.logit_scale != 1.0:
+    logits = logits * c.logit_scale
   return vocab_parallel_cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
 
 

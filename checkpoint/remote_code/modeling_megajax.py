@@ -6,11 +6,12 @@ computes, parameter for parameter under megajax's own names and layouts:
   blocks      parallel   x + attn(norm(x)) + mlp(norm(x))              (one norm, MegaScale's)
               parallel_two_norms   x + attn(attention_norm(x)) + mlp(mlp_norm(x))
               serial     z = x + attn(attention_norm(x)); z + mlp(mlp_norm(z))
-  norms       layernorm (scale, bias) or rmsnorm (scale), statistics in fp32
+  norms       layernorm (scale, bias), layernorm_nobias (scale) or rmsnorm (scale), statistics in fp32
   mlp         gelu (tanh form), gelu_exact, swiglu (silu(wi_gate x) * wi_up x); biases optional
   attention   rotary positions (halves rotated, RoFormer), grouped KV heads, a sliding window per
-              layer (token i sees keys j with i - window < j <= i; null: all j <= i), softmax in fp32
-  head        the embedding transposed when tied, else its own; logits in fp32
+              layer (token i sees keys j with i - window < j <= i; null: all j <= i), softmax in fp32;
+              global layers without rotary positions when global_rope is false (NoPE)
+  head        the embedding transposed when tied, else its own; logits in fp32, times logit_scale
 
 Generation keeps every layer's keys and values in transformers' DynamicCache; a windowed
 layer's mask reads only the last `window` of them.
@@ -35,13 +36,16 @@ class Norm(nn.Module):
     self.scale = nn.Parameter(torch.ones(size))
     if kind == "layernorm":
       self.bias = nn.Parameter(torch.zeros(size))
+    self.centered = kind in ("layernorm", "layernorm_nobias")
 
   def forward(self, x):
     x32 = x.float()
-    if self.kind == "layernorm":
+    if self.centered:
       mean = x32.mean(-1, keepdim=True)
       variance = (x32 - mean).pow(2).mean(-1, keepdim=True)
-      y = (x32 - mean) * torch.rsqrt(variance + self.eps) * self.scale.float() + self.bias.float()
+      y = (x32 - mean) * torch.rsqrt(variance + self.eps) * self.scale.float()
+      if self.kind == "layernorm":
+        y = y + self.bias.float()
     else:
       y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale.float()
     return y.to(x.dtype)
@@ -76,14 +80,16 @@ class Attention(nn.Module):
     super().__init__()
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     self.head_dim, self.window, self.theta = hidden // heads, window, config.rope_theta
+    self.rope = window is not None or config.global_rope
     self.query = Dense((hidden,), (heads, self.head_dim), config.use_bias)
     self.key = Dense((hidden,), (kv_heads, self.head_dim), config.use_bias)
     self.value = Dense((hidden,), (kv_heads, self.head_dim), config.use_bias)
     self.out = Dense((heads, self.head_dim), (hidden,), config.use_bias)
 
   def forward(self, x, positions, index, key_mask, cache, layer):
-    q = rotary(self.query(x), positions, self.theta)                   # [b, t, h, d]
-    k = rotary(self.key(x), positions, self.theta)                     # [b, t, kv_h, d]
+    q, k = self.query(x), self.key(x)                                  # [b, t, h, d], [b, t, kv_h, d]
+    if self.rope:
+      q, k = rotary(q, positions, self.theta), rotary(k, positions, self.theta)
     v = self.value(x)
     if cache is not None:     # transformers' layout [b, kv_h, s, d]; every key since the start
       k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer)
@@ -183,7 +189,7 @@ class MegajaxForCausalLM(PreTrainedModel, GenerationMixin):
     if logits_to_keep:
       x = x[:, -logits_to_keep:]
     head = self.embedding.t() if self.config.tie_embeddings else self.head
-    logits = x.float() @ head.float()
+    logits = (x.float() @ head.float()) * self.config.logit_scale
     loss = None
     if labels is not None:
       loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),

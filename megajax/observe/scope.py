@@ -254,19 +254,21 @@ def internals(params, config: ModelConfig, tokens: list[int]) -> dict[str, np.nd
   return {name: np.asarray(value) for name, value in values.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("window", "theta"))
-def _layer_probs(q, k, window, theta):
+@functools.partial(jax.jit, static_argnames=("window", "theta", "rope"))
+def _layer_probs(q, k, window, theta, rope=True):
   positions = jnp.arange(q.shape[0])[None]
-  q = rotary_embedding(q[None], positions, theta)
-  k = rotary_embedding(k[None], positions, theta)
+  q, k = q[None], k[None]
+  if rope:               # (model.global_rope=False: a global layer's q and k carry no positions)
+    q, k = rotary_embedding(q, positions, theta), rotary_embedding(k, positions, theta)
   return attention_probs(q, k, window)[0]                                  # [kv_h, g, n, n]
 
 
 def attention_map(config: ModelConfig, inside: dict[str, np.ndarray], layer: int, head: int) -> np.ndarray:
   """f32[n, n]: query head `head` of `layer` over the sequence (masked entries 0), computed from
   that layer's recorded q and k with the model's own rotary embedding and mask."""
+  window = config.layer_window(layer)
   probs = np.asarray(_layer_probs(jnp.asarray(inside[f"{layer}:q"]), jnp.asarray(inside[f"{layer}:k"]),
-                                  config.layer_window(layer), config.rope_theta))
+                                  window, config.rope_theta, rope=window is not None or config.global_rope))
   group = config.num_heads // config.num_kv_heads
   return probs[head // group, head % group]
 

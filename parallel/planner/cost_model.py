@@ -170,7 +170,7 @@ def param_leaves(c: ModelConfig):
   """[(name, shape, tp_dim, in_block)]: every parameter of one layer (in_block) and the rest."""
   h, d, q, kv, f = c.hidden_dim, c.head_dim, c.num_heads, c.num_kv_heads, c.mlp_dim
   norms = ("norm",) if c.block == "parallel" else ("attention_norm", "mlp_norm")
-  norm_leaves = ("scale", "bias") if c.norm == "layernorm" else ("scale",)   # RMSNorm: no bias
+  norm_leaves = ("scale", "bias") if c.norm == "layernorm" else ("scale",)   # RMSNorm, layernorm_nobias: no bias
   mlp_inputs = MLP_INPUTS[c.mlp]                                             # wi; wi_gate, wi_up
   layer = [(f"{n}.{w}", (h,), None, True) for n in norms for w in norm_leaves]
   layer += [("query.kernel", (h, q, d), 1, True), ("key.kernel", (h, kv, d), 1, True),

@@ -80,15 +80,18 @@ def test_both_gradient_syncs_match_the_reference(mesh, grad_sync):
      1e-5),
     ((("block", "parallel_two_norms"), ("mlp", "gelu_exact"), ("tie_embeddings", True)), 1e-5),
     ((("compute_dtype", "bfloat16"),), 3e-2),   # the default dtype: bf16 matmuls on both sides
-], ids=["llama-remat", "neox-tied", "bf16"])
+    ((("norm", "layernorm_nobias"), ("mlp", "swiglu"), ("use_bias", False), ("global_rope", False),
+      ("logit_scale", 0.0625), ("tie_embeddings", True)), 1e-5),
+], ids=["llama-remat", "neox-tied", "bf16", "cohere2-nope"])
 def test_model_variants_match_the_reference(overrides, rtol):
   """The block families, each with one more switch (one compile checks two code paths, each
   against the reference): Llama's serial block (RMSNorm, a bias-free SwiGLU: gate and up in one
   column matmul) recomputed in its backward around the ring matmuls' custom VJPs; GPT-NeoX's
   two-norm parallel block (its input gathered around the ring by autodiff, both norms after it)
   with its biases and a tied head on the vocab shard (bias-free linears: Llama's case); then
-  bf16 compute, where only rounding (not math) may differ. (SwiGLU in a parallel block: the
-  pipeline's case.)"""
+  bf16 compute, where only rounding (not math) may differ; Cohere2's (a LayerNorm without bias,
+  SwiGLU in the parallel block, the global layer without positions, the logit scale on the vocab
+  shard). (SwiGLU in a parallel block: the pipeline's case too.)"""
   config = parallel_config(2, 4, "parallel", "collective_matmul", 2)
   for field, value in overrides:
     config.model[field] = value

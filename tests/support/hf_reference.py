@@ -1,5 +1,6 @@
 """Independent NumPy forward passes of the Hugging Face architectures megajax exports, written
-from transformers' modeling_gpt_neox.py, modeling_llama.py and modeling_mistral.py (not from
+from transformers' modeling_gpt_neox.py, modeling_llama.py, modeling_mistral.py and
+modeling_cohere2.py (not from
 megajax): read a model directory's config.json and safetensors, return the logits of a batch of
 token ids, in float64. No megajax code is imported here.
 
@@ -9,6 +10,9 @@ x + attn(ln1(x)) + mlp(ln2(x)) or sequential; GELU of hidden_act; embed_out (lm_
 Llama / Mistral: RMSNorm (weight * x / sqrt(mean(x^2) + eps)); q/k/v/o projections with
 num_key_value_heads shared KV heads; SwiGLU down(silu(gate(x)) * up(x)); Mistral's
 sliding_window: query i sees keys i - sliding_window < j <= i.
+Cohere2: one LayerNorm without bias before both branches, x + attn(ln(x)) + mlp(ln(x)); rotary
+on interleaved pairs (2i, 2i + 1) on the sliding_attention layers only (layer_types), no
+positions on the full_attention ones; SwiGLU; logits times logit_scale.
 """
 
 import json
@@ -38,7 +42,7 @@ def load(hf_dir: str) -> tuple[dict, dict]:
 def logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
   """float64[batch, seq, vocab] for int tokens [batch, seq]."""
   config, tensors = load(hf_dir)
-  forward = {"gpt_neox": _neox, "llama": _llama, "mistral": _llama}[config["model_type"]]
+  forward = {"gpt_neox": _neox, "llama": _llama, "mistral": _llama, "cohere2": _cohere2}[config["model_type"]]
   return forward(config, tensors, np.asarray(tokens))
 
 
@@ -163,3 +167,41 @@ def _llama(config, t, tokens):
   x = _rms_norm(x, t, "model.norm", eps)
   head = t["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else t["lm_head.weight"]
   return x @ head.T
+
+
+def _rotary_interleaved(x, theta):
+  """Cohere's rotary: x [batch, heads, seq, d], pairs (2i, 2i + 1) rotated by inv_freq[i]."""
+  seq, d = x.shape[2], x.shape[-1]
+  inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+  emb = np.repeat(np.outer(np.arange(seq, dtype=np.float64), inv_freq), 2, axis=-1)   # [seq, d]
+  rotated = np.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
+  return x * np.cos(emb) + rotated * np.sin(emb)
+
+
+def _cohere2(config, t, tokens):
+  heads, hidden = config["num_attention_heads"], config["hidden_size"]
+  kv_heads = config.get("num_key_value_heads") or heads
+  head_dim, eps = hidden // heads, config["layer_norm_eps"]
+  theta, _ = _rope(config, 1.0)
+  b, s = tokens.shape
+
+  def norm(x, name):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps) * t[name + ".weight"]
+
+  x = t["model.embed_tokens.weight"][tokens]
+  for layer, kind in enumerate(config["layer_types"]):
+    p = f"model.layers.{layer}."
+    h = norm(x, p + "input_layernorm")
+    q = _linear(h, t, p + "self_attn.q_proj").reshape(b, s, heads, head_dim).transpose(0, 2, 1, 3)
+    k = _linear(h, t, p + "self_attn.k_proj").reshape(b, s, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    v = _linear(h, t, p + "self_attn.v_proj").reshape(b, s, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    window = None
+    if kind == "sliding_attention":
+      q, k, window = _rotary_interleaved(q, theta), _rotary_interleaved(k, theta), config["sliding_window"]
+    attended = _attention(q, k, v, window).transpose(0, 2, 1, 3).reshape(b, s, heads * head_dim)
+    mlp = _linear(_silu(_linear(h, t, p + "mlp.gate_proj")) * _linear(h, t, p + "mlp.up_proj"), t, p + "mlp.down_proj")
+    x = x + _linear(attended, t, p + "self_attn.o_proj") + mlp
+  x = norm(x, "model.norm")
+  head = t["model.embed_tokens.weight"] if config.get("tie_word_embeddings", True) else t["lm_head.weight"]
+  return (x @ head.T) * config["logit_scale"]

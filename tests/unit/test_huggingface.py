@@ -28,6 +28,8 @@ from megajax.trainer import build_parallel_step
 from tests.support import hf_reference
 
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "block": "serial", "use_bias": False}
+COHERE2 = {"norm": "layernorm_nobias", "mlp": "swiglu", "block": "parallel", "use_bias": False, "global_rope": False,
+           "logit_scale": 0.0625, "tie_embeddings": True}
 # name -> (model fields, the HF class). Every architecture; tied and untied; GQA; a window
 # shorter than the sequence.
 CASES = {
@@ -38,6 +40,11 @@ CASES = {
     "llama-gqa": ({**LLAMA, "num_kv_heads": 2, "window_pattern": "G"}, "LlamaForCausalLM"),
     "mistral-window-gqa-tied": ({**LLAMA, "num_kv_heads": 1, "window": 5, "tie_embeddings": True, "rope_theta": 500.0},
                                 "MistralForCausalLM"),
+    # Cohere2: three local layers then a global one without positions, GQA, the logit scale.
+    "cohere2-lllg-gqa": ({**COHERE2, "num_layers": 4, "window": 5, "window_pattern": "LLLG", "num_kv_heads": 2},
+                         "Cohere2ForCausalLM"),
+    "cohere2-untied-lg": ({**COHERE2, "window": 6, "window_pattern": "LG", "tie_embeddings": False,
+                           "logit_scale": 0.5}, "Cohere2ForCausalLM"),
 }
 SINGLE_FILE = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 TOKENS = np.random.default_rng(1).integers(0, 64, (2, 16)).astype(np.int32)
@@ -95,11 +102,26 @@ def test_export_then_import_is_bitwise_and_the_files_compute_megajax_logits(tmp_
   imported, back = import_hf(str(tmp_path / "hf"), _config(num_layers=4, hidden_dim=64, block="serial"))
   assert _model(imported) == _model(config)
   _assert_bitwise(params, back)
+  export_hf(imported, back, str(tmp_path / "again"))      # export -> import -> export: every file bit for bit
+  for file in SINGLE_FILE:
+    assert (tmp_path / "again" / file).read_bytes() == (tmp_path / "hf" / file).read_bytes(), file
   np.testing.assert_allclose(hf_reference.logits(str(tmp_path / "hf"), TOKENS), _logits(config, params), rtol=1e-5, atol=1e-5)
 
 
+def _same_greedy_tokens(model, torch, config, params, name: str) -> None:
+  """transformers' generate (its KV cache) and megajax.generate, greedy, for the window (or the
+  sequence) and 32 tokens more: the same tokens."""
+  prompt, new = TOKENS[:1, :4], (config.model.window or config.model.seq_len) + 32
+  ours = megajax.generate(params, config, prompt.tolist(), max_new_tokens=new, temperature=0.0,
+                          allow_past_seq_len=True)
+  out = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)
+  assert out[0, 4:].tolist() == np.asarray(ours)[0].tolist(), name
+
+
 def test_transformers_computes_megajax_logits(tmp_path):
-  """transformers' own classes on the exported directories (not installed in CI: skipped)."""
+  """transformers' own classes on the exported directories: the logits, and generate's greedy
+  tokens against megajax.generate's (not installed in CI: skipped)."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   for name, (fields, hf_class) in CASES.items():
@@ -111,6 +133,7 @@ def test_transformers_computes_megajax_logits(tmp_path):
     with torch.no_grad():
       theirs = model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(theirs, _logits(config, params), rtol=1e-5, atol=1e-5, err_msg=name)
+    _same_greedy_tokens(model, torch, config, params, name)
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / name))
   assert tokenizer("héllo wörld")["input_ids"] == list("héllo wörld".encode())
 
@@ -178,12 +201,7 @@ def test_transformers_runs_megajax_own_code_as_megajax_does(tmp_path):
     with torch.no_grad():
       theirs = model(torch.tensor(TOKENS, dtype=torch.long), use_cache=False).logits.numpy()
     np.testing.assert_allclose(theirs, _logits(config, params), rtol=1e-4, atol=1e-4, err_msg=name)
-    prompt, new = TOKENS[:1, :4], config.model.window + 32
-    ours = megajax.generate(params, config, prompt.tolist(), max_new_tokens=new, temperature=0.0,
-                            allow_past_seq_len=True)
-    out = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0)
-    assert out[0, 4:].tolist() == np.asarray(ours)[0].tolist(), name
+    _same_greedy_tokens(model, torch, config, params, name)
 
 
 def test_a_forced_small_shard_size_writes_shards_and_an_index_that_read_back(tmp_path):
@@ -255,6 +273,10 @@ def test_a_byte_level_run_gets_a_tokenizer_that_encodes_bytes_and_a_run_s_tokeni
     ({**LLAMA, "block": "parallel"}, "model.block=parallel: Llama and Mistral have serial blocks"),
     ({**LLAMA, "use_bias": True}, "model.use_bias=True: Llama and Mistral have no biases"),
     ({"norm": "rmsnorm"}, "model.norm=rmsnorm, model.mlp=gelu: no Hugging Face architecture"),
+    ({**COHERE2, "block": "serial"}, "model.block=serial: Cohere2's block is parallel"),
+    ({**COHERE2, "global_rope": True}, "model.global_rope=True: Cohere2's global layers have no positions"),
+    ({"logit_scale": 0.5}, "model.logit_scale=0.5: GPT-NeoX, Llama and Mistral have no logit scale"),
+    ({**LLAMA, "global_rope": False}, "model.global_rope=False: GPT-NeoX, Llama and Mistral rotate"),
 ])
 def test_a_native_export_refuses_what_the_architecture_cannot_carry_in_one_line(tmp_path, fields, message):
   config = _config(**fields)
