@@ -1,27 +1,10 @@
-r"""GPT 530B, MegaScale Table 1: 105 layers, hidden 20480, 160 heads, TP 8, PP 35.
+r"""MegaScale Table 1's 530B: configs/gpt.py's "530b" shape, under its old name (the same config as
+--config=configs/gpt.py:530b, the spelling to use; the shapes and their notes are there)."""
 
-Sequence 2048, vocabulary 64000 (paper section 6.1); the paper runs interleaved 1F1B with
-3 virtual stages and scales the batch with the GPU count (Figure 9).
-"""
+import os
 
-from megajax.config import default_config
+from megajax.config_checks import read_config_file
 
 
 def get_config():
-  config = default_config()
-  config.model.vocab_size = 64000
-  config.model.seq_len = 2048
-  config.model.num_layers = 105
-  config.model.hidden_dim = 20480
-  config.model.num_heads = 160
-  config.model.window = 0
-  config.model.remat = "full"
-  config.parallel.tp = 8
-  config.parallel.pp = 35
-  config.train.steps = 100_000
-  config.train.batch_size = 1120
-  config.train.microbatches = 1120
-  config.train.log_every = 1
-  config.optimizer.learning_rate = 4e-4
-  config.optimizer.warmup_steps = 2000
-  return config
+  return read_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt.py"), "530b")

@@ -1,7 +1,7 @@
 r"""megajax-plan: the best 3D plans for a model on a cluster, by the cost model.
 
-  megajax-plan --config=configs/gpt_175b.py --gpus=12288 --hardware=a100-80g --batch=6144
-  megajax-plan --config=configs/gpt_175b.py --gpus=256 --batch=768 --megatron --runtime=paper
+  megajax-plan --config=configs/gpt.py:175b --gpus=12288 --hardware=a100-80g --batch=6144
+  megajax-plan --config=configs/gpt.py:175b --gpus=256 --batch=768 --megatron --runtime=paper
 
 Enumerates (dp, pp, tp, virtual stages, microbatch size) that divide evenly, drops the plans
 that do not fit in the device's memory and prints the best few by predicted MFU: memory per
@@ -21,13 +21,13 @@ and when that is compute, the largest loss beside it).
   --fbd_forward  HARDWARE:COUNT: MegaFBD on a mixed cluster (megajax.parallel.planner.fbd): the forward on
                  COUNT GPUs of HARDWARE, the backward and optimizer on the --gpus --hardware ones; its best
                  plans (each group's dp x tp, the microbatch) against the best 3D plan on --hardware alone:
-                 megajax-plan --config=configs/gpt_1p3b.py --hardware=h100-80g --gpus=8 --batch=128
+                 megajax-plan --config=configs/gpt.py:1p3b --hardware=h100-80g --gpus=8 --batch=128
                  --fbd_forward=a100-80g:32 --remat=full
   --compile      the config's own plan (its parallel.dp x pp x tp = --gpus) compiled for
                  --hardware (h100-80g or h200-141g) by XLA's GPU compiler on this machine, no
                  GPU needed (megajax.parallel.deviceless): XLA's bytes per device next to the
                  planner's estimate, whether it fits, and the collectives that overlap compute.
-                 Before spending GPU time on a config: megajax-plan --config=configs/gpt_1p3b.py
+                 Before spending GPU time on a config: megajax-plan --config=configs/gpt.py:1p3b
                  --gpus=8 --config.parallel.dp=8 --hardware=h100-80g --compile
 Each listed plan is followed by its memory and time by part and by what makes #1 faster than
 it; a legend and the modelled runtime (and how the other differs) come first. The best plan's

@@ -752,9 +752,13 @@ def wants_probes(config: ml_collections.ConfigDict) -> bool:
 
 def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
   """The config of `path`, with {"model.num_layers": 4, ...} applied, validated. `path` is a
-  config file (`get_config()`), a run's workdir, or its config.json (read_run_config)."""
+  config file (`get_config()`, or `file.py:argument`: `get_config(argument)`), a run's workdir,
+  or its config.json (read_run_config)."""
+  file, colon, argument = path.partition(":")
   if os.path.isdir(path) or path.endswith(".json"):
     config = read_run_config(path)
+  elif colon and not os.path.isfile(path):            # `file.py:argument`, as --config takes it
+    config = check.read_config_file(file, argument)
   else:
     config = check.read_config_file(path)
   config = apply_overrides(config, overrides or {})

@@ -51,7 +51,7 @@ SIZES = {"cpu": dict(hidden=256, layers=4, heads=8, seq=128, batch=16, microbatc
          "tiny": dict(hidden=32, layers=2, heads=4, seq=16, batch=8, microbatches=2)}
 TRACED_STEPS = 3
 ONE_AND_ONE = (1, 1, 1, 1, 1)
-PLANNED = {"config": "configs/gpt_1p3b.py", "batch": 128, "forward_hw": "a100-80g", "forward_gpus": 32,
+PLANNED = {"config": "configs/gpt.py:1p3b", "batch": 128, "forward_hw": "a100-80g", "forward_gpus": 32,
            "backward_hw": "h100-80g", "backward_gpus": 8}    # one device a group: programs without collectives
 SPLITS = {"FBD 4+4": (4, 2, 2, 2, 2), "FBD 2+6": (2, 2, 1, 3, 2)}
 

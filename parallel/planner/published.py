@@ -95,8 +95,8 @@ class Prediction:
 
 @functools.cache
 def megascale_model() -> ModelConfig:
-  """MegaScale's 175B (configs/gpt_175b.py, with its sliding window): read once, every row shares it."""
-  return ModelConfig.from_config(load_config(os.path.join(CONFIGS_DIR, "gpt_175b.py")).model)
+  """MegaScale's 175B (configs/gpt.py:175b, with its sliding window): read once, every row shares it."""
+  return ModelConfig.from_config(load_config(os.path.join(CONFIGS_DIR, "gpt.py") + ":175b").model)
 
 
 def megatron_gpt(layers: int, hidden: int, heads: int) -> ModelConfig:

@@ -226,6 +226,20 @@ def test_config_files_validate(name):
   assert config.model.num_layers >= 1
 
 
+def test_the_gpt_shapes_are_one_file_and_the_old_names_still_load():
+  """configs/gpt.py:<shape> (big_vision's get_config(arg)); configs/gpt_<shape>.py is the same
+  config; an unknown shape is one line naming the shapes."""
+  shapes = ("125m", "1p3b", "13b", "175b", "530b")
+  for shape in shapes:
+    config = load_config(f"{REPO}/configs/gpt.py:{shape}")
+    assert config.to_json() == load_config(f"{REPO}/configs/gpt_{shape}.py").to_json(), shape
+  assert load_config(f"{REPO}/configs/gpt.py:1p3b").model.num_layers == 24
+  with pytest.raises(ConfigError) as error:
+    load_config(f"{REPO}/configs/gpt.py:7b")
+  message = str(error.value)
+  assert "\n" not in message and "no shape '7b'" in message and all(shape in message for shape in shapes)
+
+
 def test_paper_table1_shapes():
   c175 = load_config(f"{REPO}/configs/gpt_175b.py")
   assert (c175.model.num_layers, c175.model.hidden_dim, c175.model.num_heads) == (96, 12288, 128)
