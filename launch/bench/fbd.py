@@ -157,10 +157,13 @@ def fbd(repeats: int, size: str = "cpu") -> None:
   print("\nforward -> backward MB per microbatch, FBD 4+4, by remat policy: what jax.vjp keeps (sent) against the "
         "planner's count (parallel.planner.memory.fbd_residual_bytes: each layer's kept bytes + the fp32 logits)")
   print(f"{'remat':>8}{'sent':>10}{'planner':>10}{'ratio':>8}")
+  # FBD 4+4's traffic for a variant of the config (the contender's own where it is the same config).
+  traffic = lambda c: (contenders["FBD 4+4"].traffic if c.to_json() == config.to_json() else
+                       _Fbd(c, SPLITS["FBD 4+4"], batch).traffic)
   for remat in ("none", "dots", "full"):
     c = _config(size)
     c.model.remat = remat
-    sent = _Fbd(c, SPLITS["FBD 4+4"], batch).traffic["residual_bytes"]
+    sent = traffic(c)["residual_bytes"]
     plan = dataclasses.replace(plan_of(c, "cpu"), micro_batch=c.train.batch_size // c.train.microbatches)
     counted = memory.fbd_residual_bytes(ModelConfig.from_config(c.model), plan)
     print(f"{remat:>8}{sent / 2**20:>10.2f}{counted / 2**20:>10.2f}{sent / counted:>8.2f}")
@@ -168,7 +171,7 @@ def fbd(repeats: int, size: str = "cpu") -> None:
   for dtype in ("float32", "bfloat16"):    # the weights a step, in the compute dtype: sent and counted
     c = _config(size)
     c.model.compute_dtype = dtype
-    sent = _Fbd(c, SPLITS["FBD 4+4"], batch).traffic["weight_bytes"]
+    sent = traffic(c)["weight_bytes"]
     counted = cost_model.param_counts(model_config, dataclasses.replace(plan_of(c, "cpu"), dp=1, pp=1, tp=1)
                                       ).gathered_bytes(jnp.dtype(dtype).itemsize, 4)
     print(f"weights backward -> forward a step, compute dtype {dtype}: sent {sent / 2**20:.2f} MB, planner "
