@@ -169,7 +169,8 @@ class FbdStep:
       (grads,) = pullback(jnp.ones((), jnp.float32))
       return jax.tree.map(lambda s, g: s + g.astype(s.dtype), summed, grads)
 
-    def update(state, summed, stats):
+    def update(state, summed, microbatch_stats):
+      stats = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), microbatch_stats)   # in microbatch order
       new_state, metrics, grads = apply_gradients(self.optimizer, learning_rate_schedule(c), state, summed, stats)
       # The 3D step's rule: a non-finite loss, norm or learning rate leaves the state as it was.
       finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
@@ -269,13 +270,12 @@ class FbdStep:
     weights = wait(cast(state.params))
     sent = jax.device_put(weights, self._forward_weights)
     summed = zeros(state.params)
-    stats_total = None
+    stats = []                       # each microbatch's loss sums, summed by the update's program
     for i in range(self.config.train.microbatches):
-      stats, residuals = wait(forward(sent, batch, np.int32(i)))
+      microbatch_stats, residuals = wait(forward(sent, batch, np.int32(i)))
       summed = wait(backward(send(residuals, self.backward_mesh), weights, summed))
-      stats = send(stats, self.backward_mesh)
-      stats_total = stats if stats_total is None else jax.tree.map(jnp.add, stats_total, stats)
-    new_state, metrics, grads = update(state, summed, stats_total)
+      stats.append(send(microbatch_stats, self.backward_mesh))
+    new_state, metrics, grads = update(state, summed, stats)
     return (new_state, metrics, grads) if with_gradients else (new_state, metrics)
 
   def eval_step(self):
@@ -317,7 +317,8 @@ class FbdStep:
     whole = _abstract(stats, jax.tree.map(lambda _: NamedSharding(self.backward_mesh, P()), stats))
     return {"cast": compile_lowered(self._weights.lower(state.params)), "forward": forward,
             "backward": compile_lowered(self._backward.lower(received, weights, state.params)),
-            "update": compile_lowered(self._update.lower(state, state.params, whole)),
+            "update": compile_lowered(self._update.lower(state, state.params,
+                                                         [whole] * self.config.train.microbatches)),
             "zeros": compile_lowered(self._zeros.lower(state.params)),
             "eval": compile_lowered(self._eval.lower(sent, batch))}
 
