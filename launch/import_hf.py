@@ -32,7 +32,7 @@ from megajax.launch import cli
 from megajax.launch.cli import define_config_flag, fail, flags_parser, validated_config
 from megajax.launch.cluster import expected_process_count
 from megajax.launch.training import prepare_process, run_training
-from megajax.tokenizer import one_line, tokenizer_of
+from megajax.tokenizer import joined_message, tokenizer_of
 
 PROGRAM = "megajax-import-hf"
 MODEL_FIELDS = ("vocab_size", "seq_len", "num_layers", "hidden_dim", "num_heads", "num_kv_heads", "mlp_dim", "window",
@@ -64,7 +64,7 @@ def _tokenizer_to_copy(config, hf_dir: str) -> str | None:
     try:
       vocab = Tokenizer.from_file(hf_file).get_vocab(with_added_tokens=True)
     except Exception as error:       # tokenizers raises plain Exceptions for every parse failure
-      raise HfFormatError(f"{hf_file}: not a Hugging Face tokenizer.json ({one_line(error)})") from None
+      raise HfFormatError(f"{hf_file}: not a Hugging Face tokenizer.json ({joined_message(error)})") from None
     for path in data.token_file_paths(config):
       tokenizer = tokenizer_of(path)
       theirs = (byte_level_tokenizer() if tokenizer.kind == "bytes" else getattr(tokenizer, "tokenizer", None))

@@ -105,7 +105,7 @@ def main(argv):
                 f"(dp must divide the batch; tp <= {hw.gpus_per_node}, pp * v divides {c.num_layers} layers)",
                 "use a batch with more factors of 2, e.g. a multiple of --gpus / 64")
   if not best:
-    smallest = min(plans.evaluate_fitting(c, p, hw, remat).memory.total
+    smallest = min(plans.assess_fitting(c, p, hw, remat).memory.total
                    for p in plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value))
     _flag_error("gpus", gpus, f"none of the {even} even plans fits in {hw.memory_gb:g} GB per device "
                 f"(the smallest needs {smallest / cost_model.GB:.1f} GB)",

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow
 import pyarrow.parquet
 
-from megajax.tokenizer import (TokenizerError, check_bpe_vocab_size, load_tokenizer, one_line, sidecar_entry,
+from megajax.tokenizer import (TokenizerError, check_bpe_vocab_size, load_tokenizer, joined_message, sidecar_entry,
                                train_bpe)
 from megajax.token_files import PrepareError, write_token_file
 
@@ -120,14 +120,14 @@ def _jsonl_documents(path: str, text_field: str):
         if text:
           yield text
   except (OSError, EOFError, UnicodeDecodeError) as error:   # gzip.BadGzipFile is an OSError
-    raise PrepareError("input error", f"cannot read {path} (line {line_number + 1}): {one_line(error)}") from None
+    raise PrepareError("input error", f"cannot read {path} (line {line_number + 1}): {joined_message(error)}") from None
 
 
 def _parquet_documents(path: str, text_field: str):
   try:
     parquet = pyarrow.parquet.ParquetFile(path)
   except (pyarrow.ArrowException, OSError) as error:
-    raise PrepareError("input error", f"{path} is not a readable Parquet file ({one_line(error)})") from None
+    raise PrepareError("input error", f"{path} is not a readable Parquet file ({joined_message(error)})") from None
   schema = parquet.schema_arrow
   if text_field not in schema.names:
     raise PrepareError("input error", f"{path} has no column {text_field!r} (its columns: "
@@ -139,7 +139,7 @@ def _parquet_documents(path: str, text_field: str):
     for batch in parquet.iter_batches(batch_size=ENCODE_BATCH, columns=[text_field]):
       yield from (text for text in batch.column(0).to_pylist() if text)   # null and "" are no document
   except (pyarrow.ArrowException, OSError) as error:
-    raise PrepareError("input error", f"cannot read {path} ({one_line(error)})") from None
+    raise PrepareError("input error", f"cannot read {path} ({joined_message(error)})") from None
 
 
 # Tokenizing one file (in a worker process, or in this one).
@@ -161,7 +161,7 @@ def _tokenize_file(path: str) -> tuple[np.ndarray, np.ndarray]:
     try:
       pieces.extend(tokenizer.encode_batch(batch))
     except Exception as error:   # a lone surrogate from a JSON escape, say: the tokenizers raise their own types
-      raise PrepareError("input error", f"cannot tokenize a document of {path} ({one_line(error)})") from None
+      raise PrepareError("input error", f"cannot tokenize a document of {path} ({joined_message(error)})") from None
   if eos:
     pieces = [np.append(piece, np.int32(tokenizer.eos_id)) for piece in pieces]
   lengths = np.array([len(piece) for piece in pieces], dtype=np.int64)

@@ -136,12 +136,12 @@ def load_tokenizer(spec: str):
     try:
       return HuggingFaceTokenizer(Tokenizer.from_file(spec), spec)
     except Exception as error:   # tokenizers raises plain Exceptions for every parse failure
-      raise TokenizerError(f"{spec} is not a Hugging Face tokenizer.json ({one_line(error)})") from None
+      raise TokenizerError(f"{spec} is not a Hugging Face tokenizer.json ({joined_message(error)})") from None
   processor = sentencepiece.SentencePieceProcessor()
   try:
     processor.Load(spec)
   except Exception as error:   # OSError or RuntimeError, by version
-    raise TokenizerError(f"{spec} is not a sentencepiece model ({one_line(error)})") from None
+    raise TokenizerError(f"{spec} is not a sentencepiece model ({joined_message(error)})") from None
   return SentencePieceTokenizer(processor, spec)
 
 
@@ -175,7 +175,7 @@ def file_digest(path: str) -> str:
     if path.endswith(".json"):
       raw = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
   except (OSError, ValueError) as error:    # ValueError: JSONDecodeError, UnicodeDecodeError
-    raise TokenizerError(f"{path} is not a readable tokenizer file ({one_line(error)})") from None
+    raise TokenizerError(f"{path} is not a readable tokenizer file ({joined_message(error)})") from None
   return "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
@@ -273,7 +273,7 @@ def run_identity(workdir: str) -> dict | None:
     with open(path) as f:
       recorded = json.load(f)
   except (OSError, ValueError) as error:
-    raise ConfigError("workdir", workdir, f"{path} is not readable JSON ({one_line(error)})",
+    raise ConfigError("workdir", workdir, f"{path} is not readable JSON ({joined_message(error)})",
                       "restore it from a copy, or delete it to skip the tokenizer checks") from None
   if not (isinstance(recorded, dict) and {"kind", "eos_id", "digest"} <= recorded.keys()):
     raise ConfigError("workdir", workdir, f"{path} is not a tokenizer identity (kind, eos_id, digest)",
@@ -347,7 +347,7 @@ def workdir_tokenizer(workdir: str):
     raise ConfigError("workdir", workdir, f"its tokenizer: {error}", "copy the data's tokenizer there again") from None
 
 
-def one_line(error: Exception) -> str:
+def joined_message(error: Exception) -> str:
   """An exception's message on one line (the libraries' span several)."""
   return " ".join(str(error).split()) or type(error).__name__
 

@@ -56,7 +56,7 @@ def print_measured() -> None:
 
 
 def print_fit() -> None:
-  fitted = calibration.fit()
+  fitted = calibration.fit_calibration()
   runs = published.calibration_set()
   print("\n== calibration: cost_model.Calibration refitted now on the calibration set (MegaScale Table 3, "
         f"Narayanan et al. Table 2 by its slope: {len(runs)} rows) vs CALIBRATION")

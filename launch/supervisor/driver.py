@@ -30,7 +30,7 @@ import ml_collections
 
 from megajax.config import apply_overrides
 from megajax.launch.supervisor.diagnostics import processes_to_evict
-from megajax.launch.supervisor.hang_view import classify, format_hang_view
+from megajax.launch.supervisor.hang_view import classify_hang, format_hang_view
 from megajax.launch.supervisor.jobs import POLL_SECONDS, CommandJob, LocalJob, job_wait
 from megajax.observe.goodput import append_supervisor_event, process_start_time
 from megajax.observe.records import INCIDENTS, append_jsonl
@@ -244,7 +244,7 @@ class Supervisor:
         # crash signal ended when there are any.
         crashed = [i for i in failed if _crash_signal(codes[i])]
         code = codes[(crashed or failed)[0]]
-        blamed = (crashed or failed) if len(codes) > 1 else classify(last_seen, last_progress, now,
+        blamed = (crashed or failed) if len(codes) > 1 else classify_hang(last_seen, last_progress, now,
                                                                       s.heartbeat_timeout_s)[0]
         if code == 143 and not self.stop_requested:
           detail = f"process(es) {failed} stopped by SIGTERM (preempted by the cluster?)"
@@ -260,7 +260,7 @@ class Supervisor:
       lost = [p for p in last_seen if p not in done and beats.get(p, {}).get("step", 0) > beats.get(p, {}).get(
           "start_step", 0) and now - last_seen[p] > s.heartbeat_timeout_s]
       if missing or lost:
-        suspects, victims = classify(last_seen, last_progress, now, s.heartbeat_timeout_s)
+        suspects, victims = classify_hang(last_seen, last_progress, now, s.heartbeat_timeout_s)
         suspects = [*missing, *(p for p in suspects if p not in missing)]
         self._print_hang_view(beats, suspects, victims)
         return Failure("heartbeat_lost", suspects, now, min((last_seen.get(p, started) for p in suspects)),
@@ -270,12 +270,12 @@ class Supervisor:
         return Failure("hang", [p for p, code in enumerate(codes) if code is None], now, now, furthest,
                        f"every worker finished training but the job did not exit within {s.hang_timeout_s} s")
       if first_step is None and now - started > s.startup_timeout_s:
-        suspects, victims = classify(last_seen, working, now, s.heartbeat_timeout_s)
+        suspects, victims = classify_hang(last_seen, working, now, s.heartbeat_timeout_s)
         self._print_hang_view(beats, suspects, victims)
         return Failure("hang", suspects, now, max(working.values(), default=started), furthest,
                        f"no step finished within supervisor.startup_timeout_s={s.startup_timeout_s} s of the start")
       if first_step is not None and working and now - max(working.values()) > s.hang_timeout_s:
-        suspects, victims = classify(last_seen, working, now, s.heartbeat_timeout_s)
+        suspects, victims = classify_hang(last_seen, working, now, s.heartbeat_timeout_s)
         self._print_hang_view(beats, suspects, victims)
         return Failure("hang", suspects, now, max(working.values()), furthest,
                        f"no worker made progress for {s.hang_timeout_s} s")

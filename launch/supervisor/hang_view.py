@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def classify(last_seen: dict[int, float], last_progress: dict[int, float], now: float,
+def classify_hang(last_seen: dict[int, float], last_progress: dict[int, float], now: float,
              heartbeat_timeout: float) -> tuple[list[int], list[int]]:
   """(suspects, victims) from the supervisor's own clock readings per process.
 

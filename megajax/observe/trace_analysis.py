@@ -38,7 +38,7 @@ CATEGORIES = ("forward", "backward", "optimizer", "communication")
 
 
 @dataclasses.dataclass
-class Op:
+class TracedOp:
   name: str           # the HLO instruction
   category: str
   kind: str
@@ -50,7 +50,7 @@ class Op:
 class Rank:
   coords: tuple[int, int, int]
   process: int
-  ops: list[Op]
+  ops: list[TracedOp]
 
   @property
   def label(self) -> str:
@@ -109,7 +109,7 @@ def load_process(process_dir: str) -> list[Rank]:
     rank = by_ordinal.get(_device_ordinal(event, process_names))
     if rank is not None:
       start = float(event["ts"])
-      rank.ops.append(Op(name, op["category"], op["kind"], start, start + float(event.get("dur", 0.0))))
+      rank.ops.append(TracedOp(name, op["category"], op["kind"], start, start + float(event.get("dur", 0.0))))
   for rank in ranks:
     rank.ops.sort(key=lambda op: op.start)
   return ranks
@@ -135,7 +135,7 @@ def _group(coords, kind: str):
   return {"dp": ("dp", pp, tp), "pp": ("pp", dp, tp), "tp": ("tp", dp, pp)}.get(axis, ("all",))
 
 
-def collective_instances(ranks: list[Rank]) -> dict[tuple, list[tuple[Rank, Op]]]:
+def collective_instances(ranks: list[Rank]) -> dict[tuple, list[tuple[Rank, TracedOp]]]:
   """(group, instruction, occurrence) -> its participants' (rank, op): the k-th run of one
   collective instruction by the members of one group is one collective."""
   instances = collections.defaultdict(list)

@@ -21,7 +21,7 @@ planner` prints the fit, the tables and the memory check.
 
 from megajax.parallel.planner.cost_model import (CALIBRATION, HARDWARE, MEGASCALE, MEGATRON, Calibration, Hardware,
                                                  Optimizations, Plan)
-from megajax.parallel.planner.plans import Candidate, enumerate_plans, evaluate, search
+from megajax.parallel.planner.plans import Candidate, assess, enumerate_plans, search
 
 __all__ = ["CALIBRATION", "Calibration", "Candidate", "HARDWARE", "Hardware", "MEGASCALE", "MEGATRON",
-           "Optimizations", "Plan", "enumerate_plans", "evaluate", "search"]
+           "Optimizations", "Plan", "assess", "enumerate_plans", "search"]

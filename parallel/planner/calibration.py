@@ -1,6 +1,6 @@
 """Where the cost model's fitted numbers come from, and how well the model holds.
 
-  fit            the step-time constants no micro-benchmark gives (cost_model.Calibration) by
+  fit_calibration  the step-time constants no micro-benchmark gives (cost_model.Calibration) by
                  least squares on published.calibration_set() only: MegaScale's Table 3 (175B on
                  256 A100s; each switch's row shows its constant) and the slope of Narayanan et
                  al.'s Table 2 (the straggler slowdown). Returns a new Calibration.
@@ -43,7 +43,7 @@ MEMORY_TOLERANCE = 0.10
 
 # --- The step-time constants --------------------------------------------------------------------
 
-def fit(runs: list[published.Run] | None = None, start: Calibration = CALIBRATION) -> Calibration:
+def fit_calibration(runs: list[published.Run] | None = None, start: Calibration = CALIBRATION) -> Calibration:
   """Least squares of FITTED to `runs` (default: the calibration set), errors in MFU points."""
   runs = published.calibration_set() if runs is None else runs
 
@@ -72,7 +72,7 @@ def leave_one_out(calibration: Calibration = CALIBRATION) -> list[tuple[publishe
   runs = published.calibration_set()
   rows = []
   for i, run in enumerate(runs):
-    others = fit(runs[:i] + runs[i + 1:], calibration)
+    others = fit_calibration(runs[:i] + runs[i + 1:], calibration)
     rows.append((run, published.predict(run, calibration).error, published.predict(run, others).error))
   return rows
 

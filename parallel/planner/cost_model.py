@@ -34,7 +34,7 @@ the wait for a slow machine (the chance that a job holds one, from MegaScale's 0
 times a fitted slowdown) and the compute a hidden collective slows (hardware.OVERLAP_SLOWDOWN,
 published, not fitted), which matters more as a step's compute shrinks.
 
-Fitted numbers: the six fields of `Calibration`, fitted by calibration.fit on
+Fitted numbers: the six fields of `Calibration`, fitted by calibration.fit_calibration on
 published.calibration_set() only (MegaScale's Table 3, the slope of Narayanan et al.'s
 Table 2), never on a row they are validated on
 (`python -m megajax.launch.bench planner` prints the fit, the leave-one-out errors and every
@@ -64,7 +64,7 @@ __all__ = ["GB", "HARDWARE", "Hardware"]   # re-exported: the planner's callers 
 class Calibration:
   """The step-time constants no micro-benchmark gives: a plain value, passed to `step_time`.
 
-  `CALIBRATION` holds the least-squares fit (calibration.fit, reprinted by `python -m
+  `CALIBRATION` holds the least-squares fit (calibration.fit_calibration, reprinted by `python -m
   megajax.launch.bench planner` with each constant's leave-one-out errors) to
   published.calibration_set(): MegaScale's Table 3 (175B on 256 A100s, the baseline and eight
   cumulative switches; each switch's row is what shows its constant) and the slope of Narayanan

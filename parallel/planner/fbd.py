@@ -166,7 +166,7 @@ def fbd_memory(c: ModelConfig, plan: FbdPlan, remat: str | None = None) -> tuple
   return forward, backward
 
 
-def evaluate(c: ModelConfig, plan: FbdPlan, remat: str | None = None) -> FbdCandidate:
+def assess(c: ModelConfig, plan: FbdPlan, remat: str | None = None) -> FbdCandidate:
   forward, backward = fbd_memory(c, plan, remat)
   margin = 1 + plans.MEMORY_MARGIN
   fits = forward * margin <= usable_bytes(plan.forward.hw) and backward * margin <= usable_bytes(plan.backward.hw)
@@ -187,7 +187,7 @@ def search(c: ModelConfig, forward_hw: Hardware, forward_gpus: int, backward_hw:
     for micro_batch in range(1, min(batch, max_micro_batch) + 1):
       if batch % micro_batch or micro_batch % f.dp or micro_batch % b.dp:
         continue
-      candidate = evaluate(c, FbdPlan(f, b, micro_batch, batch), remat)
+      candidate = assess(c, FbdPlan(f, b, micro_batch, batch), remat)
       if candidate.fits:
         found.append(candidate)
   return sorted(found, key=lambda x: x.time.total)

@@ -31,7 +31,7 @@ class Candidate:
   fits: bool            # the memory fits the device (cost_model.usable_bytes; megajax's with MEMORY_MARGIN)
 
 
-def evaluate(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
+def assess(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
              calibration: Calibration = CALIBRATION) -> Candidate:
   mem = memory.memory(c, plan, remat)
   margin = 1 + MEMORY_MARGIN if plan.executor == "megajax" else 1.0
@@ -67,15 +67,15 @@ def enumerate_plans(c: ModelConfig, gpus: int, batch: int, hw: Hardware, opts: O
           yield Plan(dp, pp, tp, v, b, batch, opts, executor)
 
 
-def evaluate_fitting(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
+def assess_fitting(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
                      calibration: Calibration = CALIBRATION) -> Candidate:
-  """`evaluate`, and for a megajax pipeline whose residuals do not fit, the same plan with
+  """`assess`, and for a megajax pipeline whose residuals do not fit, the same plan with
   parallel.pipeline_recompute (the chunk's forward rerun in its backward: less memory, a
   forward more per step) when that fits. The plan as given otherwise."""
-  candidate = evaluate(c, plan, hw, remat, calibration)
+  candidate = assess(c, plan, hw, remat, calibration)
   if candidate.fits or plan.executor != "megajax" or plan.pp == 1 or plan.pipeline_recompute:
     return candidate
-  rerun = evaluate(c, dataclasses.replace(plan, pipeline_recompute=True), hw, remat, calibration)
+  rerun = assess(c, dataclasses.replace(plan, pipeline_recompute=True), hw, remat, calibration)
   return rerun if rerun.fits else candidate
 
 
@@ -84,8 +84,8 @@ def search(c: ModelConfig, gpus: int, batch: int, hw: Hardware, opts: Optimizati
            calibration: Calibration = CALIBRATION) -> tuple[list[Candidate], int]:
   """(the plans that fit, best predicted MFU first; how many divided evenly). megajax's
   pipelines keep their residuals (the default executor) where they fit and rerun each
-  chunk's forward (pipeline_recompute) where only that fits (`evaluate_fitting`)."""
-  candidates = [evaluate_fitting(c, plan, hw, remat, calibration)
+  chunk's forward (pipeline_recompute) where only that fits (`assess_fitting`)."""
+  candidates = [assess_fitting(c, plan, hw, remat, calibration)
                 for plan in enumerate_plans(c, gpus, batch, hw, opts, executor)]
   fitting = [x for x in candidates if x.fits]
   return sorted(fitting, key=lambda x: -x.time.mfu), len(candidates)

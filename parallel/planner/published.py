@@ -7,7 +7,7 @@ converts the predicted step time to the same metric by the source's own formula.
 
   calibration_set() MegaScale's Table 3 (Table 2's 256-GPU MegaScale row is the same run as
                     Table 3's last: counted once, there) and Narayanan et al.'s Table 2, fitted
-                    by its slope only (`Run.series`): what calibration.fit fits
+                    by its slope only (`Run.series`): what calibration.fit_calibration fits
                     cost_model.Calibration to.
   validation_set()  every other row: MegaScale's Table 2, Korthikanti et al. 2022 (Table 5,
                     section 6.3), Narayanan et al. 2021 (Table 1). Never fitted to.
@@ -40,7 +40,7 @@ from megajax.config import CONFIGS_DIR, default_config, load_config
 from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Calibration, Plan
-from megajax.parallel.planner.plans import Candidate, evaluate
+from megajax.parallel.planner.plans import Candidate, assess
 
 SOURCES = {
     "MegaScale": "Jiang et al. 2024, MegaScale: Scaling Large Language Model Training to More Than 10,000 "
@@ -66,7 +66,7 @@ class Run:
   assumed: str = ""      # what the source does not state
   calibration: bool = False
   # Rows of one strong-scaling series (the same model and batch on more GPUs): a calibration row
-  # with a series is fitted by its slope only, its error less the series' mean (calibration.fit).
+  # with a series is fitted by its slope only, its error less the series' mean (calibration.fit_calibration).
   series: str = ""
   # The plans the source's unstated values could also give (its other plausible microbatch,
   # chunks per stage, tp x pp), and its other plausible recomputation: `bench planner` prints
@@ -122,7 +122,7 @@ def model_flops(run: Run) -> float:
 
 
 def predict(run: Run, calibration: Calibration = CALIBRATION) -> Prediction:
-  candidate = evaluate(run.model, run.plan, cost_model.HARDWARE["a100-80g"], run.remat, calibration)
+  candidate = assess(run.model, run.plan, cost_model.HARDWARE["a100-80g"], run.remat, calibration)
   rate = model_flops(run) / (candidate.time.total * run.plan.gpus)
   predicted = 100 * rate / (PEAK_TFLOPS * 1e12) if run.metric == "mfu" else rate / 1e12
   return Prediction(run, predicted, candidate)

@@ -1,7 +1,7 @@
 """Plans a user can read: the legend, each plan's memory and time by part, why the best beats
 the next ones, which runtime is modelled, and one plan's full accounting (`explain`).
 
-megajax-plan prints these (launch/plan.py); they read a Candidate (plans.evaluate) and the
+megajax-plan prints these (launch/plan.py); they read a Candidate (plans.assess) and the
 cost model's parts, nothing else.
 """
 
@@ -11,7 +11,7 @@ from megajax import flops
 from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model, hardware, memory, operations, plans
 from megajax.parallel.planner.cost_model import GB, CALIBRATION, Calibration, Hardware, Plan
-from megajax.parallel.planner.plans import Candidate, describe, evaluate
+from megajax.parallel.planner.plans import Candidate, assess, describe
 
 LEGEND = """legend: dp, pp, tp   data-, pipeline- and tensor-parallel degrees (dp x pp x tp = GPUs)
         v            model chunks per pipeline stage (interleaved 1F1B; 1: plain 1F1B)
@@ -98,7 +98,7 @@ def why_first(best: Candidate, other: Candidate) -> str:
 
 def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: Calibration = CALIBRATION) -> list[str]:
   """One plan's full accounting, line by line."""
-  x = evaluate(c, plan, hw, remat, calibration)
+  x = assess(c, plan, hw, remat, calibration)
   run = cost_model.apply_switches(c, plan.opts)
   t, usable = x.time, cost_model.usable_bytes(hw)
   lines = [f"plan {describe(plan)} on {plan.gpus} {hw.name}, batch {plan.batch}, runtime {plan.executor}, "

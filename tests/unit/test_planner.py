@@ -135,7 +135,7 @@ def test_calibration_constants_are_the_least_squares_fit():
   """CALIBRATION holds the fit `python -m megajax.launch.bench planner` reprints (rounded), not
   hand-set values; the fit is a new value, and the module's is untouched by it."""
   before = dataclasses.replace(CALIBRATION)
-  fitted = calibration.fit()
+  fitted = calibration.fit_calibration()
   for field in dataclasses.fields(fitted):
     value, held = getattr(fitted, field.name), getattr(CALIBRATION, field.name)
     assert held == pytest.approx(value, rel=0.06, abs=1e-9), field.name
@@ -303,7 +303,7 @@ def test_no_constant_is_fitted_to_a_row_it_is_validated_on():
   keys = lambda runs: {(run.model, run.plan, run.remat) for run in runs}
   assert not keys(calibration_runs) & keys(validation_runs)
   assert {run.source for run in published.all_runs()} == set(published.SOURCES)
-  assert calibration.fit(calibration_runs) == calibration.fit()            # what it reads by default
+  assert calibration.fit_calibration(calibration_runs) == calibration.fit_calibration()            # what it reads by default
 
 
 def test_published_metrics_follow_the_sources_formulas():
@@ -386,7 +386,7 @@ def test_megajax_plans_rerun_the_chunk_only_where_residuals_do_not_fit(paper_set
     rerun = [(i, x) for i, x in enumerate(best, 1) if x.plan.pipeline_recompute]
     assert rerun, remat
     for i, x in rerun:
-      assert not plans.evaluate(c, dataclasses.replace(x.plan, pipeline_recompute=False), hw, remat).fits
+      assert not plans.assess(c, dataclasses.replace(x.plan, pipeline_recompute=False), hw, remat).fits
       assert plans.plan_line(i, x).endswith("; pipeline_recompute")
       assert "--config.parallel.pipeline_recompute=True" in plans.config_overrides(x.plan)
 
@@ -462,7 +462,7 @@ def test_megatron_activations_in_flight_follow_the_published_counts():
   assert memory.megatron_microbatches_in_flight(dataclasses.replace(plan, virtual_stages=2)) == 64 * (1 + 63 / 128)
   assert memory.megatron_microbatches_in_flight(dataclasses.replace(plan, schedule="gpipe")) == 512
   one_t = next(r for r in published.korthikanti() if r.where.startswith("Table 5, 1T") and "present" in r.where)
-  x = plans.evaluate(one_t.model, one_t.plan, cost_model.HARDWARE["a100-80g"], one_t.remat)
+  x = plans.assess(one_t.model, one_t.plan, cost_model.HARDWARE["a100-80g"], one_t.remat)
   print(f"1T on 512 A100s: {x.memory.total / 1e9:.1f} GB")
   assert x.fits
 

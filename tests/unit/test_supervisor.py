@@ -10,15 +10,15 @@ from megajax.config import ConfigError, default_config, validate
 from megajax.launch.supervisor import Supervisor, elastic_layout, fill_template
 from megajax.launch.supervisor.diagnostics import SLOW_RUNS
 from megajax.launch.supervisor.driver import _crash_signal
-from megajax.launch.supervisor.hang_view import classify, format_hang_view
+from megajax.launch.supervisor.hang_view import classify_hang, format_hang_view
 from megajax.trainer.workdir import LOCK_FILE, SUPERVISOR_LOCK_FILE, WorkdirError, WorkdirLock
 
 
 def test_classify_names_the_silent_process_first():
   now = 100.0
-  suspects, victims = classify({0: 99.5, 1: 90.0, 2: 95.0}, {0: 80.0, 1: 80.0, 2: 80.0}, now, 3.0)
+  suspects, victims = classify_hang({0: 99.5, 1: 90.0, 2: 95.0}, {0: 80.0, 1: 80.0, 2: 80.0}, now, 3.0)
   assert suspects == [1, 2] and victims == [0]
-  suspects, victims = classify({0: 99.9, 1: 99.9}, {0: 50.0, 1: 70.0}, now, 3.0)   # all alive: stuck first
+  suspects, victims = classify_hang({0: 99.9, 1: 99.9}, {0: 50.0, 1: 70.0}, now, 3.0)   # all alive: stuck first
   assert suspects == [0] and victims == [1]
 
 
