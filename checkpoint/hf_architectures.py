@@ -191,8 +191,6 @@ def model_fields(hf: dict) -> tuple[str, dict]:
   if arch not in ARCHITECTURES:
     raise HfFormatError(f"model_type={arch!r}: megajax reads gpt_neox (GPTNeoXForCausalLM), llama "
                         "(LlamaForCausalLM), mistral (MistralForCausalLM) and its own megajax (MegajaxForCausalLM)")
-  if arch == REMOTE:
-    return arch, remote_fields(hf)
   heads, hidden = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
   if hidden % heads:
     raise HfFormatError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
@@ -200,6 +198,8 @@ def model_fields(hf: dict) -> tuple[str, dict]:
             "num_layers": _int(hf, "num_hidden_layers"), "hidden_dim": hidden, "num_heads": heads,
             "mlp_dim": _int(hf, "intermediate_size"), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_theta": _rope(hf, arch), "window": 0, "window_pattern": "L", "global_rope": True, "logit_scale": 1.0}
+  if arch == REMOTE:
+    return arch, remote_fields(hf, fields)
   act = hf.get("hidden_act")
   if arch == NEOX:
     if act not in MLP_OF_HF_ACT:
@@ -215,16 +215,10 @@ def model_fields(hf: dict) -> tuple[str, dict]:
     raise HfFormatError(f"hidden_act={act!r}: megajax's SwiGLU gates with silu")
   if arch == COHERE2:
     return arch, _cohere2_fields(hf, fields)
-  if hf.get("head_dim") not in (None, hidden // heads):
-    raise HfFormatError(f"head_dim={hf['head_dim']}: megajax's head dim is hidden_size / num_attention_heads = "
-                        f"{hidden // heads}")
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key):
       raise HfFormatError(f"{key}=true: megajax's rmsnorm + swiglu blocks have no biases")
-  kv_heads = _int(hf, "num_key_value_heads", heads)
-  if heads % kv_heads:
-    raise HfFormatError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
-  fields.update(norm="rmsnorm", mlp="swiglu", num_kv_heads=kv_heads, block="serial", use_bias=False,
+  fields.update(norm="rmsnorm", mlp="swiglu", num_kv_heads=_kv_heads(hf, fields), block="serial", use_bias=False,
                 layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)))
   window = hf.get("sliding_window") if arch == MISTRAL else None
   if window is not None:
@@ -232,20 +226,27 @@ def model_fields(hf: dict) -> tuple[str, dict]:
   return arch, fields
 
 
-def _cohere2_fields(hf: dict, fields: dict) -> dict:
-  """Cohere2's model fields: its layer_types (or the older sliding_window_pattern, every n-th layer
-  global) with sliding_window, its logit scale; NoPE on the global layers."""
+def _kv_heads(hf: dict, fields: dict) -> int:
+  """num_key_value_heads (default: one per query head), checked, with head_dim, against megajax's
+  heads of hidden_size / num_attention_heads."""
   heads, hidden = fields["num_heads"], fields["hidden_dim"]
   if hf.get("head_dim") not in (None, hidden // heads):
     raise HfFormatError(f"head_dim={hf['head_dim']}: megajax's head dim is hidden_size / num_attention_heads = "
                         f"{hidden // heads}")
+  kv_heads = _int(hf, "num_key_value_heads", heads)
+  if heads % kv_heads:
+    raise HfFormatError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+  return kv_heads
+
+
+def _cohere2_fields(hf: dict, fields: dict) -> dict:
+  """Cohere2's model fields: its layer_types (or the older sliding_window_pattern, every n-th layer
+  global) with sliding_window, its logit scale; NoPE on the global layers."""
   if hf.get("attention_bias"):
     raise HfFormatError("attention_bias=true: megajax's Cohere2 blocks have no biases")
   if hf.get("use_qk_norm"):
     raise HfFormatError("use_qk_norm=true: megajax has no query / key norms")
-  kv_heads = _int(hf, "num_key_value_heads", heads)
-  if heads % kv_heads:
-    raise HfFormatError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+  kv_heads = _kv_heads(hf, fields)
   layers = fields["num_layers"]
   types = hf.get("layer_types")
   if types is None:
@@ -269,7 +270,7 @@ def _cohere2_fields(hf: dict, fields: dict) -> dict:
 def tensor_table(arch: str, model: ModelConfig) -> list[Tensor]:
   """Every tensor of the HF checkpoint of `model`, in the order HF lists them."""
   if arch == REMOTE:
-    return [Tensor(".".join(path), "copy", (path,)) for path in parameter_paths(model)]
+    return [Tensor(".".join(path), "copy", (path,)) for path in parameter_shapes(model)]
   if arch == COHERE2:
     return _cohere2_table(model)
   if arch == NEOX:
@@ -389,10 +390,11 @@ def hf_shape(kind: str, shapes: list[tuple]) -> tuple:
 
 # --- megajax's own architecture (trust_remote_code).
 
-def parameter_paths(model: ModelConfig) -> list[tuple]:
-  """The model's parameter paths, as megajax.init_params nests them (shapes only)."""
+def parameter_shapes(model: ModelConfig) -> dict[tuple, tuple]:
+  """{path: shape} of the model's parameters, as megajax.init_params nests them (shapes only)."""
   abstract = jax.eval_shape(lambda: init_params(GPT(model), jax.random.key(0)))
-  return [tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+  return {tuple(k.key for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
 
 
 def remote_config(model: ModelConfig, eos_id: int | None, bos_id: int | None) -> dict:
@@ -426,21 +428,15 @@ def _window_fields(windows: list) -> dict:
   return {"window": local.pop(), "window_pattern": letters[:period]}
 
 
-def remote_fields(hf: dict) -> dict:
-  """megajax's model fields from its own architecture's config.json (remote_config's inverse)."""
-  heads, hidden = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
-  if hidden % heads:
-    raise HfFormatError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
-  layers = _int(hf, "num_hidden_layers")
+def remote_fields(hf: dict, fields: dict) -> dict:
+  """megajax's model fields from its own architecture's config.json (remote_config's inverse),
+  over the fields every architecture's config.json gives (`fields`)."""
   windows = hf.get("layer_windows")
-  if not isinstance(windows, list) or len(windows) != layers or not all(
+  if not isinstance(windows, list) or len(windows) != fields["num_layers"] or not all(
       w is None or (isinstance(w, int) and not isinstance(w, bool) and w > 0) for w in windows):
     raise HfFormatError(f"layer_windows={windows!r}: not one window (a positive integer, or null) per layer")
-  return {"vocab_size": _int(hf, "vocab_size"), "seq_len": _int(hf, "max_position_embeddings"),
-          "num_layers": layers, "hidden_dim": hidden, "num_heads": heads,
-          "num_kv_heads": _int(hf, "num_key_value_heads", heads), "mlp_dim": _int(hf, "intermediate_size"),
-          "block": str(hf.get("block")), "norm": str(hf.get("norm")), "mlp": str(hf.get("mlp")),
-          "use_bias": bool(hf.get("use_bias")), "rope_theta": float(hf.get("rope_theta", 10000.0)),
+  return {**fields, "num_kv_heads": _kv_heads(hf, fields), "block": str(hf.get("block")),
+          "norm": str(hf.get("norm")), "mlp": str(hf.get("mlp")), "use_bias": bool(hf.get("use_bias")),
           "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
           "tie_embeddings": bool(hf.get("tie_embeddings", False)), "global_rope": bool(hf.get("global_rope", True)),
           "logit_scale": float(hf.get("logit_scale", 1.0)), **_window_fields(windows)}

@@ -32,9 +32,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from megajax.checkpoint.hf_architectures import (BUFFER_SUFFIXES, NEOX, REMOTE, REMOTE_CODE_FILES, HfFormatError,
                                                  export_architecture, from_hf, hf_config, hf_shape, model_fields,
-                                                 tensor_table, to_hf)
+                                                 parameter_shapes, tensor_table, to_hf)
 from megajax.config import validate
-from megajax.model import GPT, ModelConfig, init_params
+from megajax.model import ModelConfig
 from megajax.token_files import EOS
 from megajax.tokenizer import TokenizerError, load_tokenizer
 
@@ -274,7 +274,7 @@ def _with_fields(config, fields: dict, pinned: set, where: str) -> ml_collection
 
 def _read_params(arch: str, model: ModelConfig, tensors: "_Tensors", absent: set) -> dict:
   """The HF tensors -> megajax's pytree; every tensor is placed once or refused."""
-  expected = _expected_shapes(model)
+  expected = parameter_shapes(model)
   params, used = {}, set()
   for t in tensor_table(arch, model):
     shapes = [expected[path] for path in t.paths]
@@ -359,15 +359,8 @@ def hf_tokenizer_file(hf_dir: str) -> str | None:
 
 # --- Shared.
 
-def _expected_shapes(model: ModelConfig) -> dict:
-  """{path: shape} of the megajax model's parameters, from shapes only."""
-  abstract = jax.eval_shape(lambda: init_params(GPT(model), jax.random.key(0)))
-  return {tuple(k.key for k in path): tuple(leaf.shape)
-          for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-
-
 def _check_params(model: ModelConfig, params) -> None:
-  expected = _expected_shapes(model)
+  expected = parameter_shapes(model)
   given = {tuple(k.key for k in path): tuple(np.shape(leaf))
            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   for path in sorted(expected.keys() | given.keys()):

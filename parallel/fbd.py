@@ -110,7 +110,7 @@ class FbdStep:
     the rest (parallel.dp * parallel.tp) backward. ConfigError (one line) where it cannot run."""
     p, f = config.parallel, config.parallel.fbd
     devices = list(devices)
-    if len({d.process_index for d in devices}) > 1 or jax.process_count() > 1:
+    if jax.process_count() > 1:
       raise ConfigError("parallel.fbd.enabled", True,
                         f"MegaFBD runs in one process, this job has {jax.process_count()}: its groups exchange "
                         "residuals and weights with jax.device_put, which megajax uses between one process's devices "
@@ -327,11 +327,7 @@ class FbdStep:
     backward, the weights (compute dtype) backward -> forward once per step; and the peak bytes
     a device of each group holds, by XLA's memory analysis of its programs."""
     cast, forward, backward, update, zeros, _ = self._programs
-    state, batch = self.abstract_inputs()
-    weights = jax.eval_shape(self._weights, state.params)
-    sent = _abstract(weights, self._forward_weights)
-    _, residuals = jax.eval_shape(self._forward, sent, batch, jax.ShapeDtypeStruct((), jnp.int32))
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    return {"residual_bytes": nbytes(residuals), "weight_bytes": nbytes(weights),
+    return {"residual_bytes": nbytes(forward.out_info[1]), "weight_bytes": nbytes(cast.out_info),
             "forward_peak_bytes": bytes_per_device(forward),
             "backward_peak_bytes": max(bytes_per_device(p) for p in (cast, backward, update, zeros))}

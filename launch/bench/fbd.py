@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import gzip
 import json
 import os
@@ -40,6 +39,8 @@ from megajax.config import default_config, load_config
 from megajax.launch.bench.timing import median_seconds
 from megajax.launch.bench.train import CompiledStep
 from megajax.model import GPT, ModelConfig, init_params
+from megajax.observe.goodput_ledger import union_length
+from megajax.observe.trace_analysis import trace_file
 from megajax.parallel.deviceless import bytes_per_device
 from megajax.parallel.fbd import FbdStep
 from megajax.parallel.planner import cost_model, memory, plans
@@ -86,41 +87,28 @@ class _Fbd:
     return jax.block_until_ready(metrics)
 
 
-def _busy(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-  """The union of [start, end) intervals, as disjoint sorted ones."""
-  merged = []
-  for start, end in sorted(intervals):
-    if merged and start <= merged[-1][1]:
-      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-    else:
-      merged.append((start, end))
-  return merged
-
-
 def traced_overlap(contender: _Fbd, steps: int, directory: str) -> dict:
   """`steps` steps of `contender` under jax.profiler; from the trace's device events: the time
   the forward group runs forward operations, the backward group backward ones, and both at once
-  (the intersection of the two busy sets), in ms; and the trace file."""
+  (by inclusion-exclusion: each group's busy time less that of their union), in ms."""
   contender.run()
   jax.profiler.start_trace(directory)
   for _ in range(steps):
     contender.run()
   jax.profiler.stop_trace()
-  path = max(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-  with gzip.open(path) as f:
+  with gzip.open(trace_file(directory)) as f:
     events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "hlo_module" in (e.get("args") or {})]
-  groups = {"forward": (contender.step.forward_mesh, "jit_forward"),
-            "backward": (contender.step.backward_mesh, "jit_backward")}
-  busy = {}
-  for name, (mesh, module) in groups.items():
+
+  def busy(mesh, module: str) -> list[tuple[float, float]]:
     ids = {str(d.id) for d in mesh.devices.flat}
-    busy[name] = _busy([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-                        if e["args"]["hlo_module"] == module and str(e["args"].get("device_ordinal")) in ids])
-  both = sum(max(0.0, min(a_end, b_end) - max(a_start, b_start))
-             for a_start, a_end in busy["forward"] for b_start, b_end in busy["backward"])
-  total = lambda spans: sum(end - start for start, end in spans)
-  return {"forward_ms": total(busy["forward"]) / 1e3, "backward_ms": total(busy["backward"]) / 1e3,
-          "both_ms": both / 1e3, "trace": path}
+    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+            if e["args"]["hlo_module"] == module and str(e["args"].get("device_ordinal")) in ids]
+
+  forward, backward = busy(contender.step.forward_mesh, "jit_forward"), busy(contender.step.backward_mesh,
+                                                                            "jit_backward")
+  forward_us, backward_us = union_length(forward), union_length(backward)
+  return {"forward_ms": forward_us / 1e3, "backward_ms": backward_us / 1e3,
+          "both_ms": max(0.0, forward_us + backward_us - union_length(forward + backward)) / 1e3}
 
 
 def fbd(repeats: int, size: str = "cpu") -> None:

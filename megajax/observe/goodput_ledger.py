@@ -144,7 +144,7 @@ def ledger(runs: list[dict], events: list[dict] = (), now: float | None = None) 
     wasted = [(r["to_step"], r["step"]) for r in run.get("rollbacks", ())]
     if later and later["start_step"] < run["last_step"]:
       wasted.append((later["start_step"], run["last_step"]))
-    redone = min(steps_run, _union_length(wasted))
+    redone = min(steps_run, union_length(wasted))
     seconds = {c: float(run["seconds"].get(c, 0.0)) for c in CAUSES}
     gap_end = later["process_start"] if later else end
     failure = failures.get(run.get("attempt")) if run.get("status") != "finished" else None
@@ -194,8 +194,9 @@ def _take(seconds: dict, amount: float, order) -> None:
       return
 
 
-def _union_length(intervals: list[tuple[int, int]]) -> int:
-  """How many steps the half-open step ranges (after, through] cover together."""
+def union_length(intervals: list[tuple[float, float]]) -> float:
+  """How much the half-open ranges (after, through] cover together (steps here; bench fbd's
+  trace intervals too)."""
   covered, end = 0, None
   for after, through in sorted(intervals):
     after = after if end is None else max(after, end)

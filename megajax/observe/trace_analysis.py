@@ -68,7 +68,8 @@ def latest_step_dir(traces_dir: str) -> str:
   return steps[-1]
 
 
-def _trace_file(process_dir: str) -> str:
+def trace_file(process_dir: str) -> str:
+  """The newest jax.profiler trace (*.trace.json.gz) under `process_dir`."""
   files = glob.glob(os.path.join(process_dir, "**", "*.trace.json.gz"), recursive=True)
   if not files:
     raise FileNotFoundError(f"no *.trace.json.gz under {process_dir} (was the trace stopped?)")
@@ -89,7 +90,7 @@ def load_process(process_dir: str) -> list[Rank]:
   """One process's traced step: its ranks, each with its classified operations in time order."""
   with open(os.path.join(process_dir, META)) as f:
     meta = json.load(f)
-  with gzip.open(_trace_file(process_dir)) as f:
+  with gzip.open(trace_file(process_dir)) as f:
     events = json.load(f)["traceEvents"]
   process_names = {e["pid"]: e["args"]["name"] for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"}

@@ -70,6 +70,11 @@ class FbdPlan:
     """The 3D cost model's plan for one group's share of a microbatch (pp = 1)."""
     return Plan(group.dp, 1, group.tp, 1, self.micro_batch // group.dp, self.batch, FBD_SWITCHES)
 
+  @property
+  def whole(self) -> Plan:
+    """One device holding a whole microbatch: what crosses between the groups is counted on it."""
+    return Plan(1, 1, 1, 1, self.micro_batch, self.batch, FBD_SWITCHES)
+
 
 @dataclasses.dataclass(frozen=True)
 class FbdTime:
@@ -137,9 +142,8 @@ def fbd_time(c: ModelConfig, plan: FbdPlan, remat: str | None = None, k: Calibra
   backward = (compute + layers * (b_tp_backward + again * b_tp_forward) + b_tp_head[1]
               + hardware.overlapped_seconds(scatter, pipelined(layers, scatter / layers, compute / layers)))
 
-  whole = dataclasses.replace(f_plan, dp=1, tp=1, micro_batch=plan.micro_batch)
-  transfer = _link_seconds(memory.fbd_residual_bytes(c, whole, remat), plan)
-  weights_bytes = param_counts(c, whole).gathered_bytes(c.compute_dtype.itemsize, c.param_dtype.itemsize)
+  transfer = _link_seconds(memory.fbd_residual_bytes(c, plan.whole, remat), plan)
+  weights_bytes = param_counts(c, plan.whole).gathered_bytes(c.compute_dtype.itemsize, c.param_dtype.itemsize)
   weights = _link_seconds(weights_bytes * plan.forward.dp, plan)     # each forward dp replica its copy
   optimizer = hardware.streaming_seconds(counts.shard * (OPTIMIZER_BYTES + 8), b_hw, k.hbm_efficiency)
 
@@ -158,8 +162,7 @@ def fbd_memory(c: ModelConfig, plan: FbdPlan, remat: str | None = None) -> tuple
   c = apply_switches(c, FBD_SWITCHES)
   remat = remat or c.remat
   f_plan, b_plan = plan.group_plan(plan.forward), plan.group_plan(plan.backward)
-  whole = dataclasses.replace(f_plan, dp=1, tp=1, micro_batch=plan.micro_batch)
-  residuals = memory.fbd_residual_bytes(c, whole, remat)
+  residuals = memory.fbd_residual_bytes(c, plan.whole, remat)
   weights = param_counts(c, f_plan).gathered_bytes(c.compute_dtype.itemsize, c.param_dtype.itemsize)
   forward = weights + 2 * residuals / plan.forward.gpus
   backward = memory.memory(c, b_plan, remat).total + residuals / plan.backward.gpus
