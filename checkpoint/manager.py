@@ -60,6 +60,7 @@ from megajax.parallel.mesh import DP
 STATE, DATA, META = "state", "data", "meta"
 QUARANTINE = "quarantine"      # WORKDIR/checkpoints/quarantine/<step>-<reason>: what failed to restore
 _LISTINGS = 5     # a reader's listings of the steps while its trainer removes them, at most (_listed)
+_SETTLE_S, _REMOVE_S = 1.0, 30.0   # a failed save's leftovers: gone this long, removed for this long at most
 
 
 # --- The per-process data state item.
@@ -133,6 +134,7 @@ class TrainingCheckpointer:
     self._fingerprint_fn = None     # integrity.fingerprints compiled for the state (compile_checksums)
     self._lock = threading.Lock()
     self._pending: dict[int, float] = {}    # step -> save start (perf_counter), until finalized
+    self._failed: set[int] = set()          # steps whose save failed (process 0 removes what they left)
     self.finished: list[tuple[int, float]] = []   # (step, ckpt_total_s), in finalization order
     if read_only:     # what Orbax's read_only would reset, unset here (it warns for each)
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
@@ -427,6 +429,20 @@ class TrainingCheckpointer:
       self.wait()
     finally:
       self._manager.close()
+      self._remove_partial_saves()    # what a failed save's stragglers wrote since
+
+  def _remove_partial_saves(self) -> None:
+    """Orbax's temporary directories of the saves that failed, removed until each stays gone
+    for _SETTLE_S (_REMOVE_S at most). Orbax reports a save's first failed write while the
+    others are still in flight, and tensorstore makes the directories it writes into again."""
+    patterns = [os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*") for step in self._failed]
+    deadline = time.monotonic() + _REMOVE_S
+    while patterns:
+      for partial in (found for pattern in patterns for found in glob.glob(pattern)):
+        shutil.rmtree(partial, ignore_errors=True)
+      time.sleep(_SETTLE_S)
+      if not any(glob.glob(pattern) for pattern in patterns) or time.monotonic() > deadline:
+        return
 
   def __enter__(self) -> "TrainingCheckpointer":
     return self
@@ -442,8 +458,8 @@ class TrainingCheckpointer:
     with self._lock:
       self._pending.clear()
     if failed is not None and jax.process_index() == 0:
-      for partial in glob.glob(os.path.join(self.directory, f"{failed}.orbax-checkpoint-tmp*")):
-        shutil.rmtree(partial, ignore_errors=True)
+      self._failed.add(failed)
+      self._remove_partial_saves()
     kept = self.latest_step()
     why = str(error).splitlines()[0] if str(error) else type(error).__name__
     return CheckpointError(

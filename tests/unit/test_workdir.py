@@ -2,6 +2,7 @@
 dead holder), and a checkpoint save that fails on a full disk. (Jobs on one workdir, and
 the launcher's one-line failures: tests/e2e/test_workdir.py.)"""
 
+import glob
 import json
 import logging
 import os
@@ -117,12 +118,30 @@ class _WriteToAFullDisk:
       f.flush()
 
 
+def _write_again_once_removed(directory, pattern):
+  """A write still in flight when the save's first failure is reported (tensorstore's): once
+  the partial directory matching `pattern` has appeared and been removed, it is made again."""
+  deadline = time.monotonic() + HANG_S
+  while not (partial := glob.glob(os.path.join(directory, pattern))):
+    assert time.monotonic() < deadline, "the save never started"
+    time.sleep(0.005)
+  while os.path.exists(partial[0]):
+    assert time.monotonic() < deadline, "the partial save was never removed"
+    time.sleep(0.005)
+  os.makedirs(os.path.join(partial[0], "state", "d"))
+  with open(os.path.join(partial[0], "state", "d", "late"), "w") as f:
+    f.write("a chunk written after the first write failed")
+
+
 def test_a_save_that_fails_in_the_background_is_reported_at_the_next_step(two_checkpoints):
   """Reported by the per-step check alone (no further save needed), naming the checkpoint,
-  the error and the free space; the partial save is removed and checkpoint 6 still restores."""
+  the error and the free space; the partial save is removed, also what a write still in flight
+  makes after the first removal, and checkpoint 6 still restores."""
   workdir, config, parallel_step = two_checkpoints
   checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
   handler, write = ocp.PyTreeCheckpointHandler, _WriteToAFullDisk()   # the state item's
+  late_write = threading.Thread(target=_write_again_once_removed, args=(workdir / "checkpoints", "7.orbax-checkpoint-tmp*"))
+  late_write.start()
   original = handler.async_save
 
   async def async_save_onto_a_full_disk(self, *args, **kwargs):
@@ -140,6 +159,7 @@ def test_a_save_that_fails_in_the_background_is_reported_at_the_next_step(two_ch
         time.sleep(0.01)
   finally:
     handler.async_save = original
+    late_write.join()
     checkpointer.close()
   message = str(failed.value)
   assert message.startswith(f"saving checkpoint {workdir}/checkpoints/7 failed (found after step 8): ")
