@@ -4,7 +4,9 @@
                gpipe, 1f1b, interleaved_1f1b; depth- or breadth-first traversal; pure Python
   stacking.py  the parameter layout: the blocks stacked into one `layers` tree split over pp
   tables.py    a schedule compiled into the int32 tables the executor reads each tick
-  executor.py  the tick scan: forward and backward slots, decoupled send / recv rings
+  executor.py  the tick scan (head, steady, tail): decoupled send / recv rings, dp pieces
+  slots.py     a chunk program's forward and backward branch of a tick's slots, and the
+               gradients a backward slot returns
   residuals.py a chunk's forward split at its vjp residuals: kept ones packed for the
                backward slot, weight-only ones rebuilt there (no forward runs twice)
   baseline.py  GPipe by autodiff, the baseline the executor is measured against

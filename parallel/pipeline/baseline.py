@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from megajax.model import ModelConfig
 from megajax.parallel import zero
 from megajax.parallel.mesh import DP, PP, TP, to_varying
-from megajax.parallel.pipeline.executor import STAT_NAMES, row_at, stage_params, sum_over_stages
+from megajax.parallel.pipeline.executor import STAT_NAMES, stage_params, sum_over_stages
+from megajax.parallel.pipeline.slots import row_at
 from megajax.parallel.pipeline.stacking import LAYERS, compute_rows
 from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
                                               vocab_parallel_embed)

@@ -81,37 +81,16 @@ import jax.numpy as jnp
 from megajax.model import ModelConfig
 from megajax.parallel import collectives, zero
 from megajax.parallel.mesh import DP, PP, TP, after, after_by_one_element, to_varying, varying_axes
-from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
-from megajax.parallel.pipeline.stacking import LAYERS, compute_rows, parameter_rows
-from megajax.parallel.pipeline.tables import Program, Tables, dp_pieces
-from megajax.parallel.tensor_parallel import (Overlap, apply_block, head_loss_sums, positions_of,
-                                              vocab_parallel_embed)
+from megajax.parallel.pipeline.slots import Slots, row_at, rows_at, with_row_at, with_rows_at
+from megajax.parallel.pipeline.stacking import LAYERS, compute_rows
+from megajax.parallel.pipeline.tables import Tables, dp_pieces
+from megajax.parallel.tensor_parallel import Overlap
 from megajax.reference_step import split_microbatches
 
 STAT_NAMES = ("nll_sum", "z_sum", "tokens")
 # The tick's two switches, by name in the compiled program's metadata (op_name): what reads
 # the HLO (megajax.observe.hlo) weighs each branch by how often the tables select it.
 FORWARD_SLOT, BACKWARD_SLOT = "pp forward slot", "pp backward slot"
-
-
-def _matching(tree, like):
-  """`tree` cast to the per-device (varying) axes of `like`, leaf by leaf: switch branches
-  must return identically typed values."""
-  return jax.tree.map(lambda x, y: to_varying(x, tuple(varying_axes(y))), tree, like)
-
-
-def _shared_names(program: Program, c: ModelConfig) -> tuple:
-  """The non-block parameters a chunk program uses."""
-  names = ("embedding",) if program.first else ()
-  if program.last:
-    names += ("final_norm", "embedding" if c.tie_embeddings else "head")
-  return tuple(dict.fromkeys(names))
-
-
-def _group_key(group: tuple) -> str:
-  """A residual buffer's name in the carry: the mesh axes its values vary over, their width."""
-  axes, width = group
-  return f"{','.join(axes) or 'invariant'}:{width * 8}bit"
 
 
 def _written_after(residuals: dict, backward_out, never) -> dict:
@@ -129,30 +108,6 @@ def _written_after(residuals: dict, backward_out, never) -> dict:
     fits = [out for out in outputs if varying_axes(out) | varying_axes(never) <= varying_axes(value)]
     return after(value, fits[0], never) if fits else value
   return {key: wait(value) for key, value in residuals.items()}
-
-
-# Every traced index below is a slot, chunk, row or microbatch read from the tables: never
-# negative. Without allow_negative_indices=False, lax wraps each traced start around (a
-# compare, an add and a select per index, in every branch of every tick): the tests' 2x2x2
-# step lowered to 13,164 StableHLO ops with them, 10,832 without.
-def rows_at(x, start, size: int):
-  """x[start:start + size] (axis 0), `start` traced."""
-  return lax.dynamic_slice_in_dim(x, start, size, allow_negative_indices=False)
-
-
-def row_at(x, index):
-  """x[index] (axis 0), `index` traced."""
-  return lax.dynamic_index_in_dim(x, index, keepdims=False, allow_negative_indices=False)
-
-
-def with_rows_at(x, rows, start):
-  """x with x[start:start + len(rows)] = rows (axis 0), `start` traced."""
-  return lax.dynamic_update_slice_in_dim(x, rows, start, 0, allow_negative_indices=False)
-
-
-def with_row_at(x, row, index):
-  """x with x[index] = row (axis 0), `index` traced."""
-  return lax.dynamic_update_index_in_dim(x, row, index, 0, allow_negative_indices=False)
 
 
 def _with_rows(first, rows: int):
@@ -186,24 +141,6 @@ def sum_over_stages(grads: dict, stats: dict):
   return grads, {name: collectives.psum(value, (DP, PP)) for name, value in stats.items()}
 
 
-def chunk_forward(program: Program, c: ModelConfig, overlap: Overlap, z_loss: float):
-  """One chunk's forward: (chunk params [k, ...], shared params, input activation, microbatch)
-  -> (output activation, None), or on the last chunk the head's (loss sum, stats). Shared by
-  the executor (whose vjp of it is the backward) and the forward-only pipeline (forward.py)."""
-  @jax.named_scope("forward")    # its vjp's ops: transpose(jvp(forward)), the backward
-  def run(layers, shared, x, mb):
-    positions = positions_of(mb)             # a microbatch carries the batch's keys, packed ones too
-    if program.first:
-      x = vocab_parallel_embed(shared["embedding"], mb["inputs"], c)
-    for j, window in enumerate(program.windows):
-      x = apply_block(jax.tree.map(lambda a, j=j: a[j], layers), x, positions, window, c, overlap,
-                      mb.get("segment_ids"))
-    if program.last:
-      return head_loss_sums(shared, x, mb, c, overlap, z_loss)
-    return x, None
-  return run
-
-
 def dp_edge_pieces(tables: Tables, dp: int, grad_sync: str) -> tuple:
   """The other chunks' rows (all but the first local chunk's) as the tick scan moves them
   over dp: ((rows per gather piece, their first rows), (the same for the reduce-scatters)),
@@ -224,26 +161,48 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   perturbs what stage s sends on. `ordered_collectives` (XLA:CPU): the tick's collectives in
   one order on every device: the head's or tail's dp collective, forward slot, backward
   slot, then the two sends (see the module docstring). `bucket_bytes` (parallel.dp_bucket_mb):
-  the most one dp all-gather or reduce-scatter carries (0: one per leaf)."""
-  p, k = tables.schedule.stages, tables.layers_per_chunk
+  the most one dp all-gather or reduce-scatter carries (0: one per leaf).
+
+  ZeRO over dp per chunk (MegaScale's dp overlap): the first local chunk's rows and the shared
+  leaves are gathered before the tick scan; the other chunks' rows in pieces, one per tick of
+  the scan's head (the ticks in which every stage runs only its first chunk: the warm-up's
+  start, its bubble included); with grad_sync="step" their gradients are reduce-scattered in
+  pieces over the tail (the cool-down's end, where only first chunks run), the first chunk's
+  and the shared leaves' after the scan. A piece's collective sits outside the tick's
+  switches, so it may run under them."""
   overlap = dataclasses.replace(overlap, ring=False)   # no ppermute inside a stage's branch
   stage = lax.axis_index(PP)
   microbatches = split_microbatches(batch, tables.schedule.microbatches)   # [m, b, S]
-  b, seq = microbatches["inputs"].shape[1:]
-
-  # ZeRO over dp per chunk (MegaScale's dp overlap): the first local chunk's rows and the
-  # shared leaves are gathered before the tick scan; the other chunks' rows in pieces, one per
-  # tick of the scan's head (the ticks in which every stage runs only its first chunk: the
-  # warm-up's start, its bubble included); with grad_sync="step" their gradients are
-  # reduce-scattered in pieces over the tail (the cool-down's end, where only first chunks
-  # run), the first chunk's and the shared leaves' after the scan. A piece's collective sits
-  # outside the tick's switches, so it may run under them.
-  (gather_rows, gather_starts), (scatter_rows, scatter_starts) = dp_edge_pieces(tables, lax.axis_size(DP), grad_sync)
-  rest = (tables.schedule.virtual_stages - 1) * k                      # rows of the other chunks
-  first_rows = {**params, LAYERS: jax.tree.map(lambda x: x[:k] if gather_starts else x, params[LAYERS])}
-  full = stage_params(first_rows, layouts, c.compute_dtype, bucket_bytes=bucket_bytes)
-  full = {**full, LAYERS: compute_rows(full[LAYERS], c)}       # what the chunks read, once a step
+  gather, scatter = dp_edge_pieces(tables, lax.axis_size(DP), grad_sync)
+  full = _first_chunk_gathered(params, layouts, tables, c, bool(gather[1]), bucket_bytes)
   never = microbatches["inputs"][0, 0, 0] < 0     # token ids are never negative: false at run time
+  carry, slots = _start(params, full, microbatches, layouts, tables, c, overlap, z_loss, grad_sync, bucket_bytes,
+                        stage)
+  ticks = _TickScan(slots, tables, stage, probes, ordered_collectives, never, gather, scatter)
+  carry, full = ticks.head(carry, full, params, layouts)
+  carry = ticks.steady(carry, full)
+  carry, pieces = ticks.tail(carry, full, layouts)
+  grads = carry["grads"]
+  if grad_sync == "step":
+    grads = _step_reduce_scatter(grads, params, layouts, slots, scatter[1], pieces, bucket_bytes)
+  return sum_over_stages(grads, carry["stats"])
+
+
+def _first_chunk_gathered(params, layouts, tables: Tables, c: ModelConfig, in_pieces: bool, bucket_bytes: int):
+  """The stage's parameters gathered before the tick scan: the shared leaves, and the first
+  local chunk's rows (every chunk's when the other chunks' are not gathered `in_pieces`),
+  the layers in their compute form (what the chunks read, once a step)."""
+  k = tables.layers_per_chunk
+  first_rows = {**params, LAYERS: jax.tree.map(lambda x: x[:k] if in_pieces else x, params[LAYERS])}
+  full = stage_params(first_rows, layouts, c.compute_dtype, bucket_bytes=bucket_bytes)
+  return {**full, LAYERS: compute_rows(full[LAYERS], c)}
+
+
+def _start(params, full, microbatches, layouts, tables: Tables, c: ModelConfig, overlap: Overlap, z_loss: float,
+           grad_sync: str, bucket_bytes: int, stage):
+  """The tick scan's first carry (stash, cotangents, gradient accumulators, stats, residual
+  buffers) and the step's Slots."""
+  b, seq = microbatches["inputs"].shape[1:]
 
   def activation_buffer(slots):
     shape = (slots, b, seq // lax.axis_size(TP), c.hidden_dim)
@@ -257,172 +216,64 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   gathered_like = jax.tree.map(lambda x: to_varying(x, (PP,)), zero.gathered_zeros(params, layouts, c.compute_dtype))
   layer_like = gathered_like[LAYERS]
   gathered_like = {**gathered_like, LAYERS: compute_rows(layer_like, c)}
-  parameter_grads = lambda rows: parameter_rows(rows, layer_like, c)
   carry = dict(
       stash=activation_buffer(tables.stash_slots + 1),
       cotangents=activation_buffer(tables.cotangent_slots + 1),
       grads=(zero.gradient_accumulators(gathered_like) if grad_sync == "step"
              else jax.tree.map(lambda x: to_varying(jnp.zeros_like(x), (PP,)), params)),
       stats={name: zero_stat for name in STAT_NAMES})
-  empty_message = activation_buffer(1)[0]
-
-  def microbatch(index):
-    return jax.tree.map(lambda x: row_at(x, index), microbatches)
-
-  def chunk_params(layers, chunk):
-    start = chunk * k
-    return jax.tree.map(lambda x: rows_at(x, start, k), layers)
-
-  # A backward slot's gradients: the chunk's k rows and every shared leaf any program uses, in
-  # the master dtype (as they come from the vjp, a leaf gathered in the compute dtype converted:
-  # what its cast's transpose did before), typed like the gathered parameters. The switch
-  # returns them and the tick adds them to the carry outside it: an accumulator handed through
-  # a switch whose branches use different operands is copied whole by XLA in every branch
-  # (the deviceless H100 compile of a 2x2x2 step: 2 x 8 MiB copies a backward slot).
-  shared_names = tuple(dict.fromkeys(name for program in tables.programs for name in _shared_names(program, c)))
-  grad_names = (LAYERS, *shared_names)
-  masters = {name: params[name] for name in grad_names}
-  masters[LAYERS] = jax.eval_shape(lambda layers: compute_rows(layers, c), params[LAYERS])    # their dtypes
-
-  def zero_grads(names=grad_names):
-    like = {name: gathered_like[name] for name in names}
-    if LAYERS in like:
-      like[LAYERS] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype), like[LAYERS])
-    axes = {name: gathered_like[name] for name in names}
-    return jax.tree.map(lambda x, master, typed: to_varying(jnp.zeros(x.shape, master.dtype), tuple(varying_axes(typed))),
-                        like, {name: masters[name] for name in names}, axes)
-
-  def chunk_grads_of(layer_grads, shared_grads):
-    produced = zero.to_master_dtype({LAYERS: layer_grads, **shared_grads},
-                                        {name: masters[name] for name in (LAYERS, *shared_grads)})
-    missing = tuple(name for name in shared_names if name not in shared_grads)
-    return _matching({**zero_grads(missing), **produced}, zero_grads())
-
-  # Which backward branch produces which shared leaf (branch 0 idles): the tick adds a leaf's
-  # gradient only when its branch made one.
-  produces = {name: jnp.asarray([False] + [name in _shared_names(program, c) for program in tables.programs])
-              for name in shared_names}
-
-  def add_chunk_grads(grads, chunk_grads, op):
-    """Add one backward slot's gradients. "step": as they are, every leaf every tick (an idle
-    slot's are zeros; the dp reduce-scatter waits for the chunk's last backward): a lax.cond
-    around the add would copy the whole buffer in its pass-through branch, as the switch did.
-    "microbatch": reduce-scattered over dp first into the shard, under a cond that skips an
-    idle slot's (and a shared leaf its program does not use): no collective of zeros."""
-    branch = op["b_branch"]
-    start = op["b_chunk"] * k
-
-    def add(name, before):     # one leaf group: each cond hands only its own buffers through
-      reduced = {name: chunk_grads[name]}
-      if grad_sync == "microbatch":
-        if name == LAYERS:
-          reduced = {name: parameter_grads(reduced[name])}
-        reduced = zero.reduce_scatter_grads(reduced, {name: layouts[name]}, bucket_bytes)
-      if name == LAYERS:
-        add_rows = lambda buffer, g: with_rows_at(buffer, rows_at(buffer, start, k) + g, start)
-        return _matching(jax.tree.map(add_rows, before, reduced[LAYERS]), before)
-      return _matching(jax.tree.map(jnp.add, before, reduced[name]), before)
-
-    grads = dict(grads)
-    for name in grad_names:
-      if grad_sync == "step":
-        grads[name] = add(name, grads[name])
-      else:
-        produced = branch > 0 if name == LAYERS else produces[name][branch]
-        grads[name] = lax.cond(produced, lambda g, name=name: add(name, g), lambda g: g, grads[name])
-    return grads
-
-  # parallel.pipeline_recompute=False: each non-last program's forward traced once with its
-  # residuals split out (residuals.py); one residual buffer per group of mesh axes, as wide
-  # as the widest program's stash.
-  splits, residual_words = {}, {}
+  slots = Slots(params, full, microbatches, layouts, tables, c, overlap, z_loss, grad_sync, bucket_bytes,
+                gathered_like, layer_like, activation_buffer(1)[0], stage)
   if not tables.recompute:
-    # Example arguments typed as a tick's (indices read from the stage's table row vary over pp).
-    index = jnp.asarray(tables.per_stage["f_chunk"])[0][stage]
-    for program in tables.programs:
-      if not program.last:
-        shared = {name: full[name] for name in _shared_names(program, c)}
-        splits[program] = SplitChunk.trace(chunk_forward(program, c, overlap, z_loss), chunk_params(full[LAYERS], index),
-                                           shared, empty_message, microbatch(index))
-        for group, words in splits[program].words.items():
-          residual_words[group] = max(residual_words.get(group, 0), words)
-    carry["residuals"] = {
-        _group_key(group): to_varying(jnp.zeros((tables.residual_slots + 1, words), group_dtype(group)), group[0])
-        for group, words in residual_words.items()}
-  # What an idle slot returns is made inside its branch, not closed over: a switch returning a
-  # buffer from outside copies it (an 8 MiB residual vector a tick in the H100 compile).
-  def empty_residuals():
-    return {_group_key(group): to_varying(jnp.zeros((words,), group_dtype(group)), group[0])
-            for group, words in residual_words.items()}
+    carry["residuals"] = slots.residual_buffers()
+  return carry, slots
 
-  def no_message():
-    return jnp.zeros_like(empty_message)
 
-  def forward(program: Program, layers):
-    run = chunk_forward(program, c, overlap, z_loss)
-    def branch(stash, op, mb):
-      shared = {name: full[name] for name in _shared_names(program, c)}
-      args = (chunk_params(layers, op["f_chunk"]), shared, row_at(stash, op["f_in_slot"]), mb)
-      if program in splits:    # the forward, keeping what its backward reads
-        (out, _), packed = splits[program].forward(*args, words=residual_words)
-        residuals = {_group_key(group): vector for group, vector in packed.items()}
-      else:
-        out, _ = run(*args)
-        residuals = empty_residuals()
-      return _matching(out, empty_message), _matching(residuals, empty_residuals())
-    return branch
+def _step_reduce_scatter(grads, params, layouts, slots: Slots, scatter_starts: tuple, pieces, bucket_bytes: int):
+  """grad_sync="step": one dp reduce-scatter per leaf and piece for the step (before the pp
+  sum: on shards) of what the tail did not scatter, the tail's pieces put in their rows."""
+  tail, k = bool(scatter_starts), slots.k
+  first_chunk = {**grads, LAYERS: slots.parameter_grads(jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS]))}
+  grads = zero.reduce_scatter_grads(first_chunk, layouts, bucket_bytes)
+  if tail:
+    grads = {**grads, LAYERS: jax.tree.map(lambda first, shard, piece: _assemble_rows(first, shard.shape[0], piece,
+                                                                                      scatter_starts),
+                                           grads[LAYERS], params[LAYERS], pieces)}
+  return grads
 
-  def backward(program: Program, layers):
-    run = chunk_forward(program, c, overlap, z_loss)
-    def branch(stash, cotangents, residuals, stats, op, mb):
-      chunk_layers = chunk_params(layers, op["b_chunk"])
-      shared = {name: full[name] for name in _shared_names(program, c)}
-      if program in splits:    # the pullback from the forward's residuals: no forward rerun
-        stashed = {group: residuals[_group_key(group)] for group in residual_words}
-        vjp_fn = splits[program].pullback_from(chunk_layers, shared, empty_message, mb, stashed)
-      else:
-        # The forward from the stashed input (rerun, or the last chunk's first run), then its backward.
-        loss_fn = lambda chunk_layers, shared, x: run(chunk_layers, shared, x, mb)
-        out, vjp_fn, new_stats = jax.vjp(loss_fn, chunk_layers, shared, row_at(stash, op["b_in_slot"]), has_aux=True)
-      if program.last:     # the loss: seed its backward with 1, count its statistics
-        cotangent = to_varying(jnp.ones((), out.dtype), tuple(varying_axes(out)))
-        stats = _matching(jax.tree.map(jnp.add, stats, new_stats), stats)
-      else:
-        cotangent = row_at(cotangents, op["b_ct_slot"])
-      layer_grads, shared_grads, x_grad = vjp_fn(cotangent)
-      return (chunk_grads_of(layer_grads, shared_grads), stats,
-              no_message() if program.first else _matching(x_grad, empty_message))
-    return branch
 
-  def branches(layers, segment):
-    """Both slots' branch lists reading chunk rows from `layers`; branch 0 idles, and so does a
-    program the segment's tables never select (and a last program's forward: Tables.build)."""
-    forwards = [lambda stash, op, mb: (no_message(), empty_residuals())]
-    backwards = [lambda stash, cotangents, residuals, stats, op, mb: (zero_grads(), stats, no_message())]
-    for i, program in enumerate(tables.programs):
-      used = lambda prefix: bool((segment[prefix + "branch"] == i + 1).any())
-      forwards.append(forward(program, layers) if not program.last and used("f_") else forwards[0])
-      backwards.append(backward(program, layers) if used("b_") else backwards[0])
-    return forwards, backwards
+class _TickScan:
+  """The tick scan in its three parts: head (gathering the other chunks' rows), steady, tail
+  (reduce-scattering their gradients); each part's switches compile only the programs its
+  tables select. `gather`, `scatter`: dp_edge_pieces' (rows a piece, their first rows)."""
 
-  def tick(carry, rows, forwards, backwards, dp_collective=None):
+  def __init__(self, slots: Slots, tables: Tables, stage, probes, ordered_collectives: bool, never,
+               gather: tuple, scatter: tuple):
+    self.slots, self.tables, self.stage, self.probes = slots, tables, stage, probes
+    self.ordered_collectives, self.never = ordered_collectives, never
+    self.gather, self.scatter = gather, scatter
+    self.k = tables.layers_per_chunk
+
+  def tick(self, carry, rows, forwards, backwards, dp_collective=None):
     """One tick; `dp_collective` (the head's gather, the tail's reduce-scatter) runs first on
     CPU, the forward slot waiting for it (XLA:GPU may run it under both slots)."""
-    op = {name: row_at(table, stage) for name, table in rows.items()}
+    slots, never, p = self.slots, self.never, self.tables.schedule.stages
+    op = {name: row_at(table, self.stage) for name, table in rows.items()}
     stash, cotangents = carry["stash"], carry["cotangents"]
-    if ordered_collectives and dp_collective is not None:
+    if self.ordered_collectives and dp_collective is not None:
       stash = after(stash, dp_collective, never)
     # Forward slot, then its send. Nothing the backward slot reads depends on the send (the
     # arrival is written at the tick's end), so the collective can run during the backward:
     # decoupled send/recv. Unconditional, so it stays outside any branch (idle ticks send zeros).
     with jax.named_scope(FORWARD_SLOT):
-      activation, residuals = lax.switch(op["f_branch"], forwards, stash, op, microbatch(op["f_microbatch"]))
-    if probes is not None and probes.perturb_site == "stage":
-      activation = probes.perturb_sent(activation, stage, op["f_chunk"], microbatch(op["f_microbatch"])["rows"], p, k)
+      activation, residuals = lax.switch(op["f_branch"], forwards, stash, op, slots.microbatch(op["f_microbatch"]))
+    if self.probes is not None and self.probes.perturb_site == "stage":
+      activation = self.probes.perturb_sent(activation, self.stage, op["f_chunk"],
+                                            slots.microbatch(op["f_microbatch"])["rows"], p, self.k)
     send_forward = lambda x: lax.ppermute(x, PP, [(i, (i + 1) % p) for i in range(p)])
     send_backward = lambda x: lax.ppermute(x, PP, [(i, (i - 1) % p) for i in range(p)])
     cotangents_in, backward_op = cotangents, op
-    if ordered_collectives:   # the backward slot after the forward slot (its collectives too),
+    if self.ordered_collectives:   # the backward slot after the forward slot (its collectives too),
       # through the one received cotangent it reads: a select of that row, not of every slot's.
       # (On GPUs the branch reads its row itself: read out here, it is one more buffer.)
       received = after(row_at(cotangents, op["b_ct_slot"]), activation, never)
@@ -435,11 +286,11 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
     kept = {key: row_at(buffer, op["b_res_slot"]) for key, buffer in carry.get("residuals", {}).items()}
     with jax.named_scope(BACKWARD_SLOT):
       chunk_grads, stats, cotangent = lax.switch(op["b_branch"], backwards, stash, cotangents_in, kept,
-                                                 carry["stats"], backward_op, microbatch(op["b_microbatch"]))
-      grads = add_chunk_grads(carry["grads"], chunk_grads, op)
+                                                 carry["stats"], backward_op, slots.microbatch(op["b_microbatch"]))
+      grads = slots.add_chunk_grads(carry["grads"], chunk_grads, op)
     backward_out = (cotangent, grads)
     with jax.named_scope("pp send-recv"):
-      if ordered_collectives:  # both sends after the backward slot, the forward's first
+      if self.ordered_collectives:  # both sends after the backward slot, the forward's first
         activation = send_forward(after_by_one_element(activation, backward_out, never))
         cotangent = after_by_one_element(cotangent, activation, never)
       cotangent = send_backward(cotangent)
@@ -448,63 +299,73 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
                cotangents=with_row_at(cotangents, cotangent, op["recv_bwd"]),
                grads=grads, stats=stats)
     if "residuals" in carry:
-      if ordered_collectives:
+      if self.ordered_collectives:
         residuals = _written_after(residuals, backward_out, never)
       new["residuals"] = {key: with_row_at(buffer, residuals[key], op["f_res_slot"])
                           for key, buffer in carry["residuals"].items()}
     return new
 
-  def segment(first_tick, last_tick):
-    return {name: jnp.asarray(table[first_tick:last_tick]) for name, table in tables.per_stage.items()}, \
-        {name: table[first_tick:last_tick] for name, table in tables.per_stage.items()}
+  def segment(self, first_tick, last_tick):
+    """Ticks [first_tick, last_tick) of the stage tables: (as scanned arrays, as numpy)."""
+    per_stage = self.tables.per_stage
+    return ({name: jnp.asarray(table[first_tick:last_tick]) for name, table in per_stage.items()},
+            {name: table[first_tick:last_tick] for name, table in per_stage.items()})
 
-  def rows_of(tree, start, size):
-    return jax.tree.map(lambda x: rows_at(x, start, size), tree)
-
-  ticks = tables.ticks
-  head, tail = len(gather_starts), len(scatter_starts)
-  # Head: each tick also gathers a piece of the other chunks' rows (first, on CPU), which the
-  # scan stacks; only the first chunk's rows are read meanwhile.
-  if head:
-    head_rows, head_table = segment(0, head)
-    reads = (head_table["f_branch"] == 0) | (head_table["f_chunk"] == 0), (head_table["b_branch"] == 0) | (head_table["b_chunk"] == 0)
+  def head(self, carry, full, params, layouts):
+    """The scan's head: each tick also gathers a piece of the other chunks' rows (first, on CPU),
+    which the scan stacks; only the first chunk's rows are read meanwhile. -> (carry, the
+    stage's parameters with every chunk's rows)."""
+    gather_rows, gather_starts = self.gather
+    if not gather_starts:
+      return carry, full
+    k, slots = self.k, self.slots
+    c = slots.c
+    rest = (self.tables.schedule.virtual_stages - 1) * k                      # rows of the other chunks
+    head_rows, head_table = self.segment(0, len(gather_starts))
+    reads = ((head_table["f_branch"] == 0) | (head_table["f_chunk"] == 0),
+             (head_table["b_branch"] == 0) | (head_table["b_chunk"] == 0))
     assert reads[0].all() and reads[1].all(), "the head's ticks read only first chunks (Tables.first_chunk_only_ticks)"
-    forwards, backwards = branches(full[LAYERS], head_table)
+    forwards, backwards = slots.branches(full[LAYERS], head_table)
+
     def head_tick(carry_and_layers, xs):
       carry, layers = carry_and_layers
       rows, start = xs
       first_row = k + start
-      shards = rows_of(params[LAYERS], first_row, gather_rows)
+      shards = jax.tree.map(lambda x: rows_at(x, first_row, gather_rows), params[LAYERS])
       piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype,
-                           in_turn=never if ordered_collectives else None, bucket_bytes=bucket_bytes)[LAYERS]
+                           in_turn=self.never if self.ordered_collectives else None,
+                           bucket_bytes=slots.bucket_bytes)[LAYERS]
       # Into the stage's rows at once (no branch reads them before the head ends).
       layers = jax.tree.map(lambda buffer, rows: with_rows_at(buffer, rows, first_row), layers,
                             compute_rows(piece, c))
-      return (tick(carry, rows, forwards, backwards, piece), layers), None
+      return (self.tick(carry, rows, forwards, backwards, piece), layers), None
     layers = jax.tree.map(lambda first: _with_rows(first, k + rest), full[LAYERS])
     (carry, layers), _ = lax.scan(head_tick, (carry, layers), (head_rows, jnp.asarray(gather_starts, jnp.int32)))
-    full = {**full, LAYERS: layers}
-  steady_rows, steady_table = segment(head, ticks - tail)
-  forwards, backwards = branches(full[LAYERS], steady_table)
-  carry, _ = lax.scan(lambda carry, rows: (tick(carry, rows, forwards, backwards), None), carry, steady_rows)
-  # Tail: each tick also reduce-scatters a piece of the other chunks' summed rows, final
-  # since the tail began (only first chunks run there).
-  if tail:
-    tail_rows, tail_table = segment(ticks - tail, ticks)
-    forwards, backwards = branches(full[LAYERS], tail_table)
+    return carry, {**full, LAYERS: layers}
+
+  def steady(self, carry, full):
+    """The ticks between head and tail: no dp collective."""
+    head, tail = len(self.gather[1]), len(self.scatter[1])
+    rows, table = self.segment(head, self.tables.ticks - tail)
+    forwards, backwards = self.slots.branches(full[LAYERS], table)
+    carry, _ = lax.scan(lambda carry, rows: (self.tick(carry, rows, forwards, backwards), None), carry, rows)
+    return carry
+
+  def tail(self, carry, full, layouts):
+    """The scan's tail: each tick also reduce-scatters a piece of the other chunks' summed rows,
+    final since the tail began (only first chunks run there). -> (carry, the pieces)."""
+    scatter_rows, scatter_starts = self.scatter
+    if not scatter_starts:
+      return carry, None
+    k, slots, ticks = self.k, self.slots, self.tables.ticks
+    tail_rows, tail_table = self.segment(ticks - len(scatter_starts), ticks)
+    forwards, backwards = slots.branches(full[LAYERS], tail_table)
+
     def tail_tick(carry, xs):
       rows, start = xs
-      sums = parameter_grads(rows_of(carry["grads"][LAYERS], k + start, scatter_rows))
-      piece = zero.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]}, bucket_bytes,
-                                            ordered=True if ordered_collectives else None)[LAYERS]
-      return tick(carry, rows, forwards, backwards, piece), piece
-    carry, pieces = lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))
-  grads = carry["grads"]
-  if grad_sync == "step":   # one dp reduce-scatter per leaf and piece for the step (before the pp sum: on shards)
-    first_chunk = {**grads, LAYERS: parameter_grads(jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS]))}
-    grads = zero.reduce_scatter_grads(first_chunk, layouts, bucket_bytes)
-    if tail:
-      grads = {**grads, LAYERS: jax.tree.map(lambda first, shard, piece: _assemble_rows(first, shard.shape[0], piece,
-                                                                                        scatter_starts),
-                                             grads[LAYERS], params[LAYERS], pieces)}
-  return sum_over_stages(grads, carry["stats"])
+      first_row = k + start
+      sums = slots.parameter_grads(jax.tree.map(lambda x: rows_at(x, first_row, scatter_rows), carry["grads"][LAYERS]))
+      piece = zero.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]}, slots.bucket_bytes,
+                                        ordered=True if self.ordered_collectives else None)[LAYERS]
+      return self.tick(carry, rows, forwards, backwards, piece), piece
+    return lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))

@@ -26,17 +26,13 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel import collectives
-from megajax.parallel.mesh import DP, PP, TP, to_varying, varying_axes
-from megajax.parallel.pipeline.executor import STAT_NAMES, chunk_forward, row_at, rows_at, stage_params, with_row_at
+from megajax.parallel.mesh import DP, PP, TP, to_varying
+from megajax.parallel.pipeline.executor import STAT_NAMES, stage_params
+from megajax.parallel.pipeline.slots import chunk_forward, matching, row_at, rows_at, with_row_at
 from megajax.parallel.pipeline.stacking import LAYERS, compute_rows, stacked_layer_order
 from megajax.parallel.pipeline.tables import Program
 from megajax.parallel.tensor_parallel import Overlap
 from megajax.reference_step import split_microbatches
-
-
-def _matching(tree, like):
-  """`tree` cast to the per-device (varying) axes of `like`: switch branches return one type."""
-  return jax.tree.map(lambda x, y: to_varying(x, tuple(varying_axes(y))), tree, like)
 
 
 def chunk_programs(c: ModelConfig, stages: int, virtual_stages: int) -> list[Program]:
@@ -76,8 +72,8 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
     def run(layers, x, mb):
       out, stats = forward(layers, {name: full[name] for name in shared_names}, x, mb)
       if program.last:
-        return message, _matching({name: stats[name] for name in STAT_NAMES}, zero_stats)
-      return _matching(out, message), zero_stats
+        return message, matching({name: stats[name] for name in STAT_NAMES}, zero_stats)
+      return matching(out, message), zero_stats
     return run
 
   branches = [lambda layers, x, mb: (message, zero_stats)] + [branch(program) for program in distinct]
@@ -95,7 +91,7 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
     x = jnp.where(stage == 0, row_at(arrivals, held), received)
     which = jnp.where((index >= 0) & (index < m), branch_of[round_, stage], 0)
     out, new_stats = lax.switch(which, branches, layers, x, mb)
-    stats = _matching(jax.tree.map(jnp.add, stats, new_stats), zero_stats)
+    stats = matching(jax.tree.map(jnp.add, stats, new_stats), zero_stats)
     with jax.named_scope("pp send-recv"):
       received = lax.ppermute(out, PP, ring)
     # Stage 0 keeps what stage p-1 sent (its microbatch local - (p-1)) for the next round.
