@@ -8,7 +8,7 @@ device GB/s per device, all-reduce / all-gather / ppermute bus bandwidth over ea
 and across processes, outliers below 0.9 x the job's median, and the slow devices (below
 0.5 x the other processes' median) and the processes they name: the supervisor's eviction
 evidence (megajax.launch.supervisor.diagnostics). Process 0 prints the tables and writes the
-JSON report. Fault drill: `--config.debug.diagnose_slow_process=I` (megajax.trainer.drills).
+JSON findings. Fault drill: `--config.debug.diagnose_slow_process=I` (megajax.trainer.drills).
 """
 
 from absl import app
@@ -21,11 +21,11 @@ from megajax.launch import cli
 from megajax.launch.cli import (QuietLibraries, define_config_flag, define_topology_flags, fail, flags_parser,
                                 join_job, validated_config)
 from megajax.launch.cluster import TopologyError
-from megajax.launch.supervisor.diagnostics import diagnose, format_report, save_report
+from megajax.launch.supervisor.diagnostics import diagnose, format_findings, save_findings
 
 PROGRAM = "megajax-diagnose"
 _CONFIG = define_config_flag()
-_OUTPUT = flags.DEFINE_string("output", None, "Where process 0 writes the JSON report (optional).")
+_OUTPUT = flags.DEFINE_string("output", None, "Where process 0 writes the JSON findings (optional).")
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", None, "Square matmul side (default by platform).")
 _TRANSFER_MIB = flags.DEFINE_float("transfer_mib", None, "Host<->device transfer size in MiB (default by platform).")
 _COLLECTIVE_MIB = flags.DEFINE_float("collective_mib", None, "Collective buffer size in MiB (default by platform).")
@@ -40,16 +40,16 @@ def main(argv):
   config = validated_config(PROGRAM, argv, _CONFIG)
   try:
     join_job(config, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    report = diagnose(config, matmul_size=_MATMUL_SIZE.value, transfer_mib=_TRANSFER_MIB.value,
+    findings = diagnose(config, matmul_size=_MATMUL_SIZE.value, transfer_mib=_TRANSFER_MIB.value,
                       collective_mib=_COLLECTIVE_MIB.value, repeats=_REPEATS.value)
   except TopologyError as error:
     fail(PROGRAM, "topology error", error)
   except ConfigError as error:
     fail(PROGRAM, "config error", error)
   if jax.process_index() == 0:
-    print(format_report(report), flush=True)
+    print(format_findings(findings), flush=True)
     if _OUTPUT.value:
-      save_report(_OUTPUT.value, report)
+      save_findings(_OUTPUT.value, findings)
 
 
 def run():

@@ -1,7 +1,7 @@
 r"""megajax-plan: the best 3D plans for a model on a cluster, by the cost model.
 
   megajax-plan --config=configs/gpt.py:175b --gpus=12288 --hardware=a100-80g --batch=6144
-  megajax-plan --config=configs/gpt.py:175b --gpus=256 --batch=768 --megatron --runtime=paper
+  megajax-plan --config=configs/gpt.py:175b --gpus=256 --batch=768 --megatron --executor=paper
 
 Enumerates (dp, pp, tp, virtual stages, microbatch size) that divide evenly, drops the plans
 that do not fit in the device's memory and prints the best few by predicted MFU: memory per
@@ -10,12 +10,13 @@ and when that is compute, the largest loss beside it).
 
   --megatron     all MegaScale switches off (serial block, full attention, AdamW, no
                  overlaps, unfused operators): the paper's Megatron-LM rows.
-  --runtime      megajax (this repository's step: ZeRO gathers in bf16 but for the embedding and
+  --executor     megajax (this repository's step: ZeRO gathers in bf16 but for the embedding and
                  LayerNorms, one fp32 reduce-scatter per step (parallel.grad_sync=step), the
                  pipeline backward reads the residuals each chunk's forward kept; a plan whose
                  residuals do not fit but whose rerun does is shown with "; pipeline_recompute":
                  each backward reruns its chunk's forward, parallel.pipeline_recompute=True) or
-                 paper (Megatron-LM / MegaScale's runtime, the one the paper measured).
+                 paper (Megatron-LM with MegaScale's switches, the system the paper measured).
+                 (--runtime, its earlier name, still works.)
   --explain      dp,pp,tp,v,b: one plan's full accounting instead of the search (memory by part,
                  one layer's operation times, the step by part, model FLOPs per GPU).
   --fbd_forward  HARDWARE:COUNT: MegaFBD on a mixed cluster (megajax.parallel.planner.fbd): the forward on
@@ -30,7 +31,7 @@ and when that is compute, the largest loss beside it).
                  Before spending GPU time on a config: megajax-plan --config=configs/gpt.py:1p3b
                  --gpus=8 --config.parallel.dp=8 --hardware=h100-80g --compile
 Each listed plan is followed by its memory and time by part and by what makes #1 faster than
-it; a legend and the modelled runtime (and how the other differs) come first. The best plan's
+it; a legend and the modelled executor (and how the other differs) come first. The best plan's
 config overrides (megajax-train --config.<field>=...) are printed before its step-time
 breakdown.
 The model is megajax.parallel.planner.cost_model (its calibration: `python -m megajax.launch.bench
@@ -47,17 +48,18 @@ from megajax.model import ModelConfig
 from megajax.observe.schedule import overlap_counts
 from megajax.parallel import deviceless
 from megajax.parallel.mesh import mesh_shape
-from megajax.parallel.planner import cost_model, fbd, fits, hardware, plans, report
+from megajax.parallel.planner import cost_model, explain, fbd, fits, hardware, plans
 
 PROGRAM = "megajax-plan"
-RUNTIMES = tuple(report.RUNTIMES)
+EXECUTORS = tuple(explain.EXECUTORS)
 _CONFIG = define_config_flag()
 _GPUS = flags.DEFINE_integer("gpus", None, "Devices in the job.")
 _HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Device type (megajax.parallel.planner.cost_model.HARDWARE).")
 _BATCH = flags.DEFINE_integer("batch", 0, "Global batch in sequences (0: the config's train.batch_size).")
 _TOP = flags.DEFINE_integer("top", 5, "Plans to print.")
 _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaScale switch off.")
-_RUNTIME = flags.DEFINE_enum("runtime", "megajax", RUNTIMES, "Whose runtime executes the plan.")
+_EXECUTOR = flags.DEFINE_enum("executor", "megajax", EXECUTORS, "Whose training system executes the plan.")
+flags.DEFINE_alias("runtime", "executor")     # its earlier name
 _REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
 _EXPLAIN = flags.DEFINE_string("explain", "", "dp,pp,tp,v,b: print this plan's full accounting instead of the search.")
 _FBD_FORWARD = flags.DEFINE_string("fbd_forward", "", "HARDWARE:COUNT: MegaFBD plans with the forward on COUNT GPUs of "
@@ -99,14 +101,14 @@ def main(argv):
   if _FBD_FORWARD.value:
     _fbd(c, gpus, batch, hw, remat, top)
     return
-  best, even = plans.search(c, gpus, batch, hw, opts, _RUNTIME.value, remat)
+  best, even = plans.search(c, gpus, batch, hw, opts, _EXECUTOR.value, remat)
   if not even:
     _flag_error("batch", batch, f"no (dp, pp, tp, v, microbatch) divides {gpus} GPUs and this batch evenly "
                 f"(dp must divide the batch; tp <= {hw.gpus_per_node}, pp * v divides {c.num_layers} layers)",
                 "use a batch with more factors of 2, e.g. a multiple of --gpus / 64")
   if not best:
     smallest = min(plans.assess_fitting(c, p, hw, remat).memory.total
-                   for p in plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value))
+                   for p in plans.enumerate_plans(c, gpus, batch, hw, opts, _EXECUTOR.value))
     _flag_error("gpus", gpus, f"none of the {even} even plans fits in {hw.memory_gb:g} GB per device "
                 f"(the smallest needs {smallest / cost_model.GB:.1f} GB)",
                 "use more GPUs, --remat=full, or --hardware with more memory")
@@ -118,23 +120,23 @@ def main(argv):
               if _MEGATRON.value else f"MegaScale (PTB, {window}, TP/PP/DP overlap, fused operators, misc, LAMB)")
   print(f"{PROGRAM}: {params / 1e9:.1f}B parameters ({c.num_layers} layers, hidden {c.hidden_dim}, "
         f"{c.num_heads} heads, seq {c.seq_len}, vocab {c.vocab_size}) on {gpus} {hw.name}, batch {batch}")
-  print(f"switches: {switches}; runtime {_RUNTIME.value}; remat {remat}")
+  print(f"switches: {switches}; executor {_EXECUTOR.value}; remat {remat}")
   _note_extrapolated(hw)
   if remat == "full":
     print("note: remat full reruns every layer's forward in its backward; the published runs the planner is "
           "validated on (MegaScale, Megatron-LM) recompute selectively: --remat=dots compares with them")
-  other = next(r for r in RUNTIMES if r != _RUNTIME.value)
-  print(f"runtime {_RUNTIME.value}: {report.RUNTIMES[_RUNTIME.value]} (--runtime={other}: {report.RUNTIMES[other]})")
-  print(report.LEGEND)
+  other = next(r for r in EXECUTORS if r != _EXECUTOR.value)
+  print(f"executor {_EXECUTOR.value}: {explain.EXECUTORS[_EXECUTOR.value]} (--executor={other}: {explain.EXECUTORS[other]})")
+  print(explain.LEGEND)
   margin = (f" with a {plans.MEMORY_MARGIN:.0%} margin for the memory estimate's error"
-            if _RUNTIME.value == "megajax" else "")
+            if _EXECUTOR.value == "megajax" else "")
   print(f"{even} plans divide evenly, {len(best)} fit in {hw.memory_gb - cost_model.MEMORY_RESERVED_GB:g} GB{margin}")
   print(plans.PLAN_HEADER)
   for i, candidate in enumerate(best[:top], 1):
     print(plans.plan_line(i, candidate))
-    print(f"{'':3}{report.memory_line(candidate)}; {report.time_line(candidate)}")
+    print(f"{'':3}{explain.memory_line(candidate)}; {explain.time_line(candidate)}")
     if i > 1:
-      print(f"{'':3}{report.why_first(best[0], candidate)}")
+      print(f"{'':3}{explain.why_first(best[0], candidate)}")
   remat_flag = f" --config.model.remat={remat}" if remat != c.remat else ""
   print(f"overrides: {plans.config_overrides(best[0].plan)}{remat_flag}")
   print(f"best: {plans.describe(best[0].plan)}: {plans.breakdown(best[0].time)}")
@@ -192,18 +194,18 @@ def _note_extrapolated(hw) -> None:
 
 def _explain(c, gpus, batch, hw, opts, remat) -> None:
   try:
-    plan = report.parse_explain(_EXPLAIN.value, batch, opts, _RUNTIME.value)
+    plan = explain.parse_explain(_EXPLAIN.value, batch, opts, _EXECUTOR.value)
   except ValueError as error:
     _flag_error("explain", _EXPLAIN.value, str(error), "see megajax-plan --help")
   if plan.gpus != gpus:
     _flag_error("explain", _EXPLAIN.value, f"dp x pp x tp = {plan.gpus}, not --gpus={gpus}",
                 "make the product the GPU count")
-  if plan not in plans.enumerate_plans(c, gpus, batch, hw, opts, _RUNTIME.value, max_micro_batch=batch):
+  if plan not in plans.enumerate_plans(c, gpus, batch, hw, opts, _EXECUTOR.value, max_micro_batch=batch):
     _flag_error("explain", _EXPLAIN.value, "not an even plan (tp within a node dividing heads, MLP, vocabulary and "
                 "sequence; pp x v dividing the layers; with v > 1, m a multiple of pp)",
                 "pick one megajax-plan lists")
   _note_extrapolated(hw)
-  print("\n".join(report.explain(c, plan, hw, remat)))
+  print("\n".join(explain.explain(c, plan, hw, remat)))
 
 
 def _compile(config, gpus: int, hw) -> None:

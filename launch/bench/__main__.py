@@ -11,7 +11,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
       [--data_tokens=20000000]
   python -m megajax.launch.bench train [--size=1.3b|3b|tiny] [--seq=2048] [--window=0] [--repeats=20]
       [--compile_for=h100-80g]   (no GPU: each row compiled for one, XLA's bytes and the fit)
-  python -m megajax.launch.bench runtime [--repeats=20] [--quick]
+  python -m megajax.launch.bench step_costs [--repeats=20] [--quick]
   python -m megajax.launch.bench sample [--repeats=20] [--new_tokens=512]
   python -m megajax.launch.bench scope [--repeats=20] [--new_tokens=32]   (the explorer's per-token latency)
   python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,2x2x2]
@@ -56,7 +56,7 @@ _COMPILE_FOR = flags.DEFINE_string("compile_for", "", "train, peer: compile the 
                                    "(peer: every contender for as many GPUs as its mesh has, XLA's bytes, "
                                    "collectives and their overlap) instead of running them.")
 _QUICK = flags.DEFINE_boolean("quick", False,
-                              "runtime benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
+                              "step_costs benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
 _MEASURE_MEMORY_GPU = flags.DEFINE_boolean(
     "measure_memory_gpu", False, "planner: first compile the GPU memory cases for a described H100 and rewrite "
     "parallel/planner/memory_measured_gpu.py and memory_measured_gpu_pipeline.py (~25 minutes).")
@@ -92,7 +92,7 @@ BENCHMARKS = {
     "data": lambda bench: bench.data(_DATA_BATCHES.value, _DATA_STEPS.value, _DATA_WORDS.value, _DATA_TOKENS.value),
     "train": lambda bench: (bench.fit_on_gpu(_SIZE.value, _SEQ.value, _WINDOW.value, _COMPILE_FOR.value)
                             if _COMPILE_FOR.value else bench.train(_SIZE.value, _SEQ.value, _WINDOW.value, _REPEATS.value)),
-    "runtime": lambda bench: bench.runtime(_REPEATS.value, _QUICK.value),
+    "step_costs": lambda bench: bench.step_costs(_REPEATS.value, _QUICK.value),
     "sample": lambda bench: bench.sample(_REPEATS.value, _NEW_TOKENS.value),
     # the explorer's tokens: 32 unless --new_tokens is given (the sample benchmark's 512 is long for a 125M on CPU)
     "scope": lambda bench: bench.run(_REPEATS.value, _NEW_TOKENS.value if flags.FLAGS["new_tokens"].present else 32),

@@ -24,7 +24,6 @@ DIR/<part>.log. --budget_s=0 runs the parts in this process, without limits.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import io
 import json
@@ -121,10 +120,10 @@ def _train_sizes(spec: str) -> list[tuple[str, int]]:
   return sizes
 
 
-def markdown(report: dict) -> str:
-  lines = [f"# GPU check: {report['device'] or report['platform']}", "", f"jax {report['jax']}, parts {', '.join(report['parts'])}", ""]
-  for name, part in report["results"].items():
-    planned = report.get("planned_s", {}).get(name)
+def markdown(check: dict) -> str:
+  lines = [f"# GPU check: {check['device'] or check['platform']}", "", f"jax {check['jax']}, parts {', '.join(check['parts'])}", ""]
+  for name, part in check["results"].items():
+    planned = check.get("planned_s", {}).get(name)
     lines.append(f"## {name} ({part.get('seconds', '?')} s" + (f", planned {planned} s)" if planned else ")"))
     if "error" in part:
       lines += ["", "```", part["error"], "```", ""]
@@ -165,7 +164,7 @@ SPAWNING_PARTS = ("tests", "run")
 
 
 def run_part(part: str, out: str, repeats: int, sizes: list[tuple[str, int]], run_steps: int) -> dict:
-  """One part, in this process: its result (a dict that goes to the report)."""
+  """One part, in this process: its result (a dict that goes to the check)."""
   platform = "gpu" if gpu_available() else "cpu"
   if part == "tests":
     result = run_tests(timeout_s=PLAN_S["tests"] * 3)
@@ -197,7 +196,7 @@ def run_part(part: str, out: str, repeats: int, sizes: list[tuple[str, int]], ru
 
 
 def run_part_limited(part: str, out: str, limit_s: float, flags: list[str]) -> dict:
-  """One part in a child process (`--budget_s=0`, its own report in DIR/<part>/), killed at
+  """One part in a child process (`--budget_s=0`, its own check in DIR/<part>/), killed at
   `limit_s`: its result, or what cut it short and the tail of its log (DIR/<part>.log)."""
   log_path = os.path.join(out, f"{part}.log")
   command = [sys.executable, "-m", "megajax.launch.bench", "gpu", f"--out={os.path.join(out, part)}",
@@ -213,11 +212,11 @@ def run_part_limited(part: str, out: str, limit_s: float, flags: list[str]) -> d
       cut = f"cut at its limit of {limit_s:.0f} s"
   tail = open(log_path, errors="replace").read().splitlines()[-40:]
   print("\n".join(tail), flush=True)
-  for artefact in ("step_trace.json.gz",):    # what a part keeps beside the report (profile's trace)
+  for artefact in ("step_trace.json.gz",):    # what a part keeps beside the check (profile's trace)
     if os.path.exists(os.path.join(out, part, artefact)):
       os.replace(os.path.join(out, part, artefact), os.path.join(out, artefact))
-  report_path = os.path.join(out, part, "gpu_check.json")
-  child = json.load(open(report_path)) if os.path.exists(report_path) else {"results": {}}
+  check_path = os.path.join(out, part, "gpu_check.json")
+  child = json.load(open(check_path)) if os.path.exists(check_path) else {"results": {}}
   result = child["results"].get(part)
   if result is not None and child.get("device"):
     result["device"] = child["device"]
@@ -240,10 +239,10 @@ def gpu_check(out: str, parts: str, repeats: int, train_sizes: str, run_steps: i
   if platform != "gpu":
     print(f"note: no GPU here ({platform}): the check runs, but its figures are not GPU figures")
   # The device's name from jax only where this process uses jax itself: with a budget every part
-  # runs in its own process (the name comes from their reports), and a spawning part leaves
+  # runs in its own process (the name comes from their checks), and a spawning part leaves
   # the GPU to what it starts.
   uses_jax = not budget_s and any(part not in SPAWNING_PARTS for part in wanted)
-  report = {"device": jax.devices()[0].device_kind if uses_jax else None, "platform": platform,
+  check = {"device": jax.devices()[0].device_kind if uses_jax else None, "platform": platform,
             "jax": jax.__version__, "parts": wanted, "budget_s": budget_s,
             "planned_s": {p: PLAN_S[p] for p in wanted}, "results": {}}
   if budget_s:
@@ -263,7 +262,7 @@ def gpu_check(out: str, parts: str, repeats: int, train_sizes: str, run_steps: i
       else:
         result = run_part_limited(part, out, limit, flags)
         result["limit_s"] = round(limit)
-        report["device"] = report["device"] or result.pop("device", None)
+        check["device"] = check["device"] or result.pop("device", None)
     else:
       try:
         result = run_part(part, out, repeats, sizes, run_steps)
@@ -271,13 +270,13 @@ def gpu_check(out: str, parts: str, repeats: int, train_sizes: str, run_steps: i
         result = {"error": "".join(traceback.format_exception(e))[-4000:]}
         print(result["error"], file=sys.stderr)
     result["seconds"] = round(time.time() - start, 1)
-    report["results"][part] = result
+    check["results"][part] = result
     with open(os.path.join(out, "gpu_check.json"), "w") as f:
-      json.dump(report, f, indent=1, default=str)
+      json.dump(check, f, indent=1, default=str)
     with open(os.path.join(out, "gpu_check.md"), "w") as f:
-      f.write(markdown(report))
+      f.write(markdown(check))
   if budget_s:
     print("\n" + "\n".join(f"{p}: planned {PLAN_S[p]} s, took {r['seconds']} s"
-                            + (" (not complete)" if "error" in r else "") for p, r in report["results"].items()))
+                            + (" (not complete)" if "error" in r else "") for p, r in check["results"].items()))
     print(f"all parts: {time.time() - check_start:.0f} s of the {budget_s:.0f} s budget")
   print(f"\nwrote {out}/gpu_check.json and gpu_check.md")

@@ -220,7 +220,7 @@ def collectives_column(text: str, devices: int) -> str:
   return ", ".join(f"{kind} x{group}: {n}" for (kind, group), n in counts)
 
 
-def report(case: Case, size: str, contenders: list[Contender]) -> str:
+def comparison_table(case: Case, size: str, contenders: list[Contender]) -> str:
   config = peer_config(case.mesh, size)
   tokens = config.train.batch_size * config.model.seq_len
   rate = {c.name: tokens / statistics.median(c.times) for c in contenders}
@@ -279,7 +279,7 @@ def _gpu_contender(name: str, mesh, size: str, target: str) -> GpuContender:
   return GpuContender(name, parallel_step.mesh, compiled, seconds)
 
 
-def gpu_report(case: Case, size: str, target: str) -> str:
+def gpu_table(case: Case, size: str, target: str) -> str:
   """The case's contenders compiled for described GPUs: per device XLA's bytes
   (memory_analysis), every collective by kind and group size, and how many of each kind (and
   mesh axis) the latency-hiding scheduler left with compute between start and done."""
@@ -315,9 +315,9 @@ def peer(rounds: int, size: str = "cpu", meshes: str = "", compile_for: str = ""
     print(f"bench peer: megajax's 3D step vs jax.jit + GSPMD over the same model, compiled for {compile_for} "
           f"GPUs on this machine (XLA's GPU compiler, deviceless)")
     for case in cases:
-      print(gpu_report(case, size, compile_for), flush=True)
+      print(gpu_table(case, size, compile_for), flush=True)
     return
   print(f"bench peer: megajax's 3D step vs jax.jit + GSPMD over the same model ({jax.devices()[0].platform}, "
         f"{len(jax.devices())} devices)")
   for case in cases:
-    print(report(case, size, compare(case, rounds, size)), flush=True)
+    print(comparison_table(case, size, compare(case, rounds, size)), flush=True)

@@ -24,7 +24,7 @@ Prints:
                     --measure_memory_gpu recompiles the fit sets and the held-out cases first and
                     rewrites them, ~25 min), and the held-out cases (the MFU suite's 1.3B and 3B
                     rows among them) predicted against XLA:GPU; target: within 10%.
-  runtime           megajax's runtime against the paper's at 256 and 12,288 GPUs (remat dots and
+  executors         megajax's step against the paper's at 256 and 12,288 GPUs (remat dots and
                     full): the best plan's MFU under each, the gap and its largest parts, and how
                     each megajax term is known (HLO-verified, read from the schedule, assumed).
   plan              the planner's best plans for 175B on 12,288 A100s.
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megajax.parallel.planner import (calibration, hardware, memory, memory_cpu_fit, memory_fit, memory_gpu_fit,
+from megajax.parallel.planner import (calibration, explain, hardware, memory, memory_cpu_fit, memory_fit, memory_gpu_fit,
                                       memory_gpu_pipeline_fit, memory_measured, memory_measured_cpu,
-                                      memory_measured_gpu, memory_measured_gpu_pipeline, plans, published, report)
+                                      memory_measured_gpu, memory_measured_gpu_pipeline, plans, published)
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE
 
 
@@ -94,9 +94,9 @@ def print_validation() -> bool:
           f"{max(errors, key=abs):+5.1f}{unit}")
   print(f"MegaScale Table 2's fall in MFU from 256 to 12,288 GPUs (goal: predicted within "
         f"{published.SLOPE_GOAL_POINTS:g} points of published):")
-  for runtime, (fall, predicted) in published.scale_slope().items():
+  for system, (fall, predicted) in published.scale_slope().items():
     met = abs(predicted - fall) <= published.SLOPE_GOAL_POINTS
-    print(f"  {runtime:12} published {fall:+5.1f}  predicted {predicted:+5.1f}  off by {predicted - fall:+4.1f}"
+    print(f"  {system:12} published {fall:+5.1f}  predicted {predicted:+5.1f}  off by {predicted - fall:+4.1f}"
           f"{'' if met else '  (goal NOT MET)'}")
   print("known misses (published.KNOWN_MISSES):")
   for row in (r for r in validation if not r.within_goal):
@@ -187,26 +187,26 @@ def print_gpu_memory(measure: bool) -> bool:
   return ok
 
 
-def print_runtime_gap(c, hw) -> None:
-  """The best plan under each runtime at MegaScale's smallest and largest Table 2 sizes, the
+def print_executor_gap(c, hw) -> None:
+  """The best plan under each executor at MegaScale's smallest and largest Table 2 sizes, the
   gap in MFU points and the parts that make it; how each megajax term is known."""
-  print(f"\n== runtime: megajax's step against the paper's (Megatron-LM with MegaScale's switches), as the cost "
+  print(f"\n== executors: megajax's step against the paper's (Megatron-LM with MegaScale's switches), as the cost "
         f"model has them; 175B on {hw.name}, the best plan of each")
   print(f"{'GPUs':>6} {'batch':>6} {'remat':>6} {'megajax':>8} {'paper':>7} {'gap':>6}  where megajax's best step spends "
         "more (its parts minus the paper's best)")
   for gpus, batch in ((256, 768), (12288, 6144)):
     for remat in ("dots", "full"):
-      ours, theirs = (plans.search(c, gpus, batch, hw, MEGASCALE, runtime, remat)[0][0]
-                      for runtime in ("megajax", "paper"))
+      ours, theirs = (plans.search(c, gpus, batch, hw, MEGASCALE, executor, remat)[0][0]
+                      for executor in ("megajax", "paper"))
       deltas = {k: v - theirs.time.parts()[k] for k, v in ours.time.parts().items()}
       largest = sorted(deltas, key=lambda k: -abs(deltas[k]))[:3]
       print(f"{gpus:>6} {batch:>6} {remat:>6} {100 * ours.time.mfu:>7.1f}% {100 * theirs.time.mfu:>6.1f}% "
             f"{100 * (ours.time.mfu - theirs.time.mfu):>+6.1f}  " + ", ".join(f"{k} {deltas[k]:+.2f} s" for k in largest)
             + f" (step {ours.time.total - theirs.time.total:+.2f} s)")
-  print("how the megajax runtime's terms are known:")
-  for term, known in report.MEGAJAX_TERMS:
+  print("how the megajax executor's terms are known:")
+  for term, known in explain.MEGAJAX_TERMS:
     print(f"  {term}: {known}")
-  print("both runtimes alike: the compute under every hidden collective "
+  print("both executors alike: the compute under every hidden collective "
         f"{hardware.OVERLAP_SLOWDOWN:.1%} slower (published, assumed for XLA:GPU's schedule too) and the wait for "
         "a slow machine (a property of the cluster, fitted on Narayanan et al.'s Table 2)")
 
@@ -214,7 +214,7 @@ def print_runtime_gap(c, hw) -> None:
 def print_best_plans(c, hw, gpus=12288, batch=6144, top=5) -> None:
   for executor, remat in (("paper", "dots"), ("megajax", c.remat)):
     best, total = plans.search(c, gpus, batch, hw, executor=executor, remat=remat)
-    print(f"\n== plan: 175B on {gpus} {hw.name}, batch {batch}, MegaScale switches, {executor} runtime, "
+    print(f"\n== plan: 175B on {gpus} {hw.name}, batch {batch}, MegaScale switches, {executor} executor, "
           f"remat {remat} ({len(best)} of {total} even plans fit)")
     print(plans.PLAN_HEADER)
     for i, x in enumerate(best[:top], 1):
@@ -231,6 +231,6 @@ def planner(measure_memory: bool = False, measure_memory_gpu: bool = False) -> b
   print_memory_fit(measure_memory)
   ok &= print_memory_check()
   ok &= print_gpu_memory(measure_memory_gpu)
-  print_runtime_gap(published.megascale_model(), hardware.HARDWARE["a100-80g"])
+  print_executor_gap(published.megascale_model(), hardware.HARDWARE["a100-80g"])
   print_best_plans(published.megascale_model(), hardware.HARDWARE["a100-80g"])
   return ok

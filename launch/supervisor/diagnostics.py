@@ -12,7 +12,7 @@ median is an outlier, worth a look and nothing more. A device figure below SLOW_
 the median of the other processes' devices is slow (`find_slow`), and `bad_processes` lists
 the processes with a slow device; a collective is timed by all its members at once, so a low
 figure there names a slow group (an outlier) but not which member slowed it, and never makes
-a process bad. `format_report` prints it as tables.
+a process bad. `format_findings` prints it as tables.
 
 Eviction needs evidence (`processes_to_evict`, the supervisor's rule): a process the failure
 blamed is evicted only when SLOW_RUNS = 2 diagnostic runs in a row find it slow; the
@@ -30,7 +30,7 @@ The fault drill (debug.diagnose_slow_process) makes every device timing of its p
 DRILL_SLOWDOWN = 4 x as long: measured at 0.22-0.24 x the other process, well below 0.5.
 
 The command is megajax-diagnose (megajax.launch.diagnose); the supervisor runs it after a
-failure and reads its JSON report. Fault drill: debug.diagnose_slow_process (megajax.trainer.drills).
+failure and reads its JSON findings. Fault drill: debug.diagnose_slow_process (megajax.trainer.drills).
 """
 
 
@@ -96,13 +96,13 @@ def find_slow(devices: list[dict]) -> list[dict]:
   return slow
 
 
-def processes_to_evict(reports: list[dict], blamed: list[int], runs: int = SLOW_RUNS) -> list[int] | None:
-  """The eviction rule, after these consecutive diagnostic runs' reports: the processes the
+def processes_to_evict(findings_of_runs: list[dict], blamed: list[int], runs: int = SLOW_RUNS) -> list[int] | None:
+  """The eviction rule, after these consecutive diagnostic runs' findings: the processes the
   failure blamed that every one of `runs` runs found slow (`bad_processes`). None while
   undecided: fewer runs than that, and a blamed process slow in each so far (run again). A
   run that clears every blamed process decides at once: nobody."""
-  suspects = set(blamed).intersection(*(r["bad_processes"] for r in reports))
-  if suspects and len(reports) < runs:
+  suspects = set(blamed).intersection(*(r["bad_processes"] for r in findings_of_runs))
+  if suspects and len(findings_of_runs) < runs:
     return None
   return sorted(suspects)
 
@@ -227,7 +227,7 @@ def _gather_from_processes(local) -> list:
 
 def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None, repeats=None) -> dict:
   """Measures this job's devices and collectives; every process must call it. Returns the whole
-  job's report (see the module docstring) on every process."""
+  job's findings (see the module docstring) on every process."""
   start = time.perf_counter()
   # MegaFBD's job is two groups, not one mesh: every device measured as one dp line of them.
   mesh = group_mesh(jax.devices(), len(jax.devices()), 1) if config.parallel.fbd.enabled else make_mesh(config)
@@ -267,36 +267,36 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
           "bad_processes": sorted({s["process"] for s in slow}), "seconds": time.perf_counter() - start}
 
 
-def format_report(report: dict) -> str:
-  """The report as tables: devices, collectives, outliers, then the bad processes."""
-  axes = list(report["devices"][0]["coords"]) if report["devices"] else []
-  lines = [f"megajax-diagnose: {report['platform']}, {report['process_count']} process(es), "
-           f"{len(report['devices'])} devices, {report['seconds']:.1f} s",
+def format_findings(findings: dict) -> str:
+  """The findings as tables: devices, collectives, outliers, then the bad processes."""
+  axes = list(findings["devices"][0]["coords"]) if findings["devices"] else []
+  lines = [f"megajax-diagnose: {findings['platform']}, {findings['process_count']} process(es), "
+           f"{len(findings['devices'])} devices, {findings['seconds']:.1f} s",
            "", f"{'process':>7}  {'host':<16} {'device':>6}  " + " ".join(f"{a:>3}" for a in axes)
            + f"  {'matmul TFLOP/s':>14} {'h2d GB/s':>9} {'d2h GB/s':>9}"]
-  for d in report["devices"]:
+  for d in findings["devices"]:
     lines.append(f"{d['process']:>7}  {d['host'][:16]:<16} {d['device_id']:>6}  "
                  + " ".join(f"{d['coords'][a]:>3}" for a in axes)
                  + f"  {d['matmul_tflops']:>14.3f} {d['h2d_gbps']:>9.2f} {d['d2h_gbps']:>9.2f}")
   lines += ["", f"{'group':<9} {'op':<10} {'MiB':>8} {'process':>7}  {'host':<16} {'ms':>9} {'busbw GB/s':>10}"]
-  for c in report["collectives"]:
+  for c in findings["collectives"]:
     lines.append(f"{c['group']:<9} {c['op']:<10} {c['bytes'] / 2**20:>8.2f} {c['process']:>7}  "
                  f"{c['host'][:16]:<16} {c['seconds'] * 1e3:>9.3f} {c['busbw_gbps']:>10.2f}")
-  lines += ["", f"outliers (below {THRESHOLD} x the job's median): {len(report['outliers']) or 'none'}"]
-  for o in report["outliers"]:
+  lines += ["", f"outliers (below {THRESHOLD} x the job's median): {len(findings['outliers']) or 'none'}"]
+  for o in findings["outliers"]:
     where = f"process {o['process']} ({o['host']})" + ("" if o["device_id"] is None else f" device {o['device_id']}")
     lines.append(f"  {o['metric']:<32} {where}: {o['value']:.3f} (median {o['median']:.3f})")
-  lines.append(f"slow (below {SLOW_RATIO} x the other processes' median): {len(report['slow']) or 'none'}")
-  for o in report["slow"]:
+  lines.append(f"slow (below {SLOW_RATIO} x the other processes' median): {len(findings['slow']) or 'none'}")
+  for o in findings["slow"]:
     lines.append(f"  {o['metric']:<32} process {o['process']} ({o['host']}) device {o['device_id']}: "
                  f"{o['value']:.3f} (others' median {o['others_median']:.3f})")
-  hosts = {d["process"]: d["host"] for d in report["devices"]}
-  bad = ", ".join(f"{p} (host {hosts[p]})" for p in report["bad_processes"]) or "none"
+  hosts = {d["process"]: d["host"] for d in findings["devices"]}
+  bad = ", ".join(f"{p} (host {hosts[p]})" for p in findings["bad_processes"]) or "none"
   lines.append(f"bad processes: {bad}")
   return "\n".join(lines)
 
 
-def save_report(path: str, report: dict) -> None:
-  """The JSON report at `path`, atomically: a reader (the supervisor) never sees half of it."""
+def save_findings(path: str, findings: dict) -> None:
+  """The JSON findings at `path`, atomically: a reader (the supervisor) never sees half of it."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  write_atomically(path, json.dumps(report, indent=1) + "\n")
+  write_atomically(path, json.dumps(findings, indent=1) + "\n")

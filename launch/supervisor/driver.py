@@ -95,7 +95,7 @@ class Supervisor:
     self.spares = s.spares
     self.excluded_hosts: list[str] = []
     self.stop_requested = False
-    self._last_report: dict | None = None     # the latest diagnostics report (hosts of processes)
+    self._last_findings: dict | None = None     # the latest diagnostics findings (hosts of processes)
 
   # --- Starting jobs.
 
@@ -336,8 +336,8 @@ class Supervisor:
   def _hosts_of(self, processes: list[int]) -> list[str]:
     if not self.config.supervisor.command:
       return [f"local-process-{p}" for p in processes]
-    report = self._last_report or {}
-    hosts = {d["process"]: d["host"] for d in report.get("devices", [])}
+    findings = self._last_findings or {}
+    hosts = {d["process"]: d["host"] for d in findings.get("devices", [])}
     return sorted({hosts.get(p, f"process-{p}") for p in processes})
 
   def _diagnose(self, attempt: int, blamed: list[int]) -> list[int]:
@@ -345,20 +345,20 @@ class Supervisor:
     failure blamed is slow in every run so far, until diagnostics.processes_to_evict decides
     (SLOW_RUNS slow runs in a row). A healthy bystander that measures slow (a shared host) is
     no reason to shrink the job, nor is one noisy run. A failed run: the same hosts."""
-    reports = []
-    while (bad := processes_to_evict(reports, blamed)) is None:
-      report = self._diagnose_once(attempt, len(reports))
-      if report is None:
+    findings_of_runs = []
+    while (bad := processes_to_evict(findings_of_runs, blamed)) is None:
+      findings = self._diagnose_once(attempt, len(findings_of_runs))
+      if findings is None:
         return []
-      reports.append(report)
-      logging.warning("diagnostics run %d: %s", len(reports),
-                      f"slow process(es) {report['bad_processes']}" if report["bad_processes"] else "none slow")
+      findings_of_runs.append(findings)
+      logging.warning("diagnostics run %d: %s", len(findings_of_runs),
+                      f"slow process(es) {findings['bad_processes']}" if findings["bad_processes"] else "none slow")
     if bad:
-      logging.warning("diagnostics: process(es) %s slow in %d runs in a row", bad, len(reports))
+      logging.warning("diagnostics: process(es) %s slow in %d runs in a row", bad, len(findings_of_runs))
     return bad
 
   def _diagnose_once(self, attempt: int, run: int) -> dict | None:
-    """One megajax-diagnose job's report (None when it failed)."""
+    """One megajax-diagnose job's findings (None when it failed)."""
     output = os.path.join(self.workdir, "diagnostics", f"after_attempt_{attempt}_run_{run}.json")
     os.makedirs(os.path.dirname(output), exist_ok=True)
     job = self._start("megajax.launch.diagnose", [*self._config_args(), f"--output={output}"], attempt,
@@ -368,8 +368,8 @@ class Supervisor:
       logging.error("diagnostics did not complete (exit code %s): restarting on the same hosts", code)
       return None
     with open(output) as f:
-      self._last_report = json.load(f)
-    return self._last_report
+      self._last_findings = json.load(f)
+    return self._last_findings
 
   def _record_rollback(self, process: int, beat: dict) -> None:
     rollback = beat.get("last_rollback") or {}

@@ -7,7 +7,7 @@
   hardware.py     the devices and links: datasheets and published micro-benchmarks, each cited
   memory.py       per-device memory of a plan, its constants fitted to XLA's buffer assignment
   plans.py        every plan that divides evenly, the ones that fit, best predicted MFU first
-  report.py       plans a user can read: legend, memory and time by part, why #1 wins, --explain
+  explain.py      plans a user can read: legend, memory and time by part, why #1 wins, --explain
   fits.py         the trainer's check before anything compiles: does a config fit its devices
   published.py    published A100 runs with their sources: the calibration set (MegaScale's Table 3)
                   and the validation set (MegaScale's Table 2, Korthikanti et al., Narayanan et al.)

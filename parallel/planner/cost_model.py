@@ -1,7 +1,7 @@
 """A cost model of one training step: per-device memory and step time / MFU for a 3D plan.
 
 For a model (megajax.model.ModelConfig), a plan (dp, pp, tp, virtual stages v, microbatch
-size b, global batch B, which MegaScale optimizations are on, which runtime executes it)
+size b, global batch B, which MegaScale optimizations are on, which executor runs it)
 and a device (hardware.HARDWARE), it predicts:
 
   memory     bytes per device (`memory.memory`, the model's other half; the parameters leaf
@@ -14,7 +14,7 @@ and a device (hardware.HARDWARE), it predicts:
              microbatch's time per stage, the optimizer's pass over its shard. Every part
              scales with the work: no fixed seconds per step. MFU from megajax.flops.
 
-Two runtimes (`Plan.executor`):
+Two executors (`Plan.executor`):
   "megajax"  this repository's step (parallel/step.py): sequence-parallel tensor parallelism
              with collective matmul, ZeRO gathers of the linears and head in the compute dtype
              (the embedding and norms in fp32), fp32 gradients reduce-scattered once per step
@@ -127,7 +127,7 @@ class Plan:
   pipeline_recompute: bool = False
   schedule: str = "interleaved_1f1b"
   traversal: str = "depth_first"
-  # The paper runtime's variants (Megatron-LM as each published run used it; megajax always
+  # The paper executor's variants (Megatron-LM as each published run used it; megajax always
   # has the first two): sequence parallelism (else tp all-reduces and norms on every rank), the
   # distributed optimizer (else a gradient all-reduce after the backward and the whole update on
   # every dp rank), the backward's tp collectives under the weight-gradient GEMMs.
@@ -143,7 +143,7 @@ class Plan:
 
   @property
   def splits_sequence(self) -> bool:
-    """Sequence parallelism: megajax's step always, the paper runtime as the run had it."""
+    """Sequence parallelism: megajax's step always, the paper executor as the run had it."""
     return self.executor == "megajax" or self.sequence_parallel
 
   @property

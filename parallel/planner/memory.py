@@ -3,7 +3,7 @@
 For a model (megajax.model.ModelConfig) and a plan (cost_model.Plan), `memory` predicts the
 bytes one device of the busiest stage holds: the training state (fp32 master params and
 optimizer moments, ZeRO-sharded over dp), the compute copies and gradients, the activations
-the runtime keeps, the logits and the pipeline's buffers. Two runtimes (`Plan.executor`):
+the executor keeps, the logits and the pipeline's buffers. Two executors (`Plan.executor`):
 "megajax", this repository's step, whose constants (XLA_*) are fitted to XLA's buffer
 assignment of the real compiled step (calibration.MEMORY_CASES: held-out configs), and
 "paper", Megatron-LM's distributed optimizer with the activations of Korthikanti et al. (2022).

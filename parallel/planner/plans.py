@@ -19,7 +19,7 @@ from megajax.parallel.planner.memory import Memory
 # megajax's memory is fitted to XLA; its held-out cases miss by up to 10% (and a few more, the
 # known misses: -12% at 3 GiB on GPUs, to -49% on sub-GiB tp configs with microbatches, far below
 # any device): a megajax plan fits when its estimate and this margin do.
-# The paper runtime's memory is the published runs' own count (Korthikanti et al.): no margin.
+# The paper executor's memory is the published runs' own count (Korthikanti et al.): no margin.
 MEMORY_MARGIN = 0.10
 
 

@@ -1,7 +1,7 @@
 """Published training runs the cost model is checked against, each with its source.
 
 A `Run` is a published A100 training run with enough detail to predict it: the model, the
-GPUs, the parallel layout, the batch, the runtime, and the published MFU (percent) or
+GPUs, the parallel layout, the batch, the executor, and the published MFU (percent) or
 per-GPU TFLOP/s (the source's own FLOP count). `predict` runs the cost model on it and
 converts the predicted step time to the same metric by the source's own formula.
 
@@ -327,13 +327,13 @@ SLOPE_GOAL_POINTS = 2.0
 
 
 def scale_slope(calibration: Calibration = CALIBRATION) -> dict[str, tuple[float, float]]:
-  """{runtime: (published MFU change, predicted change)} from 256 to 12,288 GPUs, MegaScale's
+  """{system: (published MFU change, predicted change)} from 256 to 12,288 GPUs, MegaScale's
   Table 2 (its 256-GPU MegaScale row is Table 3's last)."""
   runs = {run.where: run for run in all_runs()}
   ends = {"MegaScale": ("Table 3, +LAMB (batch x3)", "Table 2, 12288 GPUs, MegaScale"),
           "Megatron-LM": ("Table 2, 256 GPUs, Megatron-LM", "Table 2, 12288 GPUs, Megatron-LM")}
   slopes = {}
-  for runtime, (first, last) in ends.items():
+  for system, (first, last) in ends.items():
     a, b = predict(runs[first], calibration), predict(runs[last], calibration)
-    slopes[runtime] = (b.run.published - a.run.published, b.predicted - a.predicted)
+    slopes[system] = (b.run.published - a.run.published, b.predicted - a.predicted)
   return slopes

@@ -61,12 +61,12 @@ def test_data_benchmark_prints_the_input_side_against_the_step():
   assert 0 <= share < 100
 
 
-def test_runtime_benchmark_counts_the_pipelines_flops_and_the_dp_sync():
-  """`python -m megajax.launch.bench runtime --quick`: the pipeline's executed matmul FLOPs
+def test_step_costs_benchmark_counts_the_pipelines_flops_and_the_dp_sync():
+  """`python -m megajax.launch.bench step_costs --quick`: the pipeline's executed matmul FLOPs
   (read from the compiled HLO) within 2% of one device's when the backward reads the forward's
   residuals, more when it reruns the forward; every gradient byte reduce-scattered over dp once per step,
   in buckets (parallel.dp_bucket_mb): fewer collectives than leaves, the pipeline's pieces included."""
-  result = run_module(["-m", "megajax.launch.bench", "runtime", "--quick"])
+  result = run_module(["-m", "megajax.launch.bench", "step_costs", "--quick"])
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   residuals, recompute = map(float, re.search(r"^none .* ([\d.]+)x +([\d.]+)x ", out, re.M).groups())
@@ -90,7 +90,7 @@ def test_sample_benchmark_prints_cache_against_recompute():
     assert float(local) == float(global_) == int(batch) * 24 * 128 // 2 * 4 * 2 / 1024   # 24 slots: window > length
 
 
-def test_gpu_check_writes_its_report_on_cpu(tmp_path):
+def test_gpu_check_writes_its_results_on_cpu(tmp_path):
   """`python -m megajax.launch.bench gpu` on a machine without a GPU: the tests part reports
   tests/gpu skipped with the reason, the profile part traces the tiny `+ Pallas` row (no GPU
   tracks, so no GPU time), the checkpoint part measures the save; each part in its own process
@@ -101,15 +101,15 @@ def test_gpu_check_writes_its_report_on_cpu(tmp_path):
                        "--train_sizes=tiny:32", "--budget_s=900"])
   assert result.returncode == 0, result.stderr[-3000:]
   assert "note: no GPU here (cpu)" in result.stdout and "plan: tests 175 s, profile 60 s, checkpoint 30 s" in result.stdout
-  report = json.loads((out / "gpu_check.json").read_text())
-  assert report["parts"] == ["tests", "profile", "checkpoint"] and report["platform"] == "cpu"
-  assert all((out / f"{part}.log").exists() for part in report["parts"])      # each part in its own process
-  checkpoint = report["results"]["checkpoint"]
+  check = json.loads((out / "gpu_check.json").read_text())
+  assert check["parts"] == ["tests", "profile", "checkpoint"] and check["platform"] == "cpu"
+  assert all((out / f"{part}.log").exists() for part in check["parts"])      # each part in its own process
+  checkpoint = check["results"]["checkpoint"]
   assert "error" not in checkpoint and any(line.startswith("async") for line in checkpoint["lines"]), checkpoint
-  tests = report["results"]["tests"]
+  tests = check["results"]["tests"]
   assert tests["counts"].get("skipped", 0) >= 30 and "failed" not in tests["counts"], tests
   assert any("needs a GPU and MEGAJAX_TESTS_ON=gpu" in line for line in tests["lines"])
-  profile = report["results"]["profile"]
+  profile = check["results"]["profile"]
   assert "error" not in profile, profile
   assert profile["busy_ms_per_step"] == 0 and (out / "step_trace.json.gz").stat().st_size > 0
   assert "## profile" in (out / "gpu_check.md").read_text() and "## checkpoint" in (out / "gpu_check.md").read_text()

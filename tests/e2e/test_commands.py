@@ -156,7 +156,7 @@ def test_plan_cli_prints_the_best_plan_with_its_bottleneck():
   assert lines[header + 2].strip().startswith("memory state ") and "; time compute " in lines[header + 2]
   assert any(line.strip().startswith("#1 over this: ") for line in lines)        # why #1 beats #2 and #3
   assert any(line.startswith("legend: ") for line in lines)
-  assert any(line.startswith("runtime megajax: ") and "--runtime=paper" in line for line in lines)
+  assert any(line.startswith("executor megajax: ") and "--executor=paper" in line for line in lines)
   assert any(line.startswith("note: remat full") and "--remat=dots" in line for line in lines)   # the config's, not the papers'
   assert lines[-1].startswith("best: dp=")
 

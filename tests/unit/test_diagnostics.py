@@ -1,11 +1,11 @@
 """The diagnostic tests in process: the outlier rule, the slow-process and eviction rules,
-the report's text, a run on the 8 test devices as a 2x2x2 mesh. (The 2-process drill:
+the findings's text, a run on the 8 test devices as a 2x2x2 mesh. (The 2-process drill:
 tests/e2e/test_diagnose.py; the supervisor acting on it: tests/e2e/test_fault_drills.py.)"""
 
 import json
 
 from megajax.launch.supervisor.diagnostics import (SLOW_RATIO, SLOW_RUNS, diagnose, find_outliers, find_slow,
-                                                   format_report, processes_to_evict)
+                                                   format_findings, processes_to_evict)
 
 
 def test_find_outliers_flags_only_values_below_threshold_times_median():
@@ -21,7 +21,7 @@ def test_find_outliers_flags_only_values_below_threshold_times_median():
 
 
 def _devices(speeds: dict[int, list[float]]) -> list[dict]:
-  """Synthetic report devices: process -> each device's speed, the same for every metric."""
+  """Synthetic findings devices: process -> each device's speed, the same for every metric."""
   return [{"process": p, "host": f"h{p}", "device_id": 8 * p + i, "matmul_tflops": v, "h2d_gbps": 10 * v,
            "d2h_gbps": 10 * v} for p, values in speeds.items() for i, v in enumerate(values)]
 
@@ -55,37 +55,37 @@ def test_eviction_needs_repeated_slowness_of_a_blamed_process():
 def test_format_report_names_bad_processes_and_their_hosts():
   device = {"process": 1, "host": "b", "device_id": 5, "coords": {"dp": 1, "pp": 0, "tp": 0},
             "matmul_tflops": 1.0, "h2d_gbps": 2.0, "d2h_gbps": 3.0}
-  report = {"platform": "gpu", "process_count": 2, "devices": [device], "collectives": [], "seconds": 1.0,
+  findings = {"platform": "gpu", "process_count": 2, "devices": [device], "collectives": [], "seconds": 1.0,
             "outliers": [{"metric": "matmul_tflops", "process": 1, "host": "b", "device_id": 5, "value": 1.0,
                           "median": 2.0}],
             "slow": [{"metric": "matmul_tflops", "process": 1, "host": "b", "device_id": 5, "value": 1.0,
                       "others_median": 4.0}], "bad_processes": [1]}
-  text = format_report(report)
+  text = format_findings(findings)
   assert "matmul_tflops" in text and "device 5" in text and "others' median 4.000" in text
   assert text.splitlines()[-1] == "bad processes: 1 (host b)"
-  clean = {**report, "outliers": [], "slow": [], "bad_processes": []}
-  assert format_report(clean).splitlines()[-1] == "bad processes: none"
+  clean = {**findings, "outliers": [], "slow": [], "bad_processes": []}
+  assert format_findings(clean).splitlines()[-1] == "bad processes: none"
 
 
 def test_diagnose_in_process_on_a_3d_mesh(tiny_config):
   tiny_config.parallel.dp, tiny_config.parallel.pp, tiny_config.parallel.tp = 2, 2, 2
-  report = diagnose(tiny_config, matmul_size=32, transfer_mib=0.25, collective_mib=0.0625, repeats=2)
+  findings = diagnose(tiny_config, matmul_size=32, transfer_mib=0.25, collective_mib=0.0625, repeats=2)
 
-  assert report["platform"] == "cpu" and report["process_count"] == 1
-  devices = report["devices"]
+  assert findings["platform"] == "cpu" and findings["process_count"] == 1
+  devices = findings["devices"]
   assert len(devices) == 8
   assert len({tuple(d["coords"].values()) for d in devices}) == 8
   assert all(set(d["coords"]) == {"dp", "pp", "tp"} for d in devices)
   for metric in ("matmul_tflops", "h2d_gbps", "d2h_gbps"):
     assert all(d[metric] > 0 for d in devices), metric
-  ops = {(c["group"], c["op"]) for c in report["collectives"]}
+  ops = {(c["group"], c["op"]) for c in findings["collectives"]}
   assert ops == {(g, op) for g in ("dp", "pp", "tp") for op in ("all_reduce", "all_gather", "ppermute")}
-  assert all(c["seconds"] > 0 and c["busbw_gbps"] > 0 for c in report["collectives"])
-  gather = next(c for c in report["collectives"] if c["op"] == "all_gather")
+  assert all(c["seconds"] > 0 and c["busbw_gbps"] > 0 for c in findings["collectives"])
+  gather = next(c for c in findings["collectives"] if c["op"] == "all_gather")
   assert gather["bytes"] == 2**16            # the gathered size
-  assert report["slow"] == [] and report["bad_processes"] == []     # one process: nobody to compare with
-  assert json.loads(json.dumps(report)) == report
-  text = format_report(report)
+  assert findings["slow"] == [] and findings["bad_processes"] == []     # one process: nobody to compare with
+  assert json.loads(json.dumps(findings)) == findings
+  text = format_findings(findings)
   for axis in ("dp", "pp", "tp"):
     assert f"\n{axis} " in text
   assert text.splitlines()[-1].startswith("bad processes: ")

@@ -17,9 +17,9 @@ from megajax.launch.bench import train as train_bench
 from megajax.model import GPT, ModelConfig, count_params, init_params
 from megajax.parallel import deviceless
 from megajax.parallel.pipeline import Tables, simulate
-from megajax.parallel.planner import (calibration, cost_model, hardware, memory, memory_cpu_fit, memory_fit,
+from megajax.parallel.planner import (calibration, cost_model, explain, hardware, memory, memory_cpu_fit, memory_fit,
                                       memory_gpu_fit, memory_gpu_pipeline_fit, memory_measured, memory_measured_cpu,
-                                      memory_measured_gpu, memory_measured_gpu_pipeline, plans, published, report)
+                                      memory_measured_gpu, memory_measured_gpu_pipeline, plans, published)
 from megajax.parallel.planner.calibration import MemoryCase
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, MEGATRON, Plan
 from megajax.parallel.planner.fits import estimate, plan_of
@@ -277,14 +277,14 @@ def test_rows_with_unstated_values_carry_their_alternatives_and_an_error_range()
   assert published.error_range(runs[0])[0] <= full
 
 
-def test_every_megajax_runtime_term_says_how_it_is_known_and_its_tests_exist():
-  """report.MEGAJAX_TERMS labels each way megajax's runtime is modelled apart from the paper's:
+def test_every_megajax_executor_term_says_how_it_is_known_and_its_tests_exist():
+  """explain.MEGAJAX_TERMS labels each way megajax's executor is modelled apart from the paper's:
   HLO-verified ones name the tests that check the compiled step, and those tests exist."""
   kinds = ("HLO-verified", "schedule-read", "counted", "not in the step time")
-  assert all(known.startswith(kinds) for _, known in report.MEGAJAX_TERMS)
+  assert all(known.startswith(kinds) for _, known in explain.MEGAJAX_TERMS)
   sources = "".join(open(os.path.join(os.path.dirname(__file__), name)).read()
                     for name in ("test_parallel.py", "test_planner.py"))
-  named = re.findall(r"\btest_[a-z_]+\b(?!\.py)", " ".join(known for _, known in report.MEGAJAX_TERMS))
+  named = re.findall(r"\btest_[a-z_]+\b(?!\.py)", " ".join(known for _, known in explain.MEGAJAX_TERMS))
   assert named and all(f"def {name}(" in sources for name in named), named
 
 
@@ -396,20 +396,20 @@ def test_megajax_dp_overlap_is_what_its_step_does(paper_setting):
   the first microbatch's forward and the reduce-scatters under the backward (at least one
   layer's exposed: only one microbatch's forward hides the gathers); with pp > 1 the first
   chunk's and the shared leaves' exposed, the other chunks' in the tick scan's head and tail,
-  more than the paper's runtime, which also prefetches the first chunk's."""
+  more than the paper's executor, which also prefetches the first chunk's."""
   c, hw = paper_setting
   for pp, v in ((1, 1), (8, 4), (8, 1)):
     plan = Plan(32, pp, 8, v, 1, 32 * 16)
     serial = cost_model.step_time(c, dataclasses.replace(plan, opts=dataclasses.replace(MEGASCALE, dp_overlap=False)), hw)
     overlapped = cost_model.step_time(c, plan, hw)
-    paper_runtime = cost_model.step_time(c, dataclasses.replace(plan, executor="paper"), hw)
+    paper_executor = cost_model.step_time(c, dataclasses.replace(plan, executor="paper"), hw)
     layers = c.num_layers // pp
     if pp == 1:
       assert serial.dp_comm / layers <= overlapped.dp_comm < serial.dp_comm, (overlapped, serial)
     elif v == 1:     # one chunk: nothing to move into the edge ticks
       assert overlapped.dp_comm == serial.dp_comm
     else:
-      assert paper_runtime.dp_comm < overlapped.dp_comm < serial.dp_comm, (overlapped, serial)
+      assert paper_executor.dp_comm < overlapped.dp_comm < serial.dp_comm, (overlapped, serial)
 
 
 def test_a_job_waits_for_its_slow_machines_more_often_as_it_grows(paper_setting):
@@ -444,11 +444,11 @@ def test_a_hidden_collective_slows_the_compute_under_it(paper_setting):
 
 def test_megascale_table2_loses_mfu_with_scale_as_published():
   """Issue 34's goal: the predicted fall from 256 to 12,288 GPUs within SLOPE_GOAL_POINTS of the
-  published one. Not met yet (the MegaScale runtime 2.6 points short, Megatron-LM 3.4): this holds
+  published one. Not met yet (the MegaScale system 2.6 points short, Megatron-LM 3.4): this holds
   what the straggler and contention terms gave (it was 7.7 and 6.3 without them)."""
   slopes = published.scale_slope()
-  for runtime, (fall, predicted) in slopes.items():
-    print(f"{runtime}: published {fall:+.1f}, predicted {predicted:+.1f}")
+  for system, (fall, predicted) in slopes.items():
+    print(f"{system}: published {fall:+.1f}, predicted {predicted:+.1f}")
     assert fall < predicted < 0
   assert abs(slopes["MegaScale"][1] - slopes["MegaScale"][0]) < 2.8
   assert abs(slopes["Megatron-LM"][1] - slopes["Megatron-LM"][0]) < 3.6
@@ -471,19 +471,19 @@ def test_plans_read_with_their_parts_and_why_the_first_wins(paper_setting):
   c, hw = paper_setting
   best, _ = plans.search(c, 256, 768, hw, MEGASCALE, "paper", "dots")
   for x in best[:3]:
-    assert sum(report.memory_parts(x).values()) == pytest.approx(x.memory.total)
+    assert sum(explain.memory_parts(x).values()) == pytest.approx(x.memory.total)
     assert sum(x.time.parts().values()) == pytest.approx(x.time.total)
   for other in best[1:4]:
-    line = report.why_first(best[0], other)
+    line = explain.why_first(best[0], other)
     assert line.startswith("#1 over this: ") and "step -" in line
     # The parts shown (the largest either way, then the rest) add up to the step's change.
     parts = [float(x) for x in re.findall(r" ([+-]\d+\.\d+) s", line.split("(step")[0])]
     step = float(re.search(r"step ([+-]\d+\.\d+) s", line).group(1))
     assert sum(parts) == pytest.approx(step, abs=0.005 * len(parts) + 0.005), line
-    tie = abs(best[0].time.total - other.time.total) <= report.TIE_FRACTION * best[0].time.total
+    tie = abs(best[0].time.total - other.time.total) <= explain.TIE_FRACTION * best[0].time.total
     assert line.endswith("a tie: within the model's error") == tie
-  assert report.why_first(best[0], best[0]).endswith("a tie: within the model's error")
-  lines = report.explain(c, best[0].plan, hw, "dots")
+  assert explain.why_first(best[0], best[0]).endswith("a tie: within the model's error")
+  lines = explain.explain(c, best[0].plan, hw, "dots")
   assert lines[0].startswith(f"plan {plans.describe(best[0].plan)}") and any("TFLOP/s per GPU" in x for x in lines)
   with pytest.raises(ValueError, match="five positive integers"):
-    report.parse_explain("8,4,8", 768, MEGASCALE, "paper")
+    explain.parse_explain("8,4,8", 768, MEGASCALE, "paper")

@@ -1,4 +1,4 @@
-r"""`python -m megajax.launch.bench runtime [--repeats=20] [--quick]`: what the pipeline executor and the
+r"""`python -m megajax.launch.bench step_costs [--repeats=20] [--quick]`: what the pipeline executor and the
 dp gradient sync cost at run time, on CPU (8 host devices), side by side.
 
   flops       executed matmul FLOPs per step, summed over the devices, of the compiled
@@ -172,7 +172,7 @@ def memory(pipelines: dict) -> None:
           f"{mib(estimate.params_temp):>12} {mib(estimate.total):>10}")
 
 
-def runtime(repeats: int, quick: bool = False) -> None:
+def step_costs(repeats: int, quick: bool = False) -> None:
   """quick=True: remat none and grad_sync="step" only, no step time (the smoke test's size)."""
   pipelines = flops(("none",) if quick else ("none", "dots", "full"))
   dp_sync(("step",) if quick else ("step", "microbatch"))

@@ -1,5 +1,5 @@
 """Plans a user can read: the legend, each plan's memory and time by part, why the best beats
-the next ones, which runtime is modelled, and one plan's full accounting (`explain`).
+the next ones, which executor is modelled, and one plan's full accounting (`explain`).
 
 megajax-plan prints these (launch/plan.py); they read a Candidate (plans.assess) and the
 cost model's parts, nothing else.
@@ -21,18 +21,18 @@ LEGEND = """legend: dp, pp, tp   data-, pipeline- and tensor-parallel degrees (d
         bubble       idle share of a stage, (pp - 1) / (v m);  bottleneck  the step's largest part
                      (when that is compute, the largest loss beside it)"""
 
-RUNTIMES = {
+EXECUTORS = {
     "megajax": ("this repository's step: sequence-parallel tp with collective matmul, ZeRO gathers "
                 "in bf16 (embedding and norms fp32), one fp32 gradient reduce-scatter per step, dp "
                 "overlap as built (the first chunk's and the shared leaves' collectives exposed), the "
                 "embedding and head on every stage, pipeline backward from kept residuals"),
-    "paper": ("Megatron-LM with MegaScale's switches, the runtime the MegaScale paper measured: the "
+    "paper": ("Megatron-LM with MegaScale's switches, the system the MegaScale paper measured: the "
               "first chunk's gather prefetched, the embedding and head on the first and last stages "
               "only, activations as Korthikanti et al. count them; megajax plans may not fit where "
               "these do, and expose more dp communication"),
 }
 
-# How each way the megajax runtime is modelled apart from the paper's is known: checked in the
+# How each way the megajax executor is modelled apart from the paper's is known: checked in the
 # compiled step's HLO by a test, read from the deviceless H100 schedule, or assumed.
 MEGAJAX_TERMS = (
     ("tp: one all-gather and one reduce-scatter a parallel linear pair, forward and backward (no "
@@ -101,9 +101,9 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
   x = assess(c, plan, hw, remat, calibration)
   run = cost_model.apply_switches(c, plan.opts)
   t, usable = x.time, cost_model.usable_bytes(hw)
-  lines = [f"plan {describe(plan)} on {plan.gpus} {hw.name}, batch {plan.batch}, runtime {plan.executor}, "
+  lines = [f"plan {describe(plan)} on {plan.gpus} {hw.name}, batch {plan.batch}, executor {plan.executor}, "
            f"remat {remat}",
-           f"runtime: {RUNTIMES[plan.executor]}",
+           f"executor: {EXECUTORS[plan.executor]}",
            f"memory per GPU (busiest stage): {x.memory.total / GB:.1f} GB of {usable / GB:.0f} usable: "
            f"{'fits' if x.fits else 'DOES NOT FIT'}"
            + (f" (with the {plans.MEMORY_MARGIN:.0%} margin for the estimate's error)" if plan.executor == "megajax"
