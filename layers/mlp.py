@@ -4,8 +4,8 @@
   gelu_exact  the same with the erf GeLU      GPT-NeoX / Pythia checkpoints (Hugging Face "gelu")
   swiglu      wo(silu(wi_gate(x)) * wi_up(x)) Llama, Mistral: two input projections of mlp_dim
 
-A family is its input projections (MLP_INPUTS) and the activation of their outputs
-(MLP_ACTIVATIONS); the 3D step (megajax.parallel.tensor_parallel) reads both, so it computes
+A family is its input projections (families.MLP_FAMILIES) and the activation of their
+outputs (MLP_ACTIVATIONS); the 3D step (megajax.parallel.tensor_parallel) reads both, so it computes
 what this module does on its shard of the mlp units. The activation runs in the compute
 dtype, like the linears around it.
 """
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.layers import initializers
+from megajax.layers.families import MLP_FAMILIES
 
 
 def gelu(h: jax.Array) -> jax.Array:
@@ -29,9 +30,8 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   return nn.silu(gate) * up
 
 
-# model.mlp -> the names of its input projections (in the order the 3D step fuses them into
-# its column-parallel matmul), and the activation of their outputs (keys: megajax.config.MLP_CHOICES).
-MLP_INPUTS = {"gelu": ("wi",), "gelu_exact": ("wi",), "swiglu": ("wi_gate", "wi_up")}
+# model.mlp -> the activation of its input projections' outputs (keys: families.MLP_FAMILIES,
+# whose rows name the projections, in the order the 3D step fuses them into its column matmul).
 MLP_ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "swiglu": swiglu}
 
 
@@ -50,7 +50,7 @@ class Mlp(nn.Module):
     projections = [nn.Dense(self.mlp_dim, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                             kernel_init=initializers.normal(self.init_std, ("embed", "mlp")),
                             bias_init=initializers.zeros(("mlp",)), name=name)(x)   # [b, s, mlp] each
-                   for name in MLP_INPUTS[self.family]]
+                   for name in MLP_FAMILIES[self.family].inputs]
     h = MLP_ACTIVATIONS[self.family](*projections)
     return nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                     kernel_init=initializers.normal(self.out_init_std, ("mlp", "embed")),

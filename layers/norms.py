@@ -26,5 +26,5 @@ def rms_norm(epsilon: float, dtype: jnp.dtype, param_dtype: jnp.dtype, name: str
                     scale_init=initializers.ones(("embed",)))
 
 
-# model.norm -> the module's constructor (keys: megajax.config.NORM_CHOICES).
+# model.norm -> the module's constructor (keys: families.NORM_FAMILIES).
 NORM_MODULES = {"layernorm": layer_norm, "layernorm_nobias": layer_norm_nobias, "rmsnorm": rms_norm}

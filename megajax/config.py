@@ -23,6 +23,7 @@ import os
 import ml_collections
 
 from megajax import config_checks as check
+from megajax.layers.families import ATTENTION_FUSED, BLOCK_FAMILIES, MLP_FAMILIES, NORM_FAMILIES
 from megajax.config_checks import ConfigError
 
 # The repository's root and its configs/ (the package is installed editable, README): the
@@ -33,10 +34,11 @@ CONFIGS_DIR = os.path.join(REPO, "configs")
 
 # --- model ------------------------------------------------------------------------------------
 
-BLOCK_CHOICES = ("parallel", "parallel_two_norms", "serial")   # megajax.model.BLOCK_MODULES' keys
-NORM_CHOICES = ("layernorm", "layernorm_nobias", "rmsnorm")   # megajax.layers.NORM_MODULES' keys
-MLP_CHOICES = ("gelu", "gelu_exact", "swiglu")                      # megajax.layers.MLP_INPUTS' (and MLP_ACTIVATIONS') keys
-ATTENTION_IMPL_CHOICES = ("xla", "pallas", "cudnn")   # megajax.layers.ATTENTION_IMPLS' keys
+# The families' names: the keys of their rows in megajax.layers.families (one place states each).
+BLOCK_CHOICES = tuple(BLOCK_FAMILIES)             # parallel, parallel_two_norms, serial
+NORM_CHOICES = tuple(NORM_FAMILIES)               # layernorm, layernorm_nobias, rmsnorm
+MLP_CHOICES = tuple(MLP_FAMILIES)                 # gelu, gelu_exact, swiglu
+ATTENTION_IMPL_CHOICES = tuple(ATTENTION_FUSED)   # xla, pallas, cudnn (megajax.layers.ATTENTION_IMPLS' keys too)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none", "full", "dots")              # megajax.model.REMAT_POLICIES' keys, and "none"
 

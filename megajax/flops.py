@@ -9,7 +9,7 @@ window, s without one (the paper's convention, which does not discount the causa
 
 from __future__ import annotations
 
-from megajax.layers import MLP_INPUTS
+from megajax.layers import MLP_FAMILIES
 from megajax.model import ModelConfig
 
 # bf16 dense tensor-core peaks, TFLOP/s per device.
@@ -35,7 +35,7 @@ def projection_macs_per_token(config: ModelConfig) -> int:
   h = config.hidden_dim
   q_dim = config.num_heads * config.head_dim
   kv_dim = config.num_kv_heads * config.head_dim
-  mlp_matmuls = len(MLP_INPUTS[config.mlp]) + 1
+  mlp_matmuls = len(MLP_FAMILIES[config.mlp].inputs) + 1
   return h * (q_dim + 2 * kv_dim) + q_dim * h + mlp_matmuls * h * config.mlp_dim
 
 

@@ -26,7 +26,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from megajax.layers import MLP_INPUTS
+from megajax.layers import BLOCK_FAMILIES, MLP_FAMILIES, families
 from megajax.model import ModelConfig
 
 
@@ -40,23 +40,20 @@ class Operand:
   members: tuple[tuple[str, str], ...]
 
 
-QKV = (("attention", "query"), ("attention", "key"), ("attention", "value"))
-ATTENTION_OUT = (("attention", "out"),)
-MLP_OUT = (("mlp", "wo"),)
+def _members(group: str, c: ModelConfig) -> tuple[tuple[str, str], ...]:
+  """The (module, linear) kernels of one of families' member groups."""
+  if group == families.QKV:
+    return (("attention", "query"), ("attention", "key"), ("attention", "value"))
+  if group == families.MLP_IN:
+    return tuple(("mlp", name) for name in MLP_FAMILIES[c.mlp].inputs)
+  return {families.ATTENTION_OUT: (("attention", "out"),), families.MLP_OUT: (("mlp", "wo"),)}[group]
 
 
 def operands(c: ModelConfig) -> dict[str, Operand]:
-  """The fused operands of c.block's layers, by name, in the order the forward uses them."""
-  mlp_in = tuple(("mlp", name) for name in MLP_INPUTS[c.mlp])
-  if c.block == "parallel":             # one column-parallel and one row-parallel matmul
-    found = (Operand("w_in", False, QKV + mlp_in), Operand("w_out", True, ATTENTION_OUT + MLP_OUT))
-  elif c.block == "parallel_two_norms":  # two normed inputs: a column operand for each
-    found = (Operand("w_attention_in", False, QKV), Operand("w_mlp_in", False, mlp_in),
-             Operand("w_out", True, ATTENTION_OUT + MLP_OUT))
-  else:                                  # serial: the attention's, then the MLP's
-    found = (Operand("w_qkv", False, QKV), Operand("w_attention_out", True, ATTENTION_OUT),
-             Operand("w_mlp_in", False, mlp_in), Operand("w_mlp_out", True, MLP_OUT))
-  return {operand.name: operand for operand in found}
+  """The fused operands of c.block's layers (families.BLOCK_FAMILIES), by name, in the order
+  the forward uses them."""
+  return {name: Operand(name, rows, sum((_members(group, c) for group in groups), ()))
+          for name, rows, groups in BLOCK_FAMILIES[c.block].operands}
 
 
 def member_widths(operand: Operand, c: ModelConfig, tp: int) -> list[int]:

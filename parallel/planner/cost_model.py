@@ -48,7 +48,7 @@ import dataclasses
 import math
 
 from megajax import flops
-from megajax.layers import MLP_INPUTS
+from megajax.layers import BLOCK_FAMILIES, MLP_FAMILIES, NORM_FAMILIES
 from megajax.model import ModelConfig
 from megajax.parallel.pipeline.tables import dp_pieces
 
@@ -160,7 +160,7 @@ class Plan:
 def apply_switches(c: ModelConfig, opts: Optimizations) -> ModelConfig:
   """The model a plan runs: PTB picks a parallel block (the model's own if it has one: the
   two-norm block is one) or else the serial one, SWA keeps the model's window (else full)."""
-  parallel = c.block if c.block != "serial" else "parallel"
+  parallel = c.block if BLOCK_FAMILIES[c.block].parallel else "parallel"
   return dataclasses.replace(c, block=parallel if opts.ptb else "serial", window=c.window if opts.swa else None)
 
 
@@ -169,9 +169,9 @@ def apply_switches(c: ModelConfig, opts: Optimizations) -> ModelConfig:
 def param_leaves(c: ModelConfig):
   """[(name, shape, tp_dim, in_block)]: every parameter of one layer (in_block) and the rest."""
   h, d, q, kv, f = c.hidden_dim, c.head_dim, c.num_heads, c.num_kv_heads, c.mlp_dim
-  norms = ("norm",) if c.block == "parallel" else ("attention_norm", "mlp_norm")
-  norm_leaves = ("scale", "bias") if c.norm == "layernorm" else ("scale",)   # RMSNorm, layernorm_nobias: no bias
-  mlp_inputs = MLP_INPUTS[c.mlp]                                             # wi; wi_gate, wi_up
+  norms = BLOCK_FAMILIES[c.block].norms
+  norm_leaves = NORM_FAMILIES[c.norm].leaves
+  mlp_inputs = MLP_FAMILIES[c.mlp].inputs                                    # wi; wi_gate, wi_up
   layer = [(f"{n}.{w}", (h,), None, True) for n in norms for w in norm_leaves]
   layer += [("query.kernel", (h, q, d), 1, True), ("key.kernel", (h, kv, d), 1, True),
             ("value.kernel", (h, kv, d), 1, True), ("out.kernel", (q, d, h), 0, True), ("wo.kernel", (f, h), 0, True)]

@@ -32,6 +32,7 @@ import psutil
 
 from megajax.config import pipeline_recompute
 from megajax.config_checks import ConfigError
+from megajax.layers import ATTENTION_FUSED, BLOCK_FAMILIES
 from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model, memory
 from megajax.parallel.planner.cost_model import GB, Plan
@@ -41,7 +42,8 @@ def plan_of(config: ml_collections.ConfigDict, platform: str = "gpu") -> Plan:
   """The cost model's Plan for a megajax config (its own block and attention, no switches
   changed) as it runs on `platform` (an unset parallel.pipeline_recompute is the platform's)."""
   c, p, t = config.model, config.parallel, config.train
-  opts = cost_model.Optimizations(ptb=c.block != "serial", swa=True, fused_ops=c.attention_impl != "xla",
+  opts = cost_model.Optimizations(ptb=BLOCK_FAMILIES[c.block].parallel, swa=True,
+                                      fused_ops=ATTENTION_FUSED[c.attention_impl],
                                   lamb=config.optimizer.name == "lamb")
   return Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches), t.batch_size, opts,
               "megajax", p.grad_sync, pipeline_recompute(config, platform), p.schedule, p.traversal)

@@ -16,7 +16,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from megajax.layers import MLP_INPUTS
+from megajax.layers import BLOCK_FAMILIES, MLP_FAMILIES
 from megajax.model import ModelConfig
 from megajax.parallel.planner.cost_model import ParamCounts, Plan, apply_switches, param_counts
 from megajax.parallel.planner.operations import norms_per_layer
@@ -190,12 +190,12 @@ def _layer_kept(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
   if remat == "full":
     return tokens * c.hidden_dim / n * cb, 0.0                             # the block's input
   if remat == "dots":     # projection outputs; attention and elementwise ops are recomputed
-    mlp_outputs = len(MLP_INPUTS[c.mlp]) * c.mlp_dim
+    mlp_outputs = len(MLP_FAMILIES[c.mlp].inputs) * c.mlp_dim
     return tokens * ((q + 2 * kv + mlp_outputs) / n + c.hidden_dim * (1 + 1 / n) * norms) * cb, 0.0
   hidden = LAYER_WIDTHS["hidden"] * norms
-  if c.block == "parallel_two_norms":
+  if BLOCK_FAMILIES[c.block].norms_on_gathered:      # its norms' outputs on the gathered sequence
     hidden += LAYER_WIDTHS["two_norms"] * (2 - 1 / n)
-  mlp = LAYER_WIDTHS["swiglu" if c.mlp == "swiglu" and not vjp_residuals else "mlp"]
+  mlp = LAYER_WIDTHS["swiglu" if MLP_FAMILIES[c.mlp].gated and not vjp_residuals else "mlp"]
   kept = tokens * (hidden * c.hidden_dim + LAYER_WIDTHS["qkv"] * (q + 2 * kv) / n + mlp * c.mlp_dim / n) * cb
   scores = 0.0 if fused_attention else LAYER_WIDTHS["scores"] * b * c.num_heads / n * s * s * 4
   return kept + scores, scores
@@ -330,7 +330,7 @@ def single_stage_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: s
   if plan.microbatches > 2:    # the scan's running sum (m = 2: the first's gradients are the sum; the fit set prefers it)
     terms["accumulator"] = counts.stage * 4 if plan.grad_sync == "step" else counts.shard * pb
   if plan.tp > 1:
-    widths = c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + len(MLP_INPUTS[c.mlp]) * c.mlp_dim
+    widths = c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + len(MLP_FAMILIES[c.mlp].inputs) * c.mlp_dim
     terms["ring"] = plan.micro_batch * c.seq_len * widths / plan.tp * 4
   kept, scores = _layer_kept(act, plan, remat, fused_attention)     # scores only under remat none
   terms["saved"] = (kept - scores) * c.num_layers

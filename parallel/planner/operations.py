@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from megajax import flops
-from megajax.layers import MLP_INPUTS
+from megajax.layers import BLOCK_FAMILIES, MLP_FAMILIES
 from megajax.model import ModelConfig
 from megajax.parallel.planner import hardware
 from megajax.parallel.planner.hardware import Hardware
@@ -27,8 +27,6 @@ from megajax.parallel.planner.hardware import Hardware
 NORM_BYTES = (4, 6)          # LayerNorm: read x, write y | read x and dy, write dx
 BRANCH_BYTES = (7, 5)        # bias-dropout-add of a branch into the residual: read branch and
                              # residual, write the sum and the mask | read dy and the mask, write dx
-ACTIVATION_BYTES = {"gelu": (4, 6), "gelu_exact": (4, 6),   # read, write | read x and dy, write dx
-                    "swiglu": (6, 10)}                          # per output element, two inputs
 SCORE_BYTES = (9, 11)        # fused scale-mask-softmax (read, write) and dropout (read, write the
                              # probabilities and the mask) | dropout and softmax backward
 
@@ -50,13 +48,13 @@ class LayerTimes:
 
 
 def norms_per_layer(c: ModelConfig) -> int:
-  return 1 if c.block == "parallel" else 2
+  return len(BLOCK_FAMILIES[c.block].norms)
 
 
 def tp_pairs_per_layer(c: ModelConfig) -> int:
   """The tp all-gather / reduce-scatter pairs of a block's forward: one per column / row
   matmul group (the serial block's halves; both parallel blocks fuse theirs)."""
-  return 2 if c.block == "serial" else 1
+  return BLOCK_FAMILIES[c.block].tp_pairs
 
 
 def linear_shapes(c: ModelConfig, tp: int) -> list[tuple[int, int]]:
@@ -64,7 +62,7 @@ def linear_shapes(c: ModelConfig, tp: int) -> list[tuple[int, int]]:
   column-parallel linears as one GEMM (q, k, v and the MLP's inputs) and their two
   row-parallel ones as one (attention out and the MLP's output)."""
   h, q, kv, f = c.hidden_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.mlp_dim
-  mlp_in = len(MLP_INPUTS[c.mlp]) * f
+  mlp_in = len(MLP_FAMILIES[c.mlp].inputs) * f
   if c.block != "serial":
     return [(h, (q + 2 * kv + mlp_in) // tp), ((q + f) // tp, h)]
   return [(h, (q + 2 * kv) // tp), (q // tp, h), (h, mlp_in // tp), (f // tp, h)]
@@ -110,7 +108,7 @@ def elementwise_times(c: ModelConfig, tokens: int, tp: int, norm_tokens: float, 
   parallelism), the activation over the MLP's tp shard."""
   norms = norms_per_layer(c)
   per_row = c.hidden_dim * c.compute_dtype.itemsize / 2           # the byte counts are bf16's
-  activation = ACTIVATION_BYTES[c.mlp]
+  activation = MLP_FAMILIES[c.mlp].activation_bytes
   times = []
   for i in (0, 1):
     nbytes = norm_tokens * per_row * (norms * NORM_BYTES[i] + 2 * BRANCH_BYTES[i])
@@ -126,8 +124,8 @@ def layer_times(c: ModelConfig, micro_batch: int, tp: int, fused_attention: bool
   shapes = linear_shapes(c, tp)
   forward, input_grad, weight_grad = gemm_times(shapes, tokens, hw, k, c.compute_dtype.itemsize)
   attention = attention_times(c, micro_batch, tp, window, fused_attention, hw, k)
-  # The two-norm block's norms run on the gathered sequence (megajax); the others' on a shard.
-  norm_tokens = tokens / tp if sequence_parallel and c.block != "parallel_two_norms" else tokens
+  # A block's norms on the gathered sequence (the two-norm block's, megajax) or on a shard.
+  norm_tokens = tokens / tp if sequence_parallel and not BLOCK_FAMILIES[c.block].norms_on_gathered else tokens
   elementwise = elementwise_times(c, tokens, tp, norm_tokens, hw, k)
   return LayerTimes(forward, input_grad, weight_grad, *attention, *elementwise)
 

@@ -9,7 +9,8 @@ from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, FAIL_MODES, M
                             REMAT_CHOICES, ConfigError, default_config, load_config, parse_mixture,
                             uses_document_masking, validate)
 from megajax.launch import train as train_command
-from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, MLP_INPUTS, NORM_MODULES
+from megajax.layers import (ATTENTION_FUSED, ATTENTION_IMPLS, BLOCK_FAMILIES, MLP_ACTIVATIONS, MLP_FAMILIES,
+                            NORM_FAMILIES, NORM_MODULES)
 from megajax.model import BLOCK_MODULES, REMAT_POLICIES
 from megajax.parallel.tensor_parallel import BLOCK_FUNCTIONS
 from megajax.trainer.drills import FAIL_SIGNALS
@@ -257,12 +258,13 @@ def test_load_config_overrides_and_rejects_unknown_fields():
 
 
 def test_every_name_a_choice_field_accepts_is_implemented():
-  """The config's *_CHOICES and the registries that implement them hold the same names."""
-  assert set(BLOCK_CHOICES) == set(BLOCK_MODULES) == set(BLOCK_FUNCTIONS)
+  """The config's *_CHOICES, the family rows (megajax.layers.families) and the registries that
+  implement them hold the same names."""
+  assert set(BLOCK_CHOICES) == set(BLOCK_FAMILIES) == set(BLOCK_MODULES) == set(BLOCK_FUNCTIONS)
   assert set(REMAT_CHOICES) == set(REMAT_POLICIES) | {"none"}
-  assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_IMPLS)
-  assert set(NORM_CHOICES) == set(NORM_MODULES)
-  assert set(MLP_CHOICES) == set(MLP_INPUTS) == set(MLP_ACTIVATIONS)
+  assert set(ATTENTION_IMPL_CHOICES) == set(ATTENTION_FUSED) == set(ATTENTION_IMPLS)
+  assert set(NORM_CHOICES) == set(NORM_FAMILIES) == set(NORM_MODULES)
+  assert set(MLP_CHOICES) == set(MLP_FAMILIES) == set(MLP_ACTIVATIONS)
   assert set(FAIL_MODES) == set(FAIL_SIGNALS)
 
 
