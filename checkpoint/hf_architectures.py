@@ -6,6 +6,8 @@ config.json fields, and every tensor's name and layout. No file is read or writt
   layernorm + gelu[_exact], any block, no window, no GQA  GPTNeoXForCausalLM (gpt_neox)
   rmsnorm + swiglu, serial, no bias, every layer G    LlamaForCausalLM (llama)
   rmsnorm + swiglu, serial, no bias, every layer L    MistralForCausalLM (mistral, sliding_window)
+  rmsnorm + swiglu, serial, biases on q, k, v alone (qkv_bias), every layer G
+                                                      Qwen2ForCausalLM (qwen2)
   layernorm_nobias + swiglu, parallel, no bias, NoPE on G layers, any L/G pattern
                                                       Cohere2ForCausalLM (cohere2, layer_types, logit_scale)
   anything else                                       MegajaxForCausalLM (trust_remote_code)
@@ -28,9 +30,9 @@ import numpy as np
 
 from megajax.model import GPT, ModelConfig, init_params
 
-NEOX, LLAMA, MISTRAL, COHERE2 = "gpt_neox", "llama", "mistral", "cohere2"
+NEOX, LLAMA, MISTRAL, COHERE2, QWEN2 = "gpt_neox", "llama", "mistral", "cohere2", "qwen2"
 NATIVE = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM",
-          COHERE2: "Cohere2ForCausalLM"}
+          COHERE2: "Cohere2ForCausalLM", QWEN2: "Qwen2ForCausalLM"}
 # Every other megajax model: its own code beside the weights (checkpoint/remote_code/, loaded
 # with trust_remote_code=True), megajax's parameter names and layouts, nothing transformed.
 REMOTE = "megajax"
@@ -68,8 +70,9 @@ def architecture(model: ModelConfig) -> str:
   if model.norm == "layernorm_nobias" and model.mlp == "swiglu":
     if model.block != "parallel":
       raise HfFormatError(f"model.block={model.block}: Cohere2's block is parallel off one norm (model.block=parallel)")
-    if model.use_bias:
-      raise HfFormatError("model.use_bias=True: Cohere2 has no biases (model.use_bias=False)")
+    if model.use_bias or model.qkv_bias:
+      raise HfFormatError(f"model.{'use_bias' if model.use_bias else 'qkv_bias'}=True: Cohere2 has no biases "
+                          "(model.use_bias=False, model.qkv_bias=False)")
     if model.global_rope and None in windows:
       raise HfFormatError("model.global_rope=True: Cohere2's global layers have no positions "
                           "(model.global_rope=False)")
@@ -86,12 +89,20 @@ def architecture(model: ModelConfig) -> str:
     if model.num_kv_heads != model.num_heads:
       raise HfFormatError(f"model.num_kv_heads={model.num_kv_heads}: GPT-NeoX has no grouped KV heads (it needs "
                           f"num_kv_heads = num_heads = {model.num_heads})")
+    if model.qkv_bias and not model.use_bias:
+      raise HfFormatError("model.qkv_bias=True with model.use_bias=False: GPT-NeoX's linears have biases all or none")
     return NEOX
   if model.norm == "rmsnorm" and model.mlp == "swiglu":
     if model.block != "serial":
       raise HfFormatError(f"model.block={model.block}: Llama and Mistral have serial blocks (model.block=serial)")
     if model.use_bias:
-      raise HfFormatError("model.use_bias=True: Llama and Mistral have no biases (model.use_bias=False)")
+      raise HfFormatError("model.use_bias=True: Llama and Mistral have no biases, Qwen2 biases on q, k and v alone "
+                          "(model.use_bias=False, model.qkv_bias=True)")
+    if model.qkv_bias:
+      if any(w is not None for w in windows):
+        raise HfFormatError(f"model.window={model.window} (window_pattern={model.window_pattern!r}) with "
+                            "model.qkv_bias=True: Qwen2 as megajax writes it has every layer global (model.window=0)")
+      return QWEN2
     if all(w is None for w in windows):
       return LLAMA
     if all(w is not None for w in windows):
@@ -154,6 +165,9 @@ def hf_config(arch: str, model: ModelConfig, eos_id: int | None, bos_id: int | N
                  "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}})
   if arch == LLAMA:
     return {**config, "mlp_bias": False, "pretraining_tp": 1}
+  if arch == QWEN2:       # q, k and v biased (Qwen2's attention always is), every layer global
+    return {**config, "use_sliding_window": False, "sliding_window": None, "max_window_layers": model.num_layers,
+            "layer_types": ["full_attention"] * model.num_layers}
   return {**config, "sliding_window": model.window}
 
 
@@ -190,14 +204,16 @@ def model_fields(hf: dict) -> tuple[str, dict]:
   arch = hf.get("model_type")
   if arch not in ARCHITECTURES:
     raise HfFormatError(f"model_type={arch!r}: megajax reads gpt_neox (GPTNeoXForCausalLM), llama "
-                        "(LlamaForCausalLM), mistral (MistralForCausalLM) and its own megajax (MegajaxForCausalLM)")
+                        "(LlamaForCausalLM), mistral (MistralForCausalLM), cohere2 (Cohere2ForCausalLM), qwen2 "
+                        "(Qwen2ForCausalLM) and its own megajax (MegajaxForCausalLM)")
   heads, hidden = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
   if hidden % heads:
     raise HfFormatError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
   fields = {"vocab_size": _int(hf, "vocab_size"), "seq_len": _int(hf, "max_position_embeddings"),
             "num_layers": _int(hf, "num_hidden_layers"), "hidden_dim": hidden, "num_heads": heads,
             "mlp_dim": _int(hf, "intermediate_size"), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "rope_theta": _rope(hf, arch), "window": 0, "window_pattern": "L", "global_rope": True, "logit_scale": 1.0}
+            "rope_theta": _rope(hf, arch), "window": 0, "window_pattern": "L", "global_rope": True, "logit_scale": 1.0,
+            "qkv_bias": False}
   if arch == REMOTE:
     return arch, remote_fields(hf, fields)
   act = hf.get("hidden_act")
@@ -217,9 +233,11 @@ def model_fields(hf: dict) -> tuple[str, dict]:
     return arch, _cohere2_fields(hf, fields)
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key):
-      raise HfFormatError(f"{key}=true: megajax's rmsnorm + swiglu blocks have no biases")
+      raise HfFormatError(f"{key}=true: megajax's rmsnorm + swiglu blocks have no biases but Qwen2's on q, k and v")
+  if arch == QWEN2 and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
+    raise HfFormatError("use_sliding_window=true: megajax reads Qwen2 models whose every layer is global")
   fields.update(norm="rmsnorm", mlp="swiglu", num_kv_heads=_kv_heads(hf, fields), block="serial", use_bias=False,
-                layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)))
+                qkv_bias=arch == QWEN2, layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)))
   window = hf.get("sliding_window") if arch == MISTRAL else None
   if window is not None:
     fields["window"] = min(_int(hf, "sliding_window"), fields["seq_len"])   # wider than a sequence: the same
@@ -283,10 +301,12 @@ def tensor_table(arch: str, model: ModelConfig) -> list[Tensor]:
   table = [Tensor("model.embed_tokens.weight", "copy", (("embedding",),))]
   for layer in range(model.num_layers):
     p, own = f"model.layers.{layer}.", f"layer_{layer}"
-    table += [Tensor(p + "input_layernorm.weight", "copy", ((own, "attention_norm", "scale"),)),
-              *[Tensor(f"{p}self_attn.{x}_proj.weight", "heads_in", ((own, "attention", name, "kernel"),))
-                for x, name in (("q", "query"), ("k", "key"), ("v", "value"))],
-              Tensor(p + "self_attn.o_proj.weight", "heads_out", ((own, "attention", "out", "kernel"),)),
+    table.append(Tensor(p + "input_layernorm.weight", "copy", ((own, "attention_norm", "scale"),)))
+    for x, name in (("q", "query"), ("k", "key"), ("v", "value")):
+      table.append(Tensor(f"{p}self_attn.{x}_proj.weight", "heads_in", ((own, "attention", name, "kernel"),)))
+      if model.qkv_bias:     # Qwen2's
+        table.append(Tensor(f"{p}self_attn.{x}_proj.bias", "heads_bias", ((own, "attention", name, "bias"),)))
+    table += [Tensor(p + "self_attn.o_proj.weight", "heads_out", ((own, "attention", "out", "kernel"),)),
               Tensor(p + "post_attention_layernorm.weight", "copy", ((own, "mlp_norm", "scale"),)),
               *[Tensor(f"{p}mlp.{x}_proj.weight", "linear", ((own, "mlp", name, "kernel"),))
                 for x, name in (("gate", "wi_gate"), ("up", "wi_up"), ("down", "wo"))]]
@@ -352,6 +372,8 @@ def to_hf(kind: str, arrays: list[np.ndarray]) -> np.ndarray:
     return a[..., _interleaved(a.shape[-1])].reshape(a.shape[0], -1).T
   if kind == "heads_out":                               # [heads, d, hidden] -> [hidden, heads * d]
     return a.reshape(-1, a.shape[-1]).T
+  if kind == "heads_bias":                              # [heads, d] -> [heads * d]
+    return a.reshape(-1)
   if kind == "qkv":                                     # 3 x [hidden, heads, d] -> [heads * 3 * d, hidden]
     return np.stack(arrays, axis=2).reshape(a.shape[0], -1).T
   if kind == "qkv_bias":                                # 3 x [heads, d] -> [heads * 3 * d]
@@ -367,6 +389,8 @@ def from_hf(kind: str, tensor: np.ndarray, shapes: list[tuple]) -> list[np.ndarr
     return [tensor.T]
   if kind in ("heads_in", "heads_out"):
     return [tensor.T.reshape(shapes[0])]
+  if kind == "heads_bias":
+    return [tensor.reshape(shapes[0])]
   if kind == "heads_in_interleaved":
     return [tensor.T.reshape(shapes[0])[..., np.argsort(_interleaved(shapes[0][-1]))]]
   if kind == "qkv":
@@ -384,7 +408,8 @@ def hf_shape(kind: str, shapes: list[tuple]) -> tuple:
   s = shapes[0]
   return {"copy": lambda: s, "linear": lambda: s[::-1], "heads_in": lambda: (s[1] * s[2], s[0]),
           "heads_in_interleaved": lambda: (s[1] * s[2], s[0]),
-          "heads_out": lambda: (s[2], s[0] * s[1]), "qkv": lambda: (3 * s[1] * s[2], s[0]),
+          "heads_out": lambda: (s[2], s[0] * s[1]), "heads_bias": lambda: (s[0] * s[1],),
+          "qkv": lambda: (3 * s[1] * s[2], s[0]),
           "qkv_bias": lambda: (3 * s[0] * s[1],)}[kind]()
 
 
@@ -407,7 +432,8 @@ def remote_config(model: ModelConfig, eos_id: int | None, bos_id: int | None) ->
           "vocab_size": model.vocab_size, "hidden_size": model.hidden_dim, "num_hidden_layers": model.num_layers,
           "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
           "intermediate_size": model.mlp_dim, "max_position_embeddings": model.seq_len, "block": model.block,
-          "norm": model.norm, "mlp": model.mlp, "use_bias": model.use_bias, "rope_theta": model.rope_theta,
+          "norm": model.norm, "mlp": model.mlp, "use_bias": model.use_bias, "qkv_bias": model.qkv_bias,
+          "rope_theta": model.rope_theta,
           "layer_norm_eps": model.layernorm_epsilon, "tie_embeddings": model.tie_embeddings,
           "global_rope": model.global_rope, "logit_scale": model.logit_scale,
           "layer_windows": [model.layer_window(layer) for layer in range(model.num_layers)],
@@ -437,6 +463,7 @@ def remote_fields(hf: dict, fields: dict) -> dict:
     raise HfFormatError(f"layer_windows={windows!r}: not one window (a positive integer, or null) per layer")
   return {**fields, "num_kv_heads": _kv_heads(hf, fields), "block": str(hf.get("block")),
           "norm": str(hf.get("norm")), "mlp": str(hf.get("mlp")), "use_bias": bool(hf.get("use_bias")),
+          "qkv_bias": bool(hf.get("qkv_bias", False)),
           "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
           "tie_embeddings": bool(hf.get("tie_embeddings", False)), "global_rope": bool(hf.get("global_rope", True)),
           "logit_scale": float(hf.get("logit_scale", 1.0)), **_window_fields(windows)}

@@ -36,7 +36,7 @@ from megajax.tokenizer import joined_message, tokenizer_of
 
 PROGRAM = "megajax-import-hf"
 MODEL_FIELDS = ("vocab_size", "seq_len", "num_layers", "hidden_dim", "num_heads", "num_kv_heads", "mlp_dim", "window",
-                "window_pattern", "block", "norm", "mlp", "tie_embeddings", "use_bias", "rope_theta",
+                "window_pattern", "block", "norm", "mlp", "tie_embeddings", "use_bias", "qkv_bias", "rope_theta",
                 "layernorm_epsilon", "global_rope", "logit_scale")
 _CONFIG = define_config_flag()
 _HF = flags.DEFINE_string("hf", None, "A Hugging Face model directory: config.json and safetensors weights.")

@@ -161,6 +161,7 @@ class Attention(nn.Module):
   rope_theta: float = 10000.0
   rope: bool = True           # False: no rotary positions (NoPE: model.global_rope=False's global layers)
   use_bias: bool = True
+  qkv_bias: bool = False      # biases on q, k and v even without use_bias (Qwen2's)
   init_std: float = 0.02
   out_init_std: float = 0.02
   impl: str = "xla"
@@ -174,7 +175,7 @@ class Attention(nn.Module):
 
     def projection(heads: int, heads_axis: str, name: str):
       return nn.DenseGeneral(
-          features=(heads, self.head_dim), use_bias=self.use_bias, dtype=self.dtype,
+          features=(heads, self.head_dim), use_bias=self.use_bias or self.qkv_bias, dtype=self.dtype,
           param_dtype=self.param_dtype, name=name,
           kernel_init=initializers.normal(self.init_std, ("embed", heads_axis, "head_dim")),
           bias_init=initializers.zeros((heads_axis, "head_dim")))

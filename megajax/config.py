@@ -66,6 +66,7 @@ def _model() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"
   m.tie_embeddings = False
   m.use_bias = True         # biases in the attention and MLP linears (False: Llama, PaLM).
+  m.qkv_bias = False        # biases on the query, key and value projections even without use_bias (Qwen2).
   m.rope_theta = 10000.0
   m.global_rope = True      # False: global (G) layers see no positions (NoPE; Cohere2's), local ones rotate.
   m.logit_scale = 1.0       # The logits times this (Cohere's 0.0625): in the loss, sampling and export.
@@ -82,6 +83,7 @@ def _check_model(config) -> None:
   check.choice(config, "model.block", BLOCK_CHOICES)
   check.choice(config, "model.norm", NORM_CHOICES)
   check.boolean(config, "model.global_rope")
+  check.boolean(config, "model.qkv_bias")
   check.require(check.finite(m.logit_scale) and m.logit_scale > 0, "model.logit_scale", m.logit_scale,
                 "must be a finite number > 0", "e.g. 1.0 (none), or Cohere's 0.0625")
   check.choice(config, "model.mlp", MLP_CHOICES)

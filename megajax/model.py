@@ -54,6 +54,7 @@ class ModelConfig:
   param_dtype: jnp.dtype
   tie_embeddings: bool
   use_bias: bool
+  qkv_bias: bool
   rope_theta: float
   global_rope: bool
   logit_scale: float
@@ -85,8 +86,8 @@ def _attention(config: ModelConfig, window: int | None) -> Attention:
   # GPT-2: residual-output projections scaled by 1/sqrt(2 * layers) keep the stream's variance flat.
   return Attention(
       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-      window=window, rope_theta=config.rope_theta, rope=window is not None or config.global_rope, use_bias=config.use_bias, init_std=config.init_std,
-      out_init_std=config.init_std / math.sqrt(2 * config.num_layers), impl=config.attention_impl,
+      window=window, rope_theta=config.rope_theta, rope=window is not None or config.global_rope, use_bias=config.use_bias, qkv_bias=config.qkv_bias,
+      init_std=config.init_std, out_init_std=config.init_std / math.sqrt(2 * config.num_layers), impl=config.attention_impl,
       dtype=config.compute_dtype, param_dtype=config.param_dtype, name="attention")
 
 

@@ -65,12 +65,17 @@ def _split(x, widths):
 
 def _column_operand(p, name: str, c: ModelConfig):
   """A columns operand of the layer's compute form (megajax.parallel.fused) in the compute
-  dtype, its bias [features] (the members' side by side; None without biases) and its
-  members' widths on this tp rank."""
+  dtype, its bias [features] (the members' side by side, zeros for a member without one:
+  model.qkv_bias's MLP inputs; None when no member has one) and its members' widths on this
+  tp rank."""
   operand = fused.operands(c)[name]
-  bias = (jnp.concatenate([p[module][linear]["bias"].reshape(-1) for module, linear in operand.members])
-          .astype(c.compute_dtype) if c.use_bias else None)
-  return p[name].astype(c.compute_dtype), bias, fused.member_widths(operand, c, lax.axis_size(TP))
+  widths = fused.member_widths(operand, c, lax.axis_size(TP))
+  biases = [p[module][linear].get("bias") for module, linear in operand.members]
+  present = next((b for b in biases if b is not None), None)
+  bias = None if present is None else jnp.concatenate(
+      [b.reshape(-1) if b is not None else jnp.zeros((width,), present.dtype)
+       for b, width in zip(biases, widths)]).astype(c.compute_dtype)
+  return p[name].astype(c.compute_dtype), bias, widths
 
 
 def _row_matmul(p, name: str, parts: list, c: ModelConfig, overlap: Overlap):
@@ -152,8 +157,10 @@ def parallel_two_norms_block(p, x, positions, window, c: ModelConfig, overlap: O
                             matmul(_norm(p["mlp_norm"], gathered, c), mlp_kernel)], axis=-1)
 
   projected = overlap.column_apply(x, branch_inputs)                      # [b, s, (q+k+v+mlp)/n]
-  if c.use_bias:
-    projected = projected + jnp.concatenate([attention_bias, mlp_bias])
+  if attention_bias is not None or mlp_bias is not None:
+    projected = projected + jnp.concatenate([
+        bias if bias is not None else jnp.zeros((sum(widths),), c.compute_dtype)
+        for bias, widths in ((attention_bias, attention_widths), (mlp_bias, mlp_widths))])
   return _parallel_branches(p, x, projected, attention_widths + mlp_widths, positions, window, c, overlap, probe,
                             segment_ids)
 

@@ -12,7 +12,7 @@ class MegajaxConfig(PretrainedConfig):
 
   def __init__(self, vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=None, intermediate_size=None, max_position_embeddings=128, block="parallel",
-               norm="layernorm", mlp="gelu", use_bias=True, rope_theta=10000.0, layer_norm_eps=1e-5,
+               norm="layernorm", mlp="gelu", use_bias=True, qkv_bias=False, rope_theta=10000.0, layer_norm_eps=1e-5,
                layer_windows=None, tie_embeddings=False, initializer_range=0.02, global_rope=True, logit_scale=1.0,
                **kwargs):
     self.vocab_size = vocab_size
@@ -26,6 +26,7 @@ class MegajaxConfig(PretrainedConfig):
     self.norm = norm                    # "layernorm", "layernorm_nobias" or "rmsnorm"
     self.mlp = mlp                      # "gelu" (tanh form), "gelu_exact" or "swiglu"
     self.use_bias = use_bias
+    self.qkv_bias = qkv_bias            # biases on q, k and v even without use_bias (Qwen2's)
     self.rope_theta = rope_theta
     self.layer_norm_eps = layer_norm_eps
     self.layer_windows = list(layer_windows) if layer_windows is not None else [None] * num_hidden_layers

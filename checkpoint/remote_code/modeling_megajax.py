@@ -81,9 +81,10 @@ class Attention(nn.Module):
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     self.head_dim, self.window, self.theta = hidden // heads, window, config.rope_theta
     self.rope = window is not None or config.global_rope
-    self.query = Dense((hidden,), (heads, self.head_dim), config.use_bias)
-    self.key = Dense((hidden,), (kv_heads, self.head_dim), config.use_bias)
-    self.value = Dense((hidden,), (kv_heads, self.head_dim), config.use_bias)
+    qkv_bias = config.use_bias or getattr(config, "qkv_bias", False)
+    self.query = Dense((hidden,), (heads, self.head_dim), qkv_bias)
+    self.key = Dense((hidden,), (kv_heads, self.head_dim), qkv_bias)
+    self.value = Dense((hidden,), (kv_heads, self.head_dim), qkv_bias)
     self.out = Dense((heads, self.head_dim), (hidden,), config.use_bias)
 
   def forward(self, x, positions, index, key_mask, cache, layer):

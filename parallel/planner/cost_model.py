@@ -176,9 +176,10 @@ def param_leaves(c: ModelConfig):
   layer += [("query.kernel", (h, q, d), 1, True), ("key.kernel", (h, kv, d), 1, True),
             ("value.kernel", (h, kv, d), 1, True), ("out.kernel", (q, d, h), 0, True), ("wo.kernel", (f, h), 0, True)]
   layer += [(f"{name}.kernel", (h, f), 1, True) for name in mlp_inputs]
+  if c.use_bias or c.qkv_bias:
+    layer += [("query.bias", (q, d), 0, True), ("key.bias", (kv, d), 0, True), ("value.bias", (kv, d), 0, True)]
   if c.use_bias:
-    layer += [("query.bias", (q, d), 0, True), ("key.bias", (kv, d), 0, True), ("value.bias", (kv, d), 0, True),
-              ("out.bias", (h,), None, True), ("wo.bias", (h,), None, True)]
+    layer += [("out.bias", (h,), None, True), ("wo.bias", (h,), None, True)]
     layer += [(f"{name}.bias", (f,), 0, True) for name in mlp_inputs]
   rest = [("embedding", (c.vocab_size, h), 0, False)] + [(f"final_norm.{w}", (h,), None, False) for w in norm_leaves]
   if not c.tie_embeddings:

@@ -82,7 +82,10 @@ def test_both_gradient_syncs_match_the_reference(mesh, grad_sync):
     ((("compute_dtype", "bfloat16"),), 3e-2),   # the default dtype: bf16 matmuls on both sides
     ((("norm", "layernorm_nobias"), ("mlp", "swiglu"), ("use_bias", False), ("global_rope", False),
       ("logit_scale", 0.0625), ("tie_embeddings", True)), 1e-5),
-], ids=["llama-remat", "neox-tied", "bf16", "cohere2-nope"])
+    ((("block", "serial"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("use_bias", False), ("qkv_bias", True)), 1e-5),
+    ((("mlp", "swiglu"), ("use_bias", False), ("qkv_bias", True)), 1e-5),
+    ((("block", "parallel_two_norms"), ("use_bias", False), ("qkv_bias", True)), 1e-5),
+], ids=["llama-remat", "neox-tied", "bf16", "cohere2-nope", "qwen2", "qkv-bias-parallel", "qkv-bias-two-norms"])
 def test_model_variants_match_the_reference(overrides, rtol):
   """The block families, each with one more switch (one compile checks two code paths, each
   against the reference): Llama's serial block (RMSNorm, a bias-free SwiGLU: gate and up in one
@@ -91,7 +94,9 @@ def test_model_variants_match_the_reference(overrides, rtol):
   with its biases and a tied head on the vocab shard (bias-free linears: Llama's case); then
   bf16 compute, where only rounding (not math) may differ; Cohere2's (a LayerNorm without bias,
   SwiGLU in the parallel block, the global layer without positions, the logit scale on the vocab
-  shard). (SwiGLU in a parallel block: the pipeline's case too.)"""
+  shard); Qwen2's (Llama's with biases on q, k and v alone: model.qkv_bias), and those biases in
+  both parallel blocks, whose fused column matmul then adds zeros for the MLP's inputs. (SwiGLU
+  in a parallel block: the pipeline's case too.)"""
   config = parallel_config(2, 4, "parallel", "collective_matmul", 2)
   for field, value in overrides:
     config.model[field] = value

@@ -1,6 +1,6 @@
 """Independent NumPy forward passes of the Hugging Face architectures megajax exports, written
-from transformers' modeling_gpt_neox.py, modeling_llama.py, modeling_mistral.py and
-modeling_cohere2.py (not from
+from transformers' modeling_gpt_neox.py, modeling_llama.py, modeling_mistral.py,
+modeling_qwen2.py and modeling_cohere2.py (not from
 megajax): read a model directory's config.json and safetensors, return the logits of a batch of
 token ids, in float64. No megajax code is imported here.
 
@@ -9,7 +9,8 @@ q | k | v; rotary on the first rotary_pct of each head (rotate_half); parallel r
 x + attn(ln1(x)) + mlp(ln2(x)) or sequential; GELU of hidden_act; embed_out (lm_head).
 Llama / Mistral: RMSNorm (weight * x / sqrt(mean(x^2) + eps)); q/k/v/o projections with
 num_key_value_heads shared KV heads; SwiGLU down(silu(gate(x)) * up(x)); Mistral's
-sliding_window: query i sees keys i - sliding_window < j <= i.
+sliding_window: query i sees keys i - sliding_window < j <= i. Qwen2: Llama's with biases on
+q_proj, k_proj and v_proj (every layer global here).
 Cohere2: one LayerNorm without bias before both branches, x + attn(ln(x)) + mlp(ln(x)); rotary
 on interleaved pairs (2i, 2i + 1) on the sliding_attention layers only (layer_types), no
 positions on the full_attention ones; SwiGLU; logits times logit_scale.
@@ -42,7 +43,8 @@ def load(hf_dir: str) -> tuple[dict, dict]:
 def logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
   """float64[batch, seq, vocab] for int tokens [batch, seq]."""
   config, tensors = load(hf_dir)
-  forward = {"gpt_neox": _neox, "llama": _llama, "mistral": _llama, "cohere2": _cohere2}[config["model_type"]]
+  forward = {"gpt_neox": _neox, "llama": _llama, "mistral": _llama, "qwen2": _llama, "cohere2": _cohere2}[
+      config["model_type"]]
   return forward(config, tensors, np.asarray(tokens))
 
 

@@ -16,7 +16,7 @@ from megajax.parallel.tensor_parallel import BLOCK_FUNCTIONS
 from megajax.trainer.drills import FAIL_SIGNALS
 from tests.support import REPO
 
-CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b", "cohere2"]
+CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b", "cohere2", "qwen2"]
 
 # (field to set, value, field the message must name)
 INVALID = [

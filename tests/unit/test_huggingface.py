@@ -45,6 +45,9 @@ CASES = {
                          "Cohere2ForCausalLM"),
     "cohere2-untied-lg": ({**COHERE2, "window": 6, "window_pattern": "LG", "tie_embeddings": False,
                            "logit_scale": 0.5}, "Cohere2ForCausalLM"),
+    # Qwen2: Llama's with biases on q, k and v alone; GQA, tied.
+    "qwen2-gqa-tied": ({**LLAMA, "qkv_bias": True, "num_kv_heads": 2, "window_pattern": "G", "tie_embeddings": True},
+                       "Qwen2ForCausalLM"),
 }
 SINGLE_FILE = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 TOKENS = np.random.default_rng(1).integers(0, 64, (2, 16)).astype(np.int32)
@@ -144,6 +147,7 @@ REMOTE_CASES = {
     "two-norms-gelu-exact-tied": {"block": "parallel_two_norms", "mlp": "gelu_exact", "window": 4,
                                   "window_pattern": "LLG", "num_layers": 3, "tie_embeddings": True},
     "serial-rmsnorm-swiglu-windows": {**LLAMA, "window": 6, "window_pattern": "GL", "num_kv_heads": 1},
+    "parallel-qkv-bias": {"block": "parallel", "use_bias": False, "qkv_bias": True, "window": 5, "window_pattern": "LG"},
 }
 REMOTE_FILES = sorted([*SINGLE_FILE, "configuration_megajax.py", "modeling_megajax.py"])
 
@@ -277,6 +281,9 @@ def test_a_byte_level_run_gets_a_tokenizer_that_encodes_bytes_and_a_run_s_tokeni
     ({**COHERE2, "global_rope": True}, "model.global_rope=True: Cohere2's global layers have no positions"),
     ({"logit_scale": 0.5}, "model.logit_scale=0.5: GPT-NeoX, Llama and Mistral have no logit scale"),
     ({**LLAMA, "global_rope": False}, "model.global_rope=False: GPT-NeoX, Llama and Mistral rotate"),
+    ({**LLAMA, "qkv_bias": True, "window": 4}, "model.window=4 (window_pattern='L') with model.qkv_bias=True: Qwen2"),
+    ({**COHERE2, "qkv_bias": True}, "model.qkv_bias=True: Cohere2 has no biases"),
+    ({"use_bias": False, "qkv_bias": True}, "model.qkv_bias=True with model.use_bias=False: GPT-NeoX's linears"),
 ])
 def test_a_native_export_refuses_what_the_architecture_cannot_carry_in_one_line(tmp_path, fields, message):
   config = _config(**fields)
@@ -306,9 +313,10 @@ def _edit_tensors(directory, edit):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-  """A Llama (GQA) and a GPT-NeoX (two norms, biases) directory to damage (copy first)."""
+  """A Llama (GQA), a GPT-NeoX (two norms, biases) and a Qwen2 directory to damage (copy first)."""
   root = tmp_path_factory.mktemp("exported")
-  for name, fields in (("llama", {**LLAMA, "num_kv_heads": 2}), ("neox", {"block": "parallel_two_norms"})):
+  for name, fields in (("llama", {**LLAMA, "num_kv_heads": 2}), ("neox", {"block": "parallel_two_norms"}),
+                       ("qwen2", {**LLAMA, "qkv_bias": True})):
     export_hf(_config(**fields), _params(_config(**fields)), str(root / name))
   return root
 
@@ -333,6 +341,9 @@ def _copy(exported, name, tmp_path):
     ("llama", lambda d: _edit_config(d, rope_parameters={"rope_type": "linear", "factor": 2.0}),
      "rope_type='linear' (rope scaling)"),
     ("llama", lambda d: _edit_config(d, attention_bias=True), "attention_bias=true"),
+    ("qwen2", lambda d: _edit_config(d, use_sliding_window=True), "use_sliding_window=true: megajax reads Qwen2"),
+    ("qwen2", lambda d: _edit_tensors(d, lambda t: t.pop("model.layers.0.self_attn.k_proj.bias")),
+     "model.layers.0.self_attn.k_proj.bias: missing from "),
     ("neox", lambda d: _edit_config(d, rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.25}),
      "partial_rotary_factor=0.25 (rotary_pct)"),
     ("neox", lambda d: _edit_config(d, hidden_act="relu"), "hidden_act='relu': megajax's GeLUs are the tanh form"),

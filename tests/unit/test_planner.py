@@ -43,10 +43,13 @@ def test_memory_counts_dtypes_and_sharding(tiny_config):
 
 def test_param_counts_match_the_model(tiny_config):
   """Every block family (the plan's PTB switch keeps the model's parallel block), the
-  RMSNorm, bias-free SwiGLU and tied head, or the GPT defaults, as plan_of reads the config."""
-  for block, (norm, mlp, use_bias, tied) in itertools.product(
-      BLOCK_CHOICES, (("layernorm", "gelu", True, False), ("rmsnorm", "swiglu", False, True))):
-    tiny_config.model.update(block=block, norm=norm, mlp=mlp, use_bias=use_bias, tie_embeddings=tied)
+  RMSNorm, bias-free SwiGLU and tied head, Qwen2's biases on q, k and v alone, or the GPT
+  defaults, as plan_of reads the config."""
+  for block, (norm, mlp, use_bias, qkv_bias, tied) in itertools.product(
+      BLOCK_CHOICES, (("layernorm", "gelu", True, False, False), ("rmsnorm", "swiglu", False, False, True),
+                      ("rmsnorm", "swiglu", False, True, False))):
+    tiny_config.model.update(block=block, norm=norm, mlp=mlp, use_bias=use_bias, qkv_bias=qkv_bias,
+                             tie_embeddings=tied)
     model = GPT(ModelConfig.from_config(tiny_config.model))
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     plan = plan_of(tiny_config)
