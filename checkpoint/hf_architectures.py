@@ -1,6 +1,6 @@
-"""Hugging Face architectures <-> megajax models: which HF class a megajax model is, its
-config.json fields, and every tensor's name and layout. No file is read or written here
-(checkpoint/huggingface.py does that).
+"""Hugging Face architectures <-> megajax models: which HF class a megajax model is (the native
+families' rows, checkpoint/hf_families.py), its config.json fields, and every tensor's name and
+layout. No file is read or written here (checkpoint/huggingface.py does that).
 
   megajax model                                       Hugging Face
   layernorm + gelu[_exact], any block, no window, no GQA  GPTNeoXForCausalLM (gpt_neox)
@@ -28,11 +28,11 @@ import dataclasses
 import jax
 import numpy as np
 
+from megajax.checkpoint.hf_families import FAMILY_OF, NATIVE_FAMILIES, HfFormatError, native_architecture
 from megajax.model import GPT, ModelConfig, init_params
 
 NEOX, LLAMA, MISTRAL, COHERE2, QWEN2 = "gpt_neox", "llama", "mistral", "cohere2", "qwen2"
-NATIVE = {NEOX: "GPTNeoXForCausalLM", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM",
-          COHERE2: "Cohere2ForCausalLM", QWEN2: "Qwen2ForCausalLM"}
+NATIVE = {f.model_type: f.hf_class for f in NATIVE_FAMILIES}     # the native families' (hf_families)
 # Every other megajax model: its own code beside the weights (checkpoint/remote_code/, loaded
 # with trust_remote_code=True), megajax's parameter names and layouts, nothing transformed.
 REMOTE = "megajax"
@@ -45,10 +45,6 @@ MLP_OF_HF_ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_
 SILUS = ("silu", "swish")
 # Buffers old transformers versions saved with GPT-NeoX / Llama weights: no parameters.
 BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
-
-
-class HfFormatError(ValueError):
-  """A model one side cannot represent, or files that are not what they claim; one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,53 +61,9 @@ class Tensor:
 # --- Which architecture, and its config.json.
 
 def architecture(model: ModelConfig) -> str:
-  """The HF model_type of a megajax model; HfFormatError naming the field it cannot carry."""
-  windows = [model.layer_window(layer) for layer in range(model.num_layers)]
-  if model.norm == "layernorm_nobias" and model.mlp == "swiglu":
-    if model.block != "parallel":
-      raise HfFormatError(f"model.block={model.block}: Cohere2's block is parallel off one norm (model.block=parallel)")
-    if model.use_bias or model.qkv_bias:
-      raise HfFormatError(f"model.{'use_bias' if model.use_bias else 'qkv_bias'}=True: Cohere2 has no biases "
-                          "(model.use_bias=False, model.qkv_bias=False)")
-    if model.global_rope and None in windows:
-      raise HfFormatError("model.global_rope=True: Cohere2's global layers have no positions "
-                          "(model.global_rope=False)")
-    return COHERE2
-  if model.logit_scale != 1.0:
-    raise HfFormatError(f"model.logit_scale={model.logit_scale}: GPT-NeoX, Llama and Mistral have no logit scale "
-                        "(1.0; Cohere2 has one: layernorm_nobias + swiglu)")
-  if not model.global_rope and None in windows:
-    raise HfFormatError("model.global_rope=False: GPT-NeoX, Llama and Mistral rotate every layer's positions")
-  if model.norm == "layernorm" and model.mlp in HF_ACT_OF_MLP:
-    if any(w is not None for w in windows):
-      raise HfFormatError(f"model.window={model.window} (window_pattern={model.window_pattern!r}): GPT-NeoX has no "
-                          "sliding window; only a model whose every layer is global (model.window=0) exports")
-    if model.num_kv_heads != model.num_heads:
-      raise HfFormatError(f"model.num_kv_heads={model.num_kv_heads}: GPT-NeoX has no grouped KV heads (it needs "
-                          f"num_kv_heads = num_heads = {model.num_heads})")
-    if model.qkv_bias and not model.use_bias:
-      raise HfFormatError("model.qkv_bias=True with model.use_bias=False: GPT-NeoX's linears have biases all or none")
-    return NEOX
-  if model.norm == "rmsnorm" and model.mlp == "swiglu":
-    if model.block != "serial":
-      raise HfFormatError(f"model.block={model.block}: Llama and Mistral have serial blocks (model.block=serial)")
-    if model.use_bias:
-      raise HfFormatError("model.use_bias=True: Llama and Mistral have no biases, Qwen2 biases on q, k and v alone "
-                          "(model.use_bias=False, model.qkv_bias=True)")
-    if model.qkv_bias:
-      if any(w is not None for w in windows):
-        raise HfFormatError(f"model.window={model.window} (window_pattern={model.window_pattern!r}) with "
-                            "model.qkv_bias=True: Qwen2 as megajax writes it has every layer global (model.window=0)")
-      return QWEN2
-    if all(w is None for w in windows):
-      return LLAMA
-    if all(w is not None for w in windows):
-      return MISTRAL
-    raise HfFormatError(f"model.window_pattern={model.window_pattern!r} mixes local and global layers: Mistral has "
-                        "every layer local (pattern L), Llama every layer global (model.window=0)")
-  raise HfFormatError(f"model.norm={model.norm}, model.mlp={model.mlp}: no Hugging Face architecture megajax writes "
-                      "has it (GPT-NeoX: layernorm + gelu; Llama, Mistral: rmsnorm + swiglu; Cohere2: "
-                      "layernorm_nobias + swiglu)")
+  """The HF model_type of a megajax model (hf_families: the native family that holds it exactly);
+  HfFormatError naming the field it cannot carry."""
+  return native_architecture(model)
 
 
 FORMATS = ("auto", "native", "remote")
@@ -236,8 +188,8 @@ def model_fields(hf: dict) -> tuple[str, dict]:
       raise HfFormatError(f"{key}=true: megajax's rmsnorm + swiglu blocks have no biases but Qwen2's on q, k and v")
   if arch == QWEN2 and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
     raise HfFormatError("use_sliding_window=true: megajax reads Qwen2 models whose every layer is global")
-  fields.update(norm="rmsnorm", mlp="swiglu", num_kv_heads=_kv_heads(hf, fields), block="serial", use_bias=False,
-                qkv_bias=arch == QWEN2, layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)))
+  fields.update(FAMILY_OF[arch].fields(), num_kv_heads=_kv_heads(hf, fields),
+                layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)))
   window = hf.get("sliding_window") if arch == MISTRAL else None
   if window is not None:
     fields["window"] = min(_int(hf, "sliding_window"), fields["seq_len"])   # wider than a sequence: the same
@@ -277,8 +229,8 @@ def _cohere2_fields(hf: dict, fields: dict) -> dict:
   scale = hf.get("logit_scale", 0.0625)
   if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
     raise HfFormatError(f"logit_scale={scale!r}: not a positive number")
-  return {**fields, "norm": "layernorm_nobias", "mlp": "swiglu", "block": "parallel", "use_bias": False,
-          "num_kv_heads": kv_heads, "global_rope": False, "logit_scale": float(scale),
+  return {**fields, **FAMILY_OF[COHERE2].fields(), "num_kv_heads": kv_heads, "global_rope": False,
+          "logit_scale": float(scale),
           "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
           "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)), **_window_fields(windows)}
 

@@ -94,6 +94,6 @@ def test_the_default_model_exports_with_its_own_code_and_native_is_refused_namin
   result = run_module(["-m", "megajax.launch.export_hf", f"--workdir={run}", f"--out={tmp_path}/native",
                        "--format=native"])
   assert result.returncode == 2 and result.stderr.splitlines() == [
-      "megajax-export-hf: cannot export: model.window=8 (window_pattern='LG'): GPT-NeoX has no sliding window; only "
-      "a model whose every layer is global (model.window=0) exports"]
+      "megajax-export-hf: cannot export: model.window=8 (window_pattern='LG'): GPT-NeoX has every layer global "
+      "(model.window=0)"]
   assert not os.path.exists(tmp_path / "native")

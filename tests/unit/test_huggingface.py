@@ -185,7 +185,7 @@ def test_the_format_is_chosen_or_forced():
   arch, why = export_architecture(default)
   assert arch == "megajax" and why.startswith("no native architecture holds it: model.window=4")
   assert export_architecture(llama, "remote")[0] == "megajax"
-  with pytest.raises(HfFormatError, match=r"^model.window=4 \(window_pattern='L'\): GPT-NeoX has no sliding window"):
+  with pytest.raises(HfFormatError, match=r"^model.window=4 \(window_pattern='L'\): GPT-NeoX has every layer global"):
     export_architecture(default, "native")
 
 
@@ -271,19 +271,23 @@ def test_a_byte_level_run_gets_a_tokenizer_that_encodes_bytes_and_a_run_s_tokeni
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({**LLAMA, "window": 4, "window_pattern": "LG"}, "model.window_pattern='LG' mixes local and global layers"),
+    ({**LLAMA, "window": 4, "window_pattern": "LG"}, "model.window=4 (window_pattern='LG'): Llama has every layer "
+     "global (model.window=0); Mistral has every layer local (window_pattern L)"),
     ({"num_kv_heads": 2}, "model.num_kv_heads=2: GPT-NeoX has no grouped KV heads"),
-    ({"window": 4}, "model.window=4 (window_pattern='L'): GPT-NeoX has no sliding window"),
-    ({**LLAMA, "block": "parallel"}, "model.block=parallel: Llama and Mistral have serial blocks"),
-    ({**LLAMA, "use_bias": True}, "model.use_bias=True: Llama and Mistral have no biases"),
+    ({"window": 4}, "model.window=4 (window_pattern='L'): GPT-NeoX has every layer global (model.window=0)"),
+    ({**LLAMA, "block": "parallel"}, "model.block=parallel: Llama has serial blocks (model.block=serial)"),
+    ({**LLAMA, "use_bias": True}, "model.use_bias=True: Llama has no biases (model.use_bias=False, "
+     "model.qkv_bias=False); Qwen2 has biases on q, k and v alone"),
     ({"norm": "rmsnorm"}, "model.norm=rmsnorm, model.mlp=gelu: no Hugging Face architecture"),
-    ({**COHERE2, "block": "serial"}, "model.block=serial: Cohere2's block is parallel"),
+    ({**COHERE2, "block": "serial"}, "model.block=serial: Cohere2 has parallel blocks"),
     ({**COHERE2, "global_rope": True}, "model.global_rope=True: Cohere2's global layers have no positions"),
-    ({"logit_scale": 0.5}, "model.logit_scale=0.5: GPT-NeoX, Llama and Mistral have no logit scale"),
-    ({**LLAMA, "global_rope": False}, "model.global_rope=False: GPT-NeoX, Llama and Mistral rotate"),
-    ({**LLAMA, "qkv_bias": True, "window": 4}, "model.window=4 (window_pattern='L') with model.qkv_bias=True: Qwen2"),
+    ({"logit_scale": 0.5}, "model.logit_scale=0.5: GPT-NeoX has no logit scale (1.0)"),
+    ({**LLAMA, "global_rope": False}, "model.global_rope=False: Llama's global layers rotate their positions"),
+    ({**LLAMA, "qkv_bias": True, "window": 4}, "model.qkv_bias=True: Mistral has no biases (model.use_bias=False, "
+     "model.qkv_bias=False); model.window=4 (window_pattern='L'): Qwen2 has every layer global (model.window=0)"),
     ({**COHERE2, "qkv_bias": True}, "model.qkv_bias=True: Cohere2 has no biases"),
-    ({"use_bias": False, "qkv_bias": True}, "model.qkv_bias=True with model.use_bias=False: GPT-NeoX's linears"),
+    ({"use_bias": False, "qkv_bias": True}, "model.qkv_bias=True: GPT-NeoX has biases on every linear "
+     "(model.use_bias=True) or no biases"),
 ])
 def test_a_native_export_refuses_what_the_architecture_cannot_carry_in_one_line(tmp_path, fields, message):
   config = _config(**fields)
