@@ -16,7 +16,7 @@ from megajax.parallel.tensor_parallel import BLOCK_FUNCTIONS
 from megajax.trainer.drills import FAIL_SIGNALS
 from tests.support import REPO
 
-CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b", "cohere2", "qwen2"]
+CONFIG_FILES = ["default", "gpt_125m", "gpt_1p3b", "gpt_13b", "gpt_175b", "gpt_530b", "cohere2"]
 
 # (field to set, value, field the message must name)
 INVALID = [
@@ -239,6 +239,21 @@ def test_the_gpt_shapes_are_one_file_and_the_old_names_still_load():
     load_config(f"{REPO}/configs/gpt.py:7b")
   message = str(error.value)
   assert "\n" not in message and "no shape '7b'" in message and all(shape in message for shape in shapes)
+
+
+def test_the_family_presets_are_one_file_and_their_old_names_still_load():
+  """configs/families.py:<family>; configs/cohere2.py is the same config as its cohere2; an
+  unknown family is one line naming the families."""
+  families = ("cohere2", "llama", "qwen2")
+  for family in families:
+    config = load_config(f"{REPO}/configs/families.py:{family}")
+    assert config.model.mlp == "swiglu" and config.model.tie_embeddings, family
+  assert load_config(f"{REPO}/configs/cohere2.py").to_json() == load_config(f"{REPO}/configs/families.py:cohere2").to_json()
+  assert load_config(f"{REPO}/configs/families.py:qwen2").model.qkv_bias
+  with pytest.raises(ConfigError) as error:
+    load_config(f"{REPO}/configs/families.py:gemma")
+  message = str(error.value)
+  assert "\n" not in message and "no family 'gemma'" in message and all(family in message for family in families)
 
 
 def test_paper_table1_shapes():
