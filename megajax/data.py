@@ -10,6 +10,7 @@ its contiguous slice p*b .. p*b+b-1 of every global batch (b = B / P). So global
 holds the same tokens in the same order whatever the process count, and a run can change
 its host count and still see the same data stream.
 
+    pipeline = open_pipeline(config, 0, 1)         # the trainer's: everything a run reads, opened once
     it = make_iterator(config)                     # grain DatasetIterator
     with DevicePrefetcher(it, put_fn) as batches:  # overlaps loading with the step
       batch = next(batches)                        # {"inputs", "targets", "loss_mask"} (+ below)
@@ -23,6 +24,7 @@ document's EOS would predict the next document's first token.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -39,7 +41,7 @@ from megajax.token_files import (BYTE_VOCAB_SIZE, EOS, TokenFile, TokenFileSourc
 __all__ = ["BYTE_VOCAB_SIZE", "EOS", "DevicePrefetcher", "SyntheticSource", "TokenFileSource", "TokenRecords",
            "decode_tokens", "describe_data", "encode_text", "held_out_documents",
            "make_dataset", "make_eval_dataset", "make_eval_iterator", "make_iterator", "make_source", "make_sources",
-           "token_file_paths", "write_token_file"]
+           "open_pipeline", "Pipeline", "token_file_paths", "write_token_file"]
 
 # model.vocab_size over this many times the data's: one warning line (the padding rows train nothing).
 VOCAB_SLACK = 2
@@ -309,7 +311,12 @@ def make_dataset(config, process_index: int, process_count: int) -> grain.IterDa
   when config.uses_document_masking.
   """
   _local_slice(config, process_index, process_count)   # A bad layout fails before any file opens.
-  sources, parts = make_sources(config), []
+  return _training_dataset(config, make_sources(config), process_index, process_count)
+
+
+def _training_dataset(config, sources: list, process_index: int, process_count: int) -> grain.IterDataset:
+  """make_dataset's, over training `sources` already opened (make_sources)."""
+  parts = []
   for i, (source, _) in enumerate(sources):
     ds = grain.MapDataset.source(source)
     if config.data.shuffle:
@@ -374,7 +381,13 @@ def describe_data(config) -> str:
             f"= {tokens:,} tokens, no documents; {t.steps:,} steps read {read / tokens:.3g} epochs")
   quick = config.copy_and_resolve_references()
   quick.data.verify_checksum = False   # A description reads sidecars and the index, not every byte.
-  sources = make_sources(quick)
+  return _token_description(config, make_sources(quick))
+
+
+def _token_description(config, sources: list) -> str:
+  """describe_data's line for token data, from its training `sources`."""
+  d, t, m = config.data, config.train, config.model
+  read = t.steps * t.batch_size * m.seq_len
   tokens = sum(source.num_tokens for source, _ in sources)
   documents = sum(source.num_documents for source, _ in sources)
   total = sum(weight for _, weight in sources)
@@ -385,6 +398,28 @@ def describe_data(config) -> str:
   masking = "document masking on" if uses_document_masking(config) else "document masking off"
   return (f"data: tokens from {names}; tokenizer {tokenizer}, vocab {sources[0][0].vocab_size}; {tokens:,} training "
           f"tokens in {documents:,} documents{held_out}; {masking}; {t.steps:,} steps read {read / tokens:.3g} epochs")
+
+
+@dataclasses.dataclass
+class Pipeline:
+  """What a training run reads, opened once: open_pipeline makes it."""
+  iterator: object                     # grain DatasetIterator over this process's training batches
+  eval_dataset: object | None          # one held-out pass (train.eval_every; None without), made once
+  token_paths: list[str]               # every token file the run reads (token_file_paths)
+  description: str                     # the start-up line (describe_data)
+
+
+def open_pipeline(config, process_index: int, process_count: int) -> Pipeline:
+  """The run's input, opened once: the training iterator of this process's rows, the held-out
+  pass when train.eval_every asks for one, the token files read, and the description line
+  (from the training sources the iterator opened: no file read twice). A bad token file or
+  layout fails here, before anything compiles."""
+  _local_slice(config, process_index, process_count)
+  sources = make_sources(config)
+  dataset = _training_dataset(config, sources, process_index, process_count)
+  eval_dataset = make_eval_dataset(config, process_index, process_count) if config.train.eval_every else None
+  description = describe_data(config) if config.data.source == "synthetic" else _token_description(config, sources)
+  return Pipeline(iter(dataset), eval_dataset, token_file_paths(config), description)
 
 
 # Device prefetch: host batching and host->device copies overlap the training step.

@@ -63,11 +63,13 @@ class Evaluation(Callback):
     self.evaluated_step = None
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, parallel_step: ParallelStep) -> "Evaluation | None":
-    """None when train.eval_every is 0 (nothing evaluated, nothing compiled)."""
+  def from_config(cls, config: ml_collections.ConfigDict, parallel_step: ParallelStep,
+                  eval_dataset) -> "Evaluation | None":
+    """None when train.eval_every is 0 (nothing evaluated, nothing compiled). `eval_dataset`: the
+    held-out pass, made once (data.open_pipeline's, or held_out_batches' dataset)."""
     if not config.train.eval_every:
       return None
-    return cls(config, parallel_step, held_out_batches(config, parallel_step))
+    return cls(config, parallel_step, lambda: iter(eval_dataset))
 
   def compile(self) -> None:
     self.compiled = self.parallel_step.compiled_eval_step()

@@ -100,15 +100,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
     parallel_step = build_parallel_step(config, devices)
 
     # --- Data: one loader per process, reading only the rows of each global batch its devices
-    # hold (a bad token file fails here, before anything compiles).
-    iterator = data.make_iterator(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
-    evaluation = Evaluation.from_config(config, parallel_step)   # train.eval_every; None: no evaluation
+    # hold, its held-out pass, opened once (a bad token file fails here, before anything compiles).
+    pipeline = data.open_pipeline(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
+    iterator = pipeline.iterator
+    evaluation = Evaluation.from_config(config, parallel_step, pipeline.eval_dataset)   # None: no evaluation
 
     # --- Preemption: SIGTERM / SIGINT from here on ask for a save after the next step.
     preemption = cleanup.enter_context(callbacks.Preemption())
 
     # --- Workdir: the config, this process's heartbeat, the checkpointer.
-    heartbeat, checkpointer = _open_workdir(config, workdir, parallel_step, cleanup, outcome)
+    heartbeat, checkpointer = _open_workdir(config, workdir, parallel_step, cleanup, outcome, pipeline.token_paths)
     clock.lap("setup")
     if workdir and jax.process_index() == 0:    # written from here: a refused start leaves none
       clock.open(workdir, config.supervisor.heartbeat_interval_s)
@@ -117,7 +118,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
     state, start_step = _restore_or_init(config, parallel_step, checkpointer, iterator, heartbeat)
     clock.set_start_step(start_step)
     clock.lap("restore")
-    _describe(config, parallel_step, state)
+    _describe(config, pipeline.description, parallel_step, state)
 
     # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
     batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))
@@ -196,11 +197,12 @@ def _tracker(config, workdir: str | None):
   return WandbTracker(config, workdir)
 
 
-def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, cleanup, outcome: dict):
+def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, cleanup, outcome: dict,
+                  token_paths: list[str]):
   """(heartbeat, checkpointer), both None without a workdir; process 0 writes config.json."""
   if not workdir:
     return None, None
-  tokenizer_data = _checked_tokenizer(config, workdir)    # before anything is written
+  tokenizer_data = _checked_tokenizer(token_paths, workdir)    # before anything is written
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -215,13 +217,12 @@ def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, clea
   return heartbeat, checkpointer
 
 
-def _checked_tokenizer(config, workdir: str) -> str | None:
+def _checked_tokenizer(paths: list[str], workdir: str) -> str | None:
   """The token file whose tokenizer the run adopts (every file's is the same: data.make_sources
   checks), None for synthetic data. Checked on every process before the workdir is written,
   the restore or the compile: its tokenizer file must load and match its sidecar, and be the
   one this workdir's run trained with, if any (a ConfigError: a refused start leaves the
-  workdir as it was)."""
-  paths = data.token_file_paths(config)
+  workdir as it was). `paths`: the run's token files (data.token_file_paths)."""
   if not paths:
     return None
   tokenizer_of(paths[0])
@@ -261,8 +262,8 @@ def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator
   return state, start_step
 
 
-def _describe(config, parallel_step: ParallelStep, state) -> None:
-  logging.info("%s", data.describe_data(config))
+def _describe(config, data_line: str, parallel_step: ParallelStep, state) -> None:
+  logging.info("%s", data_line)
   if isinstance(parallel_step, FbdStep):
     f, b = parallel_step.forward_mesh.shape, parallel_step.backward_mesh.shape
     logging.info("model: %s block, %d layers, %.2fM parameters; MegaFBD: forward on %d devices (dp=%d tp=%d), "

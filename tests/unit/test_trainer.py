@@ -240,7 +240,7 @@ def test_held_out_batches_open_the_eval_data_once(tmp_path, tiny_config, monkeyp
 
 def test_no_evaluation_after_a_preemption_or_when_off(tiny_config):
   """A preempted run stops at once (no final evaluation); train.eval_every=0 builds nothing."""
-  assert Evaluation.from_config(tiny_config, parallel_step=None) is None
+  assert Evaluation.from_config(tiny_config, parallel_step=None, eval_dataset=None) is None
   tiny_config.train.eval_every = 3
   evaluation = Evaluation(tiny_config, parallel_step=None, batches=lambda: pytest.fail("evaluated"))
   evaluation.compiled = object()
