@@ -118,18 +118,15 @@ class _WriteToAFullDisk:
       f.flush()
 
 
-def _write_again_once_removed(directory, pattern):
+def _write_again_once_removed(partial: str):
   """A write still in flight when the save's first failure is reported (tensorstore's): once
-  the partial directory matching `pattern` has appeared and been removed, it is made again."""
+  the partial directory `partial` has been removed, it is made again."""
   deadline = time.monotonic() + HANG_S
-  while not (partial := glob.glob(os.path.join(directory, pattern))):
-    assert time.monotonic() < deadline, "the save never started"
-    time.sleep(0.005)
-  while os.path.exists(partial[0]):
+  while os.path.exists(partial):
     assert time.monotonic() < deadline, "the partial save was never removed"
     time.sleep(0.005)
-  os.makedirs(os.path.join(partial[0], "state", "d"))
-  with open(os.path.join(partial[0], "state", "d", "late"), "w") as f:
+  os.makedirs(os.path.join(partial, "state", "d"))
+  with open(os.path.join(partial, "state", "d", "late"), "w") as f:
     f.write("a chunk written after the first write failed")
 
 
@@ -140,17 +137,22 @@ def test_a_save_that_fails_in_the_background_is_reported_at_the_next_step(two_ch
   workdir, config, parallel_step = two_checkpoints
   checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)
   handler, write = ocp.PyTreeCheckpointHandler, _WriteToAFullDisk()   # the state item's
-  late_write = threading.Thread(target=_write_again_once_removed, args=(workdir / "checkpoints", "7.orbax-checkpoint-tmp*"))
-  late_write.start()
   original = handler.async_save
 
   async def async_save_onto_a_full_disk(self, *args, **kwargs):
     return [*(await original(self, *args, **kwargs) or []), write]
 
   handler.async_save = async_save_onto_a_full_disk
+  late_write = None
   try:
     checkpointer.save(7, parallel_step.init_state(jax.random.key(0)), {"next_index": 7})
     checkpointer.check_for_errors(7)                # still writing: nothing to say yet
+    deadline = time.monotonic() + HANG_S
+    while not (partial := glob.glob(str(workdir / "checkpoints" / "7.orbax-checkpoint-tmp*"))):
+      assert time.monotonic() < deadline, "the save made no partial directory"   # (nothing fails before go())
+      time.sleep(0.005)
+    late_write = threading.Thread(target=_write_again_once_removed, args=(partial[0],))
+    late_write.start()
     write.go()
     deadline = time.monotonic() + HANG_S
     with pytest.raises(CheckpointError) as failed:
@@ -159,7 +161,8 @@ def test_a_save_that_fails_in_the_background_is_reported_at_the_next_step(two_ch
         time.sleep(0.01)
   finally:
     handler.async_save = original
-    late_write.join()
+    if late_write:
+      late_write.join()
     checkpointer.close()
   message = str(failed.value)
   assert message.startswith(f"saving checkpoint {workdir}/checkpoints/7 failed (found after step 8): ")
