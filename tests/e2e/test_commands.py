@@ -162,7 +162,8 @@ def test_plan_cli_prints_the_best_plan_with_its_bottleneck():
 
 
 def test_plan_cli_explains_one_plan():
-  """--explain=dp,pp,tp,v,b: the paper's own 175B plan at 256 GPUs, accounted part by part."""
+  """--explain=dp,pp,tp,v,b: the paper's own 175B plan at 256 GPUs, accounted part by part
+  (--runtime, --executor's earlier name, still works)."""
   result = run_module(["-m", "megajax.launch.plan", "--config=configs/gpt_175b.py", "--gpus=256", "--batch=768",
                        "--megatron", "--runtime=paper", "--explain=4,8,8,6,1"])
   print(result.stdout)

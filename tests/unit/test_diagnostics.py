@@ -52,7 +52,7 @@ def test_eviction_needs_repeated_slowness_of_a_blamed_process():
   assert processes_to_evict([slow_1], []) == []                    # nobody blamed: nothing to decide
 
 
-def test_format_report_names_bad_processes_and_their_hosts():
+def test_format_findings_names_bad_processes_and_their_hosts():
   device = {"process": 1, "host": "b", "device_id": 5, "coords": {"dp": 1, "pp": 0, "tp": 0},
             "matmul_tflops": 1.0, "h2d_gbps": 2.0, "d2h_gbps": 3.0}
   findings = {"platform": "gpu", "process_count": 2, "devices": [device], "collectives": [], "seconds": 1.0,
