@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from megajax.checkpoint.hf_families import FAMILY_OF, NATIVE_FAMILIES, HfFormatError, native_architecture
+from megajax.layers import BLOCK_FAMILIES
 from megajax.model import GPT, ModelConfig, init_params
 
 NEOX, LLAMA, MISTRAL, COHERE2, QWEN2 = "gpt_neox", "llama", "mistral", "cohere2", "qwen2"
@@ -60,12 +61,6 @@ class Tensor:
 
 # --- Which architecture, and its config.json.
 
-def architecture(model: ModelConfig) -> str:
-  """The HF model_type of a megajax model (hf_families: the native family that holds it exactly);
-  HfFormatError naming the field it cannot carry."""
-  return native_architecture(model)
-
-
 FORMATS = ("auto", "native", "remote")
 
 
@@ -78,7 +73,7 @@ def export_architecture(model: ModelConfig, format: str = "auto") -> tuple[str, 
   if format == "remote":
     return REMOTE, "asked for (--format=remote)"
   try:
-    arch = architecture(model)
+    arch = native_architecture(model)
   except HfFormatError as error:
     if format == "native":
       raise
@@ -101,7 +96,7 @@ def hf_config(arch: str, model: ModelConfig, eos_id: int | None, bos_id: int | N
       "dtype": dtype}
   if arch == NEOX:
     return {**config, "hidden_act": HF_ACT_OF_MLP[model.mlp], "layer_norm_eps": model.layernorm_epsilon,
-            "use_parallel_residual": model.block != "serial", "attention_bias": True, "hidden_dropout": 0.0,
+            "use_parallel_residual": BLOCK_FAMILIES[model.block].parallel, "attention_bias": True, "hidden_dropout": 0.0,
             "rotary_pct": 1.0, "rotary_emb_base": model.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta, "partial_rotary_factor": 1.0}}
   if arch == COHERE2:
@@ -289,7 +284,9 @@ def _interleaved(head_dim: int) -> np.ndarray:
 
 def _neox_layer(model: ModelConfig, layer: int) -> list[Tensor]:
   p, own, hidden = f"gpt_neox.layers.{layer}.", f"layer_{layer}", model.hidden_dim
-  norms = ("norm", "norm") if model.block == "parallel" else ("attention_norm", "mlp_norm")
+  norms = BLOCK_FAMILIES[model.block].norms
+  if len(norms) == 1:       # one norm before both branches: HF's two norms are that one's
+    norms *= 2
   table = []
   for hf_norm, norm in zip(("input_layernorm", "post_attention_layernorm"), norms):
     table += [Tensor(f"{p}{hf_norm}.{hf}", "copy", ((own, norm, leaf),)) for hf, leaf in (("weight", "scale"),

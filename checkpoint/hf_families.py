@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megajax.layers import BLOCK_FAMILIES
 from megajax.model import ModelConfig
-
-ALL_BLOCKS = ("parallel", "parallel_two_norms", "serial")
 
 
 class HfFormatError(ValueError):
@@ -86,7 +85,7 @@ class NativeFamily:
 
 NATIVE_FAMILIES = (
     NativeFamily("gpt_neox", "GPTNeoXForCausalLM", "GPT-NeoX", norm="layernorm", mlps=("gelu", "gelu_exact"),
-                 blocks=ALL_BLOCKS, biases=("all", "none"), layers=("global",), grouped_kv=False,
+                 blocks=tuple(BLOCK_FAMILIES), biases=("all", "none"), layers=("global",), grouped_kv=False,
                  global_positions=True, logit_scale=False),
     NativeFamily("llama", "LlamaForCausalLM", "Llama", norm="rmsnorm", mlps=("swiglu",), blocks=("serial",),
                  biases=("none",), layers=("global",), grouped_kv=True, global_positions=True, logit_scale=False),

@@ -7,9 +7,10 @@ latest checkpoint when that is newer) and its tokenizer (WORKDIR/tokenizer/; non
 writes --out (new, or empty; atomically): config.json, model.safetensors (shards and
 model.safetensors.index.json above --max_shard_size), generation_config.json, tokenizer.json
 (or tokenizer.model) and tokenizer_config.json; then prints which format it wrote and why, and
-the files. Native (an architecture transformers and vLLM have): layernorm + gelu models without
-windows are GPT-NeoX, rmsnorm + swiglu serial ones Llama (no window) or Mistral (every layer
-windowed). Any other model (the default job's: parallel block, local and global layers) goes out
+the files. Native (an architecture transformers and vLLM have; checkpoint/hf_families.py has
+what each carries): layernorm + gelu models without windows are GPT-NeoX, rmsnorm + swiglu
+serial ones Llama (no window), Mistral (every layer windowed) or Qwen2 (q, k, v biases), layernorm
+without bias + swiglu parallel ones Cohere2. Any other model (the default job's: parallel block, local and global layers) goes out
 with megajax's own model code beside the weights (configuration_megajax.py, modeling_megajax.py:
 AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)); docs/huggingface.md.
 --format=native refuses such a model in one line naming the field. Any bad input is one line
@@ -24,6 +25,7 @@ from absl import logging
 
 from megajax.checkpoint import CheckpointError, HfFormatError, export_hf
 from megajax.checkpoint.hf_architectures import ARCHITECTURES, FORMATS, REMOTE, export_architecture
+from megajax.checkpoint.hf_families import NATIVE_FAMILIES
 from megajax.config import ConfigError
 from megajax.launch.cli import QuietLibraries, fail, flags_parser, one_line_errors
 from megajax.launch.run_files import run_config, run_params, workdir_tokenizer_file
@@ -34,8 +36,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (config.json,
 _OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write (new, or empty).")
 _MAX_SHARD_SIZE = flags.DEFINE_string("max_shard_size", "5GB", "Largest safetensors file (5GB, 500MB, bytes): "
                                       "above it the weights go into numbered shards and an index.")
-_FORMAT = flags.DEFINE_enum("format", "auto", FORMATS, "native: an architecture transformers and vLLM have (GPT-NeoX, "
-                            "Llama, Mistral), refused naming the field when none holds the model; remote: megajax's "
+_FORMAT = flags.DEFINE_enum("format", "auto", FORMATS, "native: an architecture transformers and vLLM have ("
+                            f"{', '.join(f.name for f in NATIVE_FAMILIES)}), refused naming the field when none holds "
+                            "the model; remote: megajax's "
                             "own model code beside the weights (trust_remote_code=True); auto: native where one holds "
                             "the model exactly, else remote.")
 flags.mark_flags_as_required(["workdir", "out"])

@@ -55,13 +55,12 @@ BLOCK_FAMILIES = {
 class NormFamily:
   """A norm (model.norm)."""
   leaves: tuple[str, ...]       # its parameters
-  centered: bool                # subtracts the mean (LayerNorm) or not (RMSNorm)
 
 
 NORM_FAMILIES = {
-    "layernorm": NormFamily(("scale", "bias"), True),
-    "layernorm_nobias": NormFamily(("scale",), True),      # Cohere's
-    "rmsnorm": NormFamily(("scale",), False),
+    "layernorm": NormFamily(("scale", "bias")),
+    "layernorm_nobias": NormFamily(("scale",)),            # Cohere's
+    "rmsnorm": NormFamily(("scale",)),
 }
 
 

@@ -370,24 +370,20 @@ def make_eval_iterator(config, process_index: int | None = None, process_count: 
   return iter(make_eval_dataset(config, *_process_layout(process_index, process_count)))
 
 
-def describe_data(config) -> str:
+def describe_data(config, sources: list | None = None) -> str:
   """One line for the start-up log: the source, tokenizer, vocabulary, tokens, documents and
-  how many epochs train.steps take (steps * batch_size * seq_len / training tokens)."""
+  how many epochs train.steps take (steps * batch_size * seq_len / training tokens). `sources`:
+  the training sources if already opened (make_sources), else opened here."""
   d, t, m = config.data, config.train, config.model
   read = t.steps * t.batch_size * m.seq_len
   if d.source == "synthetic":
     tokens = d.synthetic_records * m.seq_len
     return (f"data: synthetic (Markov chain with copy spans), vocab {m.vocab_size}, {d.synthetic_records:,} records "
             f"= {tokens:,} tokens, no documents; {t.steps:,} steps read {read / tokens:.3g} epochs")
-  quick = config.copy_and_resolve_references()
-  quick.data.verify_checksum = False   # A description reads sidecars and the index, not every byte.
-  return _token_description(config, make_sources(quick))
-
-
-def _token_description(config, sources: list) -> str:
-  """describe_data's line for token data, from its training `sources`."""
-  d, t, m = config.data, config.train, config.model
-  read = t.steps * t.batch_size * m.seq_len
+  if sources is None:
+    quick = config.copy_and_resolve_references()
+    quick.data.verify_checksum = False   # A description reads sidecars and the index, not every byte.
+    sources = make_sources(quick)
   tokens = sum(source.num_tokens for source, _ in sources)
   documents = sum(source.num_documents for source, _ in sources)
   total = sum(weight for _, weight in sources)
@@ -418,8 +414,7 @@ def open_pipeline(config, process_index: int, process_count: int) -> Pipeline:
   sources = make_sources(config)
   dataset = _training_dataset(config, sources, process_index, process_count)
   eval_dataset = make_eval_dataset(config, process_index, process_count) if config.train.eval_every else None
-  description = describe_data(config) if config.data.source == "synthetic" else _token_description(config, sources)
-  return Pipeline(iter(dataset), eval_dataset, token_file_paths(config), description)
+  return Pipeline(iter(dataset), eval_dataset, token_file_paths(config), describe_data(config, sources))
 
 
 # Device prefetch: host batching and host->device copies overlap the training step.

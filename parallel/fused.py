@@ -41,12 +41,10 @@ class Operand:
 
 
 def _members(group: str, c: ModelConfig) -> tuple[tuple[str, str], ...]:
-  """The (module, linear) kernels of one of families' member groups."""
-  if group == families.QKV:
-    return (("attention", "query"), ("attention", "key"), ("attention", "value"))
-  if group == families.MLP_IN:
-    return tuple(("mlp", name) for name in MLP_FAMILIES[c.mlp].inputs)
-  return {families.ATTENTION_OUT: (("attention", "out"),), families.MLP_OUT: (("mlp", "wo"),)}[group]
+  """The (module, linear) kernels of one of families' member groups (the MLP's inputs by c.mlp)."""
+  return {families.QKV: (("attention", "query"), ("attention", "key"), ("attention", "value")),
+          families.MLP_IN: tuple(("mlp", name) for name in MLP_FAMILIES[c.mlp].inputs),
+          families.ATTENTION_OUT: (("attention", "out"),), families.MLP_OUT: (("mlp", "wo"),)}[group]
 
 
 def operands(c: ModelConfig) -> dict[str, Operand]:

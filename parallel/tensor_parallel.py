@@ -63,6 +63,16 @@ def _split(x, widths):
   return jnp.split(x, offsets, axis=-1)
 
 
+def _side_by_side(biases: list, widths: list):
+  """Biases [features] concatenated, zeros of its width for a part without one (model.qkv_bias:
+  the MLP's inputs); None when no part has one."""
+  present = next((b for b in biases if b is not None), None)
+  if present is None:
+    return None
+  return jnp.concatenate([b.reshape(-1) if b is not None else jnp.zeros((width,), present.dtype)
+                          for b, width in zip(biases, widths)])
+
+
 def _column_operand(p, name: str, c: ModelConfig):
   """A columns operand of the layer's compute form (megajax.parallel.fused) in the compute
   dtype, its bias [features] (the members' side by side, zeros for a member without one:
@@ -70,12 +80,8 @@ def _column_operand(p, name: str, c: ModelConfig):
   tp rank."""
   operand = fused.operands(c)[name]
   widths = fused.member_widths(operand, c, lax.axis_size(TP))
-  biases = [p[module][linear].get("bias") for module, linear in operand.members]
-  present = next((b for b in biases if b is not None), None)
-  bias = None if present is None else jnp.concatenate(
-      [b.reshape(-1) if b is not None else jnp.zeros((width,), present.dtype)
-       for b, width in zip(biases, widths)]).astype(c.compute_dtype)
-  return p[name].astype(c.compute_dtype), bias, widths
+  bias = _side_by_side([p[module][linear].get("bias") for module, linear in operand.members], widths)
+  return p[name].astype(c.compute_dtype), None if bias is None else bias.astype(c.compute_dtype), widths
 
 
 def _row_matmul(p, name: str, parts: list, c: ModelConfig, overlap: Overlap):
@@ -157,10 +163,9 @@ def parallel_two_norms_block(p, x, positions, window, c: ModelConfig, overlap: O
                             matmul(_norm(p["mlp_norm"], gathered, c), mlp_kernel)], axis=-1)
 
   projected = overlap.column_apply(x, branch_inputs)                      # [b, s, (q+k+v+mlp)/n]
-  if attention_bias is not None or mlp_bias is not None:
-    projected = projected + jnp.concatenate([
-        bias if bias is not None else jnp.zeros((sum(widths),), c.compute_dtype)
-        for bias, widths in ((attention_bias, attention_widths), (mlp_bias, mlp_widths))])
+  bias = _side_by_side([attention_bias, mlp_bias], [sum(attention_widths), sum(mlp_widths)])
+  if bias is not None:
+    projected = projected + bias
   return _parallel_branches(p, x, projected, attention_widths + mlp_widths, positions, window, c, overlap, probe,
                             segment_ids)
 

@@ -66,7 +66,7 @@ class Evaluation(Callback):
   def from_config(cls, config: ml_collections.ConfigDict, parallel_step: ParallelStep,
                   eval_dataset) -> "Evaluation | None":
     """None when train.eval_every is 0 (nothing evaluated, nothing compiled). `eval_dataset`: the
-    held-out pass, made once (data.open_pipeline's, or held_out_batches' dataset)."""
+    held-out pass, made once (data.open_pipeline's)."""
     if not config.train.eval_every:
       return None
     return cls(config, parallel_step, lambda: iter(eval_dataset))

@@ -178,13 +178,13 @@ def pipeline_gradients(params, batch, layouts, tables: Tables, c: ModelConfig, o
   never = microbatches["inputs"][0, 0, 0] < 0     # token ids are never negative: false at run time
   carry, slots = _start(params, full, microbatches, layouts, tables, c, overlap, z_loss, grad_sync, bucket_bytes,
                         stage)
-  ticks = _TickScan(slots, tables, stage, probes, ordered_collectives, never, gather, scatter)
-  carry, full = ticks.head(carry, full, params, layouts)
+  ticks = _TickScan(slots, stage, probes, ordered_collectives, never, gather, scatter)
+  carry, full = ticks.head(carry, full, params)
   carry = ticks.steady(carry, full)
-  carry, pieces = ticks.tail(carry, full, layouts)
+  carry, pieces = ticks.tail(carry, full)
   grads = carry["grads"]
   if grad_sync == "step":
-    grads = _step_reduce_scatter(grads, params, layouts, slots, scatter[1], pieces, bucket_bytes)
+    grads = _step_reduce_scatter(grads, params, slots, scatter[1], pieces)
   return sum_over_stages(grads, carry["stats"])
 
 
@@ -229,12 +229,12 @@ def _start(params, full, microbatches, layouts, tables: Tables, c: ModelConfig, 
   return carry, slots
 
 
-def _step_reduce_scatter(grads, params, layouts, slots: Slots, scatter_starts: tuple, pieces, bucket_bytes: int):
+def _step_reduce_scatter(grads, params, slots: Slots, scatter_starts: tuple, pieces):
   """grad_sync="step": one dp reduce-scatter per leaf and piece for the step (before the pp
   sum: on shards) of what the tail did not scatter, the tail's pieces put in their rows."""
   tail, k = bool(scatter_starts), slots.k
   first_chunk = {**grads, LAYERS: slots.parameter_grads(jax.tree.map(lambda x: x[:k] if tail else x, grads[LAYERS]))}
-  grads = zero.reduce_scatter_grads(first_chunk, layouts, bucket_bytes)
+  grads = zero.reduce_scatter_grads(first_chunk, slots.layouts, slots.bucket_bytes)
   if tail:
     grads = {**grads, LAYERS: jax.tree.map(lambda first, shard, piece: _assemble_rows(first, shard.shape[0], piece,
                                                                                       scatter_starts),
@@ -247,12 +247,11 @@ class _TickScan:
   (reduce-scattering their gradients); each part's switches compile only the programs its
   tables select. `gather`, `scatter`: dp_edge_pieces' (rows a piece, their first rows)."""
 
-  def __init__(self, slots: Slots, tables: Tables, stage, probes, ordered_collectives: bool, never,
-               gather: tuple, scatter: tuple):
-    self.slots, self.tables, self.stage, self.probes = slots, tables, stage, probes
+  def __init__(self, slots: Slots, stage, probes, ordered_collectives: bool, never, gather: tuple, scatter: tuple):
+    self.slots, self.tables, self.stage, self.probes = slots, slots.tables, stage, probes
     self.ordered_collectives, self.never = ordered_collectives, never
     self.gather, self.scatter = gather, scatter
-    self.k = tables.layers_per_chunk
+    self.k = slots.k
 
   def tick(self, carry, rows, forwards, backwards, dp_collective=None):
     """One tick; `dp_collective` (the head's gather, the tail's reduce-scatter) runs first on
@@ -311,7 +310,7 @@ class _TickScan:
     return ({name: jnp.asarray(table[first_tick:last_tick]) for name, table in per_stage.items()},
             {name: table[first_tick:last_tick] for name, table in per_stage.items()})
 
-  def head(self, carry, full, params, layouts):
+  def head(self, carry, full, params):
     """The scan's head: each tick also gathers a piece of the other chunks' rows (first, on CPU),
     which the scan stacks; only the first chunk's rows are read meanwhile. -> (carry, the
     stage's parameters with every chunk's rows)."""
@@ -332,7 +331,7 @@ class _TickScan:
       rows, start = xs
       first_row = k + start
       shards = jax.tree.map(lambda x: rows_at(x, first_row, gather_rows), params[LAYERS])
-      piece = stage_params({LAYERS: shards}, {LAYERS: layouts[LAYERS]}, c.compute_dtype,
+      piece = stage_params({LAYERS: shards}, {LAYERS: slots.layouts[LAYERS]}, c.compute_dtype,
                            in_turn=self.never if self.ordered_collectives else None,
                            bucket_bytes=slots.bucket_bytes)[LAYERS]
       # Into the stage's rows at once (no branch reads them before the head ends).
@@ -351,7 +350,7 @@ class _TickScan:
     carry, _ = lax.scan(lambda carry, rows: (self.tick(carry, rows, forwards, backwards), None), carry, rows)
     return carry
 
-  def tail(self, carry, full, layouts):
+  def tail(self, carry, full):
     """The scan's tail: each tick also reduce-scatters a piece of the other chunks' summed rows,
     final since the tail began (only first chunks run there). -> (carry, the pieces)."""
     scatter_rows, scatter_starts = self.scatter
@@ -365,7 +364,7 @@ class _TickScan:
       rows, start = xs
       first_row = k + start
       sums = slots.parameter_grads(jax.tree.map(lambda x: rows_at(x, first_row, scatter_rows), carry["grads"][LAYERS]))
-      piece = zero.reduce_scatter_grads({LAYERS: sums}, {LAYERS: layouts[LAYERS]}, slots.bucket_bytes,
+      piece = zero.reduce_scatter_grads({LAYERS: sums}, {LAYERS: slots.layouts[LAYERS]}, slots.bucket_bytes,
                                         ordered=True if self.ordered_collectives else None)[LAYERS]
       return self.tick(carry, rows, forwards, backwards, piece), piece
     return lax.scan(tail_tick, carry, (tail_rows, jnp.asarray(scatter_starts, jnp.int32)))
