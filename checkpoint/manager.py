@@ -56,6 +56,7 @@ from megajax.config import default_config
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep
 from megajax.parallel.mesh import DP
+from megajax.run_config import RunConfig
 
 STATE, DATA, META = "state", "data", "meta"
 QUARANTINE = "quarantine"      # WORKDIR/checkpoints/quarantine/<step>-<reason>: what failed to restore
@@ -110,8 +111,9 @@ class Restored:
   bytes_read: int | None = None   # what this process read from storage for the state (Linux)
 
 
-def layout_of(config: ml_collections.ConfigDict) -> dict:
-  """What the saved arrays' layout depends on (a restore converts when it differs)."""
+def layout_of(config) -> dict:
+  """What the saved arrays' layout depends on (a restore converts when it differs); `config`:
+  a RunConfig or a ConfigDict (its parallel section and model.num_layers are read)."""
   p = config.parallel
   return {"dp": p.dp, "pp": p.pp, "tp": p.tp, "virtual_stages": p.virtual_stages,
           "num_layers": config.model.num_layers}
@@ -122,14 +124,16 @@ class TrainingCheckpointer:
 
   `checksums` (default: checkpoint.checksums) False saves without array checksums (restores
   then check only the digests): what the checkpoint benchmark measures them against.
-  `read_only`: a reader's (the module docstring): it cannot save, and touches no file."""
+  `read_only`: a reader's (the module docstring): it cannot save, and touches no file. `config`:
+  the run's (a RunConfig, or a ConfigDict resolved here): its checkpoint section, the steps and
+  seed, the layout, and its record, which every checkpoint keeps."""
 
-  def __init__(self, directory: str, config: ml_collections.ConfigDict, checksums: bool | None = None,
+  def __init__(self, directory: str, config: RunConfig | ml_collections.ConfigDict, checksums: bool | None = None,
                read_only: bool = False):
-    c = config.checkpoint
+    self._config = RunConfig.of(config)
+    c = self._config.checkpoint
     self.directory = os.path.abspath(directory)
     self.read_only = read_only
-    self._config = config
     self._checksums = c.checksums if checksums is None else checksums
     self._fingerprint_fn = None     # integrity.fingerprints compiled for the state (compile_checksums)
     self._lock = threading.Lock()
@@ -196,7 +200,7 @@ class TrainingCheckpointer:
     self.wait(step)     # Orbax's save would wait for the previous one too; here a failure names its step
     with self._lock:
       self._pending[step] = start
-    meta = {"step": step, "config": json.loads(self._config.to_json()), "layout": layout_of(self._config),
+    meta = {"step": step, "config": self._config.record, "layout": layout_of(self._config),
             "seed": self._config.train.seed, "process_count": jax.process_count()}
     # The state's checksums: dispatched once Orbax has copied the state out (dispatched before,
     # they would hold up that copy), fetched by the meta's write in the background (integrity.py).
@@ -559,9 +563,10 @@ def _saved_model(saved: dict) -> dict:
   return {**default_config().model.to_dict(), **saved["model"]}
 
 
-def _differences(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
-  """'model.hidden_dim: checkpoint 64, this run 128' for each model field (and the optimizer) that differs."""
-  now, saved_model = json.loads(config.to_json()), _saved_model(saved)
+def _differences(saved: dict, now: dict) -> list[str]:
+  """'model.hidden_dim: checkpoint 64, this run 128' for each model field (and the optimizer)
+  that differs; `now`: this run's record (RunConfig.record)."""
+  saved_model = _saved_model(saved)
   lines = [f"model.{k}: checkpoint {saved_model.get(k)!r}, this run {v!r}"
            for k, v in now["model"].items() if saved_model.get(k) != v]
   if saved["optimizer"]["name"] != now["optimizer"]["name"]:
@@ -569,11 +574,12 @@ def _differences(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
   return lines
 
 
-def check_compatible(meta: dict, config: ml_collections.ConfigDict, parallel_step: ParallelStep,
+def check_compatible(meta: dict, config: RunConfig | ml_collections.ConfigDict, parallel_step: ParallelStep,
                      path: str) -> None:
   """Raises CheckpointError when the checkpoint's parameters or optimizer state cannot fit this
   run's model; other differing model fields (window, dtypes, kernels) are only logged."""
-  differences = _differences(meta["config"], config)
+  now = RunConfig.of(config).record
+  differences = _differences(meta["config"], now)
   if not differences:
     return
   shapes = lambda model: jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
@@ -581,7 +587,7 @@ def check_compatible(meta: dict, config: ml_collections.ConfigDict, parallel_ste
   saved, now = shapes(saved_model), shapes(parallel_step.model)
   same = (jax.tree.structure(saved) == jax.tree.structure(now)
           and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(now)))
-          and meta["config"]["optimizer"]["name"] == config.optimizer.name)
+          and meta["config"]["optimizer"]["name"] == now["optimizer"]["name"])
   if not same:
     raise CheckpointError(f"checkpoint {path} was saved by a different model: {'; '.join(differences)}. "
                           "Relaunch with the checkpoint's values, or use a new --workdir")

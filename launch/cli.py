@@ -22,7 +22,7 @@ from megajax.config import ConfigError, default_config, validate
 from megajax.config_checks import read_config_file
 from megajax.launch.cluster import expected_process_count, initialize_distributed, request_host_devices
 from megajax.launch.runtime import cpu_without_a_gpu
-from megajax.parallel.mesh import job_device_count
+from megajax.sections import section
 
 # megajax's own source folders (megajax/, layers/, launch/, ... install as one namespace).
 _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
@@ -140,5 +140,5 @@ def join_job(config, coordinator_address: str | None, num_processes: int | None,
   """This process's devices and its place in the job: on a CPU-only machine, as many host
   devices as its share of the mesh (before jax starts a backend); then jax.distributed when
   this is a multi-process job. Raises TopologyError when the topology is incomplete."""
-  request_host_devices(job_device_count(config) // expected_process_count(num_processes))
+  request_host_devices(section(config, "parallel").device_count // expected_process_count(num_processes))
   return initialize_distributed(coordinator_address, num_processes, process_id)

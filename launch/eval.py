@@ -30,7 +30,7 @@ from megajax.launch.cli import QuietLibraries, fail, flags_parser
 from megajax.launch.cluster import request_host_devices
 from megajax.launch.runtime import configure_runtime
 from megajax.data import token_file_paths
-from megajax.parallel import mesh_shape
+from megajax.sections import section
 from megajax.tokenizer import check_run_identity
 from megajax.trainer import build_parallel_step
 from megajax.trainer.evaluation import evaluate, held_out_batches
@@ -77,16 +77,16 @@ def main(argv):
   # starts a backend), else one device: the restore converts the layout either way. A MegaFBD
   # run's state is a pp = 1 state: its backward group's dp x tp evaluates it with the 3D step.
   config.parallel.fbd.enabled = False
-  size = math.prod(mesh_shape(config))
+  size = math.prod(section(config, "parallel").mesh_shape)
   request_host_devices(size)
   configure_runtime(config, workdir)
   if len(jax.devices()) < size:
     logging.warning("%d devices, the run's mesh (dp, pp, tp) = %s needs %d: evaluating on one device",
-                    len(jax.devices()), mesh_shape(config), size)
+                    len(jax.devices()), section(config, "parallel").mesh_shape, size)
     config.parallel.dp = config.parallel.pp = config.parallel.tp = config.parallel.virtual_stages = 1
   try:
     validate(config)
-    parallel_step = build_parallel_step(config, jax.devices()[:math.prod(mesh_shape(config))])
+    parallel_step = build_parallel_step(config, jax.devices()[:math.prod(section(config, "parallel").mesh_shape)])
     for path in token_file_paths(config):    # ids read as the run trained on them (its recorded tokenizer)
       check_run_identity(workdir, path, "data.eval_path" if path == config.data.get("eval_path") else "data.path")
     batches = held_out_batches(config, parallel_step)   # a bad data file fails before any restore

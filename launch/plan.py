@@ -41,13 +41,13 @@ planner`). Mistakes in flags or config are one line on stderr and exit code 2.
 from absl import app
 from absl import flags
 
-from megajax.config import ConfigError, pipeline_recompute, tp_overlap
+from megajax.config import ConfigError
 from megajax.launch import cli
 from megajax.launch.cli import define_config_flag, fail, flags_parser, validated_config
 from megajax.model import ModelConfig
 from megajax.observe.schedule import overlap_counts
 from megajax.parallel import deviceless
-from megajax.parallel.mesh import mesh_shape
+from megajax.sections import section
 from megajax.parallel.planner import cost_model, explain, fbd, fits, hardware, plans
 
 PROGRAM = "megajax-plan"
@@ -214,7 +214,8 @@ def _compile(config, gpus: int, hw) -> None:
   if hw.name not in deviceless.GPU_TARGETS:
     _flag_error("hardware", hw.name, "no deviceless target for it",
                 f"use --hardware={' or --hardware='.join(deviceless.GPU_TARGETS)} with --compile")
-  dp, pp, tp = mesh_shape(config)
+  parallel = section(config, "parallel")
+  dp, pp, tp = parallel.mesh_shape
   if dp * pp * tp != gpus:
     _flag_error("gpus", gpus, f"--compile compiles the config's own plan, dp x pp x tp = {dp * pp * tp}",
                 f"use --gpus={dp * pp * tp}, or set --config.parallel.dp/pp/tp to fill {gpus}")
@@ -233,7 +234,7 @@ def _compile(config, gpus: int, hw) -> None:
   print(f"{PROGRAM} --compile: {ModelConfig.from_config(c).num_layers} layers, hidden {c.hidden_dim}, seq "
         f"{c.seq_len}, batch {config.train.batch_size} in {config.train.microbatches} microbatches, remat {c.remat}, "
         f"attention {c.attention_impl}; dp={dp} pp={pp} tp={tp} v={config.parallel.virtual_stages} "
-        f"(tp_overlap {tp_overlap(config, 'cuda')}, pipeline_recompute {pipeline_recompute(config, 'cuda')}) "
+        f"(tp_overlap {parallel.tp_overlap_on('cuda')}, pipeline_recompute {parallel.pipeline_recompute_on('cuda')}) "
         f"on {gpus} {hw.name}, compiled without a GPU in {result.compile_seconds:.1f} s")
   print(f"  XLA      {gib(xla)} a device: arguments {gib(memory.argument_size_in_bytes)} (donated, aliased "
         f"{gib(memory.alias_size_in_bytes)}), outputs {gib(memory.output_size_in_bytes)}, temporaries "

@@ -4,13 +4,14 @@ A config file is plain Python with a `get_config()` returning a ConfigDict (see 
 Files start from `default_config()` so that every experiment has the same, locked field set:
 a typo in `--config.model.num_layer=4` fails loudly.
 
-Each section below is a pair: `_<section>()` with the fields and their defaults, then
-`_check_<section>(config)` with their checks, so a knob's default sits next to its check.
-`validate(config)` runs the checks in section order before anything is compiled; it raises
+The fields, their types and defaults are the frozen dataclasses of megajax.sections (one line
+per field); this module holds `_check_<section>(config)`, each section's checks, in the same
+order. `validate(config)` runs the checks in section order before anything is compiled; it raises
 `ConfigError`, whose one-line message names the field path and the fix. A check that ties a
 field to another section's (heads to parallel.tp, say) sits in the later section. The names
 a choice field accepts are module constants `<FIELD>_CHOICES`; code that implements a choice
-keys its registry by them (e.g. megajax.layers.ATTENTION_IMPLS, tested equal).
+keys its registry by them (e.g. megajax.layers.ATTENTION_IMPLS, tested equal). A run
+resolves its checked ConfigDict once into those sections (megajax.run_config.RunConfig).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import ml_collections
 from megajax import config_checks as check
 from megajax.layers.families import ATTENTION_FUSED, BLOCK_FAMILIES, MLP_FAMILIES, NORM_FAMILIES
 from megajax.config_checks import ConfigError
+from megajax.sections import (SECTION_TYPES, CheckpointSection, DataSection, DebugSection, ModelSection,
+                              ObserveSection, OptimizerSection, ParallelSection, RuntimeSection, SupervisorSection,
+                              TrainSection, to_config_dict)
 
 # The repository's root and its configs/ (the package is installed editable, README): the
 # benchmarks run the launcher from there, the planner reads the paper's 175B config.
@@ -41,39 +45,6 @@ MLP_CHOICES = tuple(MLP_FAMILIES)                 # gelu, gelu_exact, swiglu
 ATTENTION_IMPL_CHOICES = tuple(ATTENTION_FUSED)   # xla, pallas, cudnn (megajax.layers.ATTENTION_IMPLS' keys too)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none", "full", "dots")              # megajax.model.REMAT_POLICIES' keys, and "none"
-
-
-def _model() -> ml_collections.ConfigDict:
-  m = ml_collections.ConfigDict()
-  m.vocab_size = 256
-  m.seq_len = 128
-  m.num_layers = 2
-  m.hidden_dim = 64
-  m.num_heads = 4
-  m.num_kv_heads = 0        # 0: as many KV heads as query heads (no grouping).
-  m.mlp_dim = 0             # 0: 4 * hidden_dim (also for swiglu; Llama's 8/3 ratio is set explicitly).
-  m.window = 0              # Sliding-window width w; 0: full causal attention.
-  m.window_pattern = "L"    # Per layer, repeated: L = local (window), G = global.
-  # "parallel" (MegaScale PTB: x + Attn(N(x)) + MLP(N(x))), "parallel_two_norms" (GPT-NeoX:
-  # x + Attn(N1(x)) + MLP(N2(x))) or "serial" (GPT, Llama: z = x + Attn(N1(x)); z + MLP(N2(z))).
-  m.block = "parallel"
-  m.norm = "layernorm"      # "layernorm" (scale and bias), "layernorm_nobias" (scale: Cohere) or
-                            # "rmsnorm" (Llama: scale only).
-  m.mlp = "gelu"            # "gelu" (wi, wo; tanh GeLU), "gelu_exact" (erf GeLU: Pythia) or "swiglu"
-                            # (Llama: wo(silu(wi_gate(x)) * wi_up(x))).
-  m.attention_impl = "xla"
-  m.compute_dtype = "bfloat16"
-  m.param_dtype = "float32"
-  m.tie_embeddings = False
-  m.use_bias = True         # biases in the attention and MLP linears (False: Llama, PaLM).
-  m.qkv_bias = False        # biases on the query, key and value projections even without use_bias (Qwen2).
-  m.rope_theta = 10000.0
-  m.global_rope = True      # False: global (G) layers see no positions (NoPE; Cohere2's), local ones rotate.
-  m.logit_scale = 1.0       # The logits times this (Cohere's 0.0625): in the loss, sampling and export.
-  m.layernorm_epsilon = 1e-5  # the epsilon of model.norm, either kind.
-  m.init_std = 0.02
-  m.remat = "none"          # Activation recomputation per block.
-  return m
 
 
 def _check_model(config) -> None:
@@ -127,33 +98,6 @@ def _check_model(config) -> None:
 
 # --- train ------------------------------------------------------------------------------------
 
-def _train() -> ml_collections.ConfigDict:
-  t = ml_collections.ConfigDict()
-  t.steps = 200
-  t.batch_size = 16         # Global batch, in sequences.
-  t.microbatches = 1        # Gradient accumulation inside one step.
-  t.seed = 0
-  t.log_every = 10
-  t.z_loss = 0.0            # Weight of the z-loss (mean logsumexp^2).
-  # Non-finite loss or gradients: the update is skipped (counted in `skipped_steps`); after this
-  # many consecutive skips the run rolls back to the latest checkpoint and reads on past the
-  # batches that failed. No NaN or Inf is ever saved.
-  t.nonfinite_rollback_after = 3
-  # Held-out loss every eval_every steps and after the last one (0: never), over eval_batches
-  # batches of train.batch_size rows of the eval data (data.eval_path / data.eval_fraction).
-  t.eval_every = 0
-  t.eval_batches = 8
-  # Fine-tuning: a fresh run (no checkpoint in the workdir yet) starts from these parameters
-  # instead of a random init: a directory megajax.checkpoint.save_params wrote (another run's
-  # WORKDIR/params, megajax-import-hf's WORKDIR/hf_import/params). "": random init.
-  t.init_params = ""
-  # The memory check before anything compiles (parallel/planner/fits.py) refuses a job whose
-  # estimate is over its devices' memory; True runs it anyway (a warning), e.g. where XLA's
-  # rematerialization is known to save what the estimate counts.
-  t.force_memory = False
-  return t
-
-
 def _check_train(config) -> None:
   t = config.train
   for field in ("train.steps", "train.batch_size", "train.microbatches", "train.log_every"):
@@ -175,20 +119,6 @@ def _check_train(config) -> None:
 # --- optimizer --------------------------------------------------------------------------------
 
 OPTIMIZER_CHOICES = ("lamb", "adamw")
-
-
-def _optimizer() -> ml_collections.ConfigDict:
-  o = ml_collections.ConfigDict()
-  o.name = "lamb"
-  o.learning_rate = 1e-2  # Peak learning rate.
-  o.warmup_steps = 20
-  o.end_lr_ratio = 0.1    # Final learning rate as a fraction of the peak.
-  o.b1 = 0.9
-  o.b2 = 0.999
-  o.eps = 1e-6
-  o.weight_decay = 0.01
-  o.grad_clip_norm = 1.0  # 0 disables global-norm clipping.
-  return o
 
 
 def _check_optimizer(config) -> None:
@@ -216,76 +146,6 @@ SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAVERSAL_CHOICES = ("depth_first", "breadth_first")
 # When ZeRO-2 reduce-scatters the gradients over dp (megajax.parallel.step, pipeline.executor).
 GRAD_SYNC_CHOICES = ("step", "microbatch")
-
-
-def tp_overlap(config, platform: str) -> str:
-  """parallel.tp_overlap, or where unset the measured default of `platform` ("cpu": "none";
-  "gpu" / "cuda": "collective_matmul")."""
-  value = config.parallel.tp_overlap
-  return ("none" if platform == "cpu" else "collective_matmul") if value is None else value
-
-
-def pipeline_recompute(config, platform: str) -> bool:
-  """parallel.pipeline_recompute, or where unset the measured default of `platform` ("cpu":
-  rerun the chunk's forward; "gpu" / "cuda": read the kept residuals)."""
-  value = config.parallel.pipeline_recompute
-  return platform == "cpu" if value is None else bool(value)
-
-
-def dp_bucket_bytes(config) -> int:
-  """parallel.dp_bucket_mb in bytes: the most one ZeRO collective of small leaves (norm scales,
-  biases) carries (0: one per leaf); matrices move alone or as a fused operand (megajax.parallel.zero)."""
-  return int(config.parallel.dp_bucket_mb * 2**20)
-
-
-def _parallel() -> ml_collections.ConfigDict:
-  p = ml_collections.ConfigDict()
-  p.dp = 1
-  p.pp = 1
-  p.tp = 1
-  # How tensor-parallel collectives meet the matmuls: "none" (all-gather, then matmul),
-  # "collective_matmul" (ppermute rings fused with the matmul chunks, MegaScale Fig. 3c) or
-  # "xla" (plain collectives + XLA's windowed-einsum rewrite on GPU). Unset (None): chosen by
-  # measurement per platform (tp_overlap(config, platform)): collective_matmul on GPUs, none
-  # on CPU, where a collective is a copy with nothing to hide it under (bench peer, dp=2 tp=4:
-  # 2613 vs 2970 ms a step; jit Megatron-TP 2667).
-  p.tp_overlap = ml_collections.config_dict.placeholder(str)
-  p.tp_overlap_chunks = 2  # Sequence chunks per ring step (2: one per ring direction).
-  # Pipeline (pp > 1): the layers are cut into pp * virtual_stages chunks, stage s holding
-  # chunks s, s + pp, ...; train.microbatches microbatches flow through them in this order.
-  p.virtual_stages = 1     # Model chunks per stage (Megatron's interleaving, v).
-  p.schedule = "interleaved_1f1b"  # "gpipe", "1f1b" (v=1) or "interleaved_1f1b".
-  p.traversal = "depth_first"      # Or "breadth_first": more in flight, fewer switches.
-  # A chunk's backward: False reads the residuals its forward kept (what model.remat saves),
-  # held from forward to backward in up to the schedule's in-flight count of slots; True
-  # reruns the chunk's forward from its stashed input, keeping only that input (a whole
-  # forward more per step: the low-memory option). Unset (None): chosen by measurement per
-  # platform (pipeline_recompute(config, platform)): False on GPUs, True on CPU, where
-  # XLA:CPU copies the residual slots every tick (bench peer, pp=2 v=2: 2180 vs 2912 ms).
-  p.pipeline_recompute = ml_collections.config_dict.placeholder(bool)
-  # Gradient sync over dp. "step": each device sums its microbatches' gradients locally in
-  # fp32 and reduce-scatters them once per step (one collective per leaf, 1/m of the dp
-  # traffic), holding a full, dp-unsharded fp32 gradient of its tp shard (and pp stage) for
-  # the step: params/(tp*pp) * 4 bytes. "microbatch": every microbatch's gradients are
-  # reduce-scattered as they come, so only the 1/dp shard is carried (the low-memory option,
-  # m times the dp traffic).
-  p.grad_sync = "step"
-  # ZeRO's collectives over dp: a fused matmul's kernels move as its one operand (the gathered
-  # buffer is the operand), every other matrix alone; the small leaves (norm scales, biases)
-  # packed into all-gathers and reduce-scatters of at most this many MiB each, in the order the
-  # forward uses them (the backward makes them); 0: one collective per leaf. Fewer, larger
-  # collectives: each costs a launch and a rendezvous (XLA:GPU combines independent ones too).
-  p.dp_bucket_mb = 32.0
-  # MegaFBD (MegatronApp section 4; megajax.parallel.fbd): the forward of every microbatch on a
-  # group of devices of its own (forward_dp x forward_tp of them, the job's first), the backward
-  # and the optimizer on the rest (parallel.dp x parallel.tp, pp = 1): the job has
-  # forward_dp * forward_tp + dp * tp devices. Residuals stream forward -> backward per
-  # microbatch, the weights (in the compute dtype) backward -> forward once per step. One process.
-  p.fbd = ml_collections.ConfigDict()
-  p.fbd.enabled = False
-  p.fbd.forward_dp = 1
-  p.fbd.forward_tp = 1
-  return p
 
 
 def _check_parallel(config) -> None:
@@ -386,32 +246,6 @@ MIXTURE_EXAMPLE = "books.bin:0.7,code.bin:0.3"
 EVAL_FRACTION_MAX = 0.5       # Holding out half or more of a corpus is a split, not an eval set.
 
 
-def _data() -> ml_collections.ConfigDict:
-  d = ml_collections.ConfigDict()
-  d.source = "synthetic"     # "synthetic" or "tokens" (a megajax-prepare-data file).
-  d.path = ""                # Token file (.bin with its .json, or .npy) for "tokens".
-  # Instead of data.path: several token files read in proportion to their weights,
-  # "books.bin:0.7,code.bin:0.3" (one tokenizer and vocabulary for all).
-  d.mixture = ""
-  # Token data: a row's documents attend only within themselves (the batch carries
-  # segment_ids and positions) and no loss on predicting a document's first token from the
-  # previous document's EOS. Synthetic data has no documents.
-  d.document_masking = True
-  # Evaluation data, one of: a token file, or a fraction of the training file's documents held
-  # out (chosen by a hash of the document number; never trained on). Neither: no eval data.
-  d.eval_path = ""
-  d.eval_fraction = 0.0
-  # Hash the whole .bin when it is opened and compare with its sidecar's checksum: up to ~1 s per
-  # GB per process. False for corpora where that start-up cost matters (every record's ids are
-  # still range-checked); `megajax-prepare-data --verify=FILE` checks a file once instead.
-  d.verify_checksum = True
-  d.shuffle = True
-  d.synthetic_records = 1_000_000
-  d.read_threads = 2
-  d.prefetch = 4             # Batches the loader prepares ahead of the step.
-  return d
-
-
 def parse_mixture(text: str) -> list[tuple[str, float]]:
   """"books.bin:0.7,code.bin:0.3" -> [("books.bin", 0.7), ("code.bin", 0.3)]; a ConfigError on
   data.mixture for anything else (a missing weight, a weight <= 0, a path twice)."""
@@ -481,37 +315,9 @@ def _check_data(config) -> None:
                 "set --config.data.eval_path=FILE or --config.data.eval_fraction=0.01")
 
 
-def uses_document_masking(config) -> bool:
-  """Does the batch carry segment_ids and positions (documents packed in rows)? The loader
-  emits them exactly then; the step and the model read them."""
-  return config.data.source == "tokens" and bool(config.data.document_masking)
-
-
 # --- checkpoint -------------------------------------------------------------------------------
 
 RESTORE_MODE_CHOICES = ("direct", "broadcast")
-
-
-def _checkpoint() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.save_params = True   # Write WORKDIR/params (Orbax) when training ends.
-  # Training checkpoints in WORKDIR/checkpoints: every `every_steps` steps (0: only at the end
-  # and on preemption), asynchronous (the step waits only for the device -> host copy). A
-  # relaunch with the same workdir resumes from the latest complete one.
-  c.every_steps = 100
-  c.keep = 3             # The last `keep` checkpoints ...
-  c.keep_period = 0      # ... plus every step divisible by this one, forever (0: none).
-  c.async_save = True
-  # A 64-bit checksum of every saved array, computed on the devices and checked on restore (a
-  # mismatch: the checkpoint is quarantined, the previous one used). Off only where its cost
-  # matters more than catching a damaged file: on CPU hosts, whose 2 cores run every emulated
-  # device, its launch adds ~0.07 s per GB to the step's wait (docs/checkpoints.md).
-  c.checksums = True
-  # "direct": every process reads its own shards; "broadcast": data-parallel replica 0 reads,
-  # the other replicas receive over the interconnect (MegaScale 4.4), at most this much at once.
-  c.restore_mode = "direct"
-  c.broadcast_memory_limit_mib = 1024
-  return c
 
 
 def _check_checkpoint(config) -> None:
@@ -529,23 +335,6 @@ def _check_checkpoint(config) -> None:
 XLA_PRESET_CHOICES = ("auto", "none")
 
 
-def _runtime() -> ml_collections.ConfigDict:
-  # Start-up (megajax-train): XLA's persistent compilation cache, so a restart skips compiling
-  # ("": WORKDIR/jax_cache; "none": off), and the XLA / NCCL presets for GPUs
-  # (megajax.launch.runtime: "auto" or "none"), with extra XLA flags that override them.
-  r = ml_collections.ConfigDict()
-  r.compilation_cache_dir = ""
-  r.xla_preset = "auto"
-  r.xla_flags = ""
-  # Python's cyclic garbage collector: off for the whole run, and every process collects at the
-  # same steps, every `gc_every_steps` (0: Python's automatic collections). Tracing the step
-  # allocates millions of objects, and the automatic collections walk the growing heap again and
-  # again (a sixth of a small job's CPU time); in the loop, one rank's collection pauses every
-  # other in the next collective (Megatron-LM's --manual-gc).
-  r.gc_every_steps = 1000
-  return r
-
-
 def _check_runtime(config) -> None:
   check.choice(config, "runtime.xla_preset", XLA_PRESET_CHOICES)
   check.non_negative_int(config, "runtime.gc_every_steps")
@@ -556,29 +345,6 @@ def _check_runtime(config) -> None:
 
 
 # --- supervisor -------------------------------------------------------------------------------
-
-def _supervisor() -> ml_collections.ConfigDict:
-  # megajax-supervise: heartbeats (a file per worker in WORKDIR/heartbeats), failure detection
-  # and automatic restart from the latest checkpoint.
-  s = ml_collections.ConfigDict()
-  s.processes = 1              # Worker processes (one per host).
-  s.devices_per_process = 0    # Local CPU workers: devices each (0: the mesh / processes).
-  # How to start the job: "" starts local processes; otherwise a shell command template run
-  # once per (re)start, e.g. "srun --nodes={processes} --ntasks-per-node=1 {train}", where
-  # {train} is the worker's command line (topology auto-detected by jax.distributed); also
-  # {args}, {processes}, {exclude} and the variables MEGAJAX_PROCESSES, MEGAJAX_EXCLUDE_HOSTS.
-  s.command = ""
-  s.stop_command = ""          # Run after stopping `command`'s job (kubectl delete ...).
-  s.heartbeat_interval_s = 1.0
-  s.heartbeat_timeout_s = 10.0   # No heartbeat for this long: the worker is lost.
-  s.hang_timeout_s = 120.0       # No step finished for this long: the job hangs.
-  s.startup_timeout_s = 1800.0   # The first step (start, restore, compile) must end by then.
-  s.max_restarts = 3
-  s.diagnose = True              # Run megajax-diagnose after a failure.
-  s.elastic = True               # Continue on fewer hosts (smaller dp) without a bad one ...
-  s.spares = 0                   # ... unless the allocation has spare hosts to replace it.
-  return s
-
 
 def _check_supervisor(config) -> None:
   s = config.supervisor
@@ -602,38 +368,6 @@ def _check_supervisor(config) -> None:
 
 CAPTURE_TENSOR_CHOICES = ("attn_probs", "attn_out", "mlp_out", "residual")
 PERTURBATION_CHOICES = ("", "noise", "offset", "bitflip")
-
-
-def _observe() -> ml_collections.ConfigDict:
-  # Observability (megajax.observe): sampled traces, activation capture and perturbations.
-  o = ml_collections.ConfigDict()
-  # Every N steps each process traces one step with jax.profiler into WORKDIR/traces/step_<n>
-  # (merge, heat map and stragglers: megajax-trace WORKDIR); 0: off.
-  o.trace_every = 0
-  # Observation points "layer:tensor,...", tensor one of CAPTURE_TENSOR_CHOICES, layer an index
-  # or * (e.g. "0:attn_probs,*:residual"): statistics (and a small sample) of each, computed every
-  # step, read one step late and appended to WORKDIR/activations.jsonl every `capture_every`
-  # steps (the device work does not thin out: capture few points on big runs). "": off.
-  o.capture = ""
-  o.capture_every = 1
-  o.capture_sample = 0      # Also the first N values of each captured tensor (0: none).
-  # Perturbation for robustness experiments: "" (off), "noise" (Gaussian, std perturb_scale),
-  # "offset" (+perturb_scale) or "bitflip" (bit perturb_bit of a perturb_fraction of the
-  # elements), applied at perturb_at: "layer:<i>" (layer i's output) or "stage:<s>" (the
-  # activations pipeline stage s sends on).
-  o.perturb = ""
-  o.perturb_at = ""
-  o.perturb_scale = 0.0
-  o.perturb_bit = 30
-  o.perturb_fraction = 1e-3
-  # Weights & Biases as a tracker (pip install 'megajax[wandb]'; nothing of it is imported when
-  # off): a project name logs what TensorBoard gets (loss, eval, throughput, MFU, goodput/*,
-  # checkpoint times; x axis train/step) and the config, from process 0, into one W&B run per
-  # workdir: a restart or resume continues it (its id is kept in WORKDIR/wandb_run_id). Its files
-  # go under WORKDIR/wandb/; WANDB_MODE=offline keeps them there, no network (`wandb sync` uploads).
-  o.wandb_project = ""
-  o.wandb_entity = ""       # the team or user; "": W&B's default for the logged-in account
-  return o
 
 
 def _check_observe(config) -> None:
@@ -680,21 +414,6 @@ def _check_observe(config) -> None:
 
 FAIL_MODES = ("kill", "hang")     # megajax.trainer.drills.FAIL_SIGNALS' keys
 
-def _debug() -> ml_collections.ConfigDict:
-  d = ml_collections.ConfigDict()
-  d.fail_at_step = 0          # Fail this process after that step (0: never) ...
-  d.fail_process = -1         # ... only this process (-1: every process) ...
-  d.fail_mode = "kill"        # ... "kill": SIGKILL (a crash); "hang": SIGSTOP (a silent host).
-  d.nonfinite_steps = ""      # "8,9,10" makes those steps' loss NaN.
-  d.diagnose_slow_process = -1  # megajax-diagnose sees this process slow.
-  # Straggler: the rank "dp,pp,tp" runs `slow_rank_work` extra matmuls of the hidden size
-  # once per step, after its gradients, under the "forward" scope (megajax-trace should name it; "": off).
-  d.slow_rank = ""
-  d.slow_rank_work = 8
-  d.slow_rank_from_step = 0   # ... from this step on (one compiled program, before and after).
-  return d
-
-
 def _check_debug(config) -> None:
   p = config.parallel
   check.non_negative_int(config, "debug.fail_at_step")
@@ -718,27 +437,28 @@ def _check_debug(config) -> None:
 
 # --- The whole config ---------------------------------------------------------------------------
 
-# Section -> (its defaults, its checks), in the order validate() checks them: a section's
+# Section -> (its fields and defaults, its checks), in the order validate() checks them: a section's
 # checks may read the sections before it.
 SECTIONS = {
-    "model": (_model, _check_model),
-    "train": (_train, _check_train),
-    "optimizer": (_optimizer, _check_optimizer),
-    "parallel": (_parallel, _check_parallel),
-    "data": (_data, _check_data),
-    "checkpoint": (_checkpoint, _check_checkpoint),
-    "runtime": (_runtime, _check_runtime),
-    "supervisor": (_supervisor, _check_supervisor),
-    "observe": (_observe, _check_observe),
-    "debug": (_debug, _check_debug),
+    "model": (ModelSection, _check_model),
+    "train": (TrainSection, _check_train),
+    "optimizer": (OptimizerSection, _check_optimizer),
+    "parallel": (ParallelSection, _check_parallel),
+    "data": (DataSection, _check_data),
+    "checkpoint": (CheckpointSection, _check_checkpoint),
+    "runtime": (RuntimeSection, _check_runtime),
+    "supervisor": (SupervisorSection, _check_supervisor),
+    "observe": (ObserveSection, _check_observe),
+    "debug": (DebugSection, _check_debug),
 }
+assert tuple(SECTIONS) == tuple(SECTION_TYPES), "megajax.sections.SECTION_TYPES: the same sections in the same order"
 
 
 def default_config() -> ml_collections.ConfigDict:
   """All fields with their defaults: a tiny model that trains on a CPU."""
   c = ml_collections.ConfigDict()
-  for name, (defaults, _) in SECTIONS.items():
-    c[name] = defaults()
+  for name, (section_type, _) in SECTIONS.items():
+    c[name] = to_config_dict(section_type)
   return c
 
 
@@ -746,12 +466,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Checks the whole config; raises ConfigError on the first bad field. Touches no device."""
   for _, check_section in SECTIONS.values():
     check_section(config)
-
-
-def wants_probes(config: ml_collections.ConfigDict) -> bool:
-  """Does the step carry probes (observe.capture or observe.perturb)? megajax.observe.Probes
-  builds them; megajax.parallel.ParallelStep refuses a config that wants them without them."""
-  return bool(config.observe.capture or config.observe.perturb)
 
 
 def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:

@@ -16,10 +16,13 @@ its host count and still see the same data stream.
       batch = next(batches)                        # {"inputs", "targets", "loss_mask"} (+ below)
       state = batches.get_state()                  # {"next_index": int}, JSON-safe
 
-With document masking (config.uses_document_masking) a batch also holds "segment_ids" (the
+With document masking (data.packs_documents) a batch also holds "segment_ids" (the
 input's document number within its row, from 1) and "positions" (its place in that part of
 the document, from 0 at the row start or the document's start), and loss_mask is 0 where a
 document's EOS would predict the next document's first token.
+
+`config` below is the run's (megajax.run_config.RunConfig, as the trainer passes it) or a
+ConfigDict; what is read of it is its data, model and train sections.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from absl import logging
 import grain
 import numpy as np
 
-from megajax.config import ConfigError, parse_mixture, uses_document_masking
+from megajax.config import ConfigError, parse_mixture
+from megajax.sections import section
 from megajax.tokenizer import entry_digest
 # Re-exported: what users of the data API (the launcher's tests, notebooks) reach for here.
 from megajax.token_files import (BYTE_VOCAB_SIZE, EOS, TokenFile, TokenFileSource, decode_tokens, encode_text,
@@ -196,11 +200,12 @@ def token_file_paths(config) -> list[str]:
   return [path for path, _ in _training_files(config)] + ([d.eval_path] if d.eval_path else [])
 
 
-def make_sources(config, split: str = "train") -> list[tuple[object, float]]:
+def make_sources(config, split: str = "train", verify: bool = True) -> list[tuple[object, float]]:
   """[(record source, weight)] of config.data for `split` ("train" or "eval"): one source, or
   one per mixture file. Eval records are data.eval_path's, or the documents data.eval_fraction
-  holds out of each training file (the training sources then skip them)."""
-  d, m = config.data, config.model
+  holds out of each training file (the training sources then skip them). verify=False: no
+  file's checksum is computed, whatever data.verify_checksum says (a description's quick look)."""
+  d, m = section(config, "data"), config.model
   if d.source == "synthetic":
     if split == "train":
       return [(SyntheticSource(m.vocab_size, m.seq_len, config.train.seed, d.synthetic_records), 1.0)]
@@ -212,10 +217,11 @@ def make_sources(config, split: str = "train") -> list[tuple[object, float]]:
   field, value = ("data.mixture", d.mixture) if d.mixture else ("data.path", d.path)
   # With data.eval_path the eval split opens the training files only to check the tokenizers
   # agree: no checksum (a full read of the training corpus at every evaluation's start).
-  verify_training = d.verify_checksum and not (split == "eval" and d.eval_path)
+  verify = verify and d.verify_checksum
+  verify_training = verify and not (split == "eval" and d.eval_path)
   files = [(path, weight, TokenFile(path, verify_training)) for path, weight in train_files]
   if split == "eval" and d.eval_path:
-    eval_file = TokenFile(d.eval_path, d.verify_checksum)
+    eval_file = TokenFile(d.eval_path, verify)
     _check_same_tokenizer([f for _, _, f in files] + [eval_file], "data.eval_path", d.eval_path)
     files, field, value = [(d.eval_path, 1.0, eval_file)], "data.eval_path", d.eval_path
   elif split == "eval" and not d.eval_fraction:
@@ -240,7 +246,7 @@ def make_sources(config, split: str = "train") -> list[tuple[object, float]]:
         raise ConfigError("data.eval_fraction", d.eval_fraction,
                           f"holds out {'none' if split == 'eval' else 'all'} of the {len(starts)} documents of {path}",
                           "use a file with more documents, or --config.data.eval_path=FILE")
-    source = TokenRecords(token_file, m.seq_len, keep, uses_document_masking(config), starts)
+    source = TokenRecords(token_file, m.seq_len, keep, d.packs_documents, starts)
     if len(source) == 0:
       what = "" if keep is None else f" ({split} documents)"
       raise ConfigError(field, value, f"{path} has {source.num_tokens} tokens{what}, fewer than one record of "
@@ -297,7 +303,7 @@ def _batched(config, ds: grain.MapDataset, process_index: int, process_count: in
   # ceil(len / b) in floating point, which overflows on the infinite (sys.maxsize long)
   # order at b = 1; floor division is exact, and the remainder it drops is 2**63 records away.
   ds = ds.map(_as_record).batch(local_batch, drop_remainder=True)[process_index::process_count]
-  segments = uses_document_masking(config)
+  segments = section(config, "data").packs_documents
   ds = ds.map(lambda batch: _to_example(batch, segments))
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=config.data.read_threads,
                                               prefetch_buffer_size=config.data.prefetch))
@@ -308,7 +314,7 @@ def make_dataset(config, process_index: int, process_count: int) -> grain.IterDa
 
   Each element is {"inputs", "targets": int32 (b, S), "loss_mask": float32 (b, S)} with
   b = train.batch_size // process_count, plus "segment_ids", "positions": int32 (b, S)
-  when config.uses_document_masking.
+  when data.packs_documents.
   """
   _local_slice(config, process_index, process_count)   # A bad layout fails before any file opens.
   return _training_dataset(config, make_sources(config), process_index, process_count)
@@ -374,16 +380,14 @@ def describe_data(config, sources: list | None = None) -> str:
   """One line for the start-up log: the source, tokenizer, vocabulary, tokens, documents and
   how many epochs train.steps take (steps * batch_size * seq_len / training tokens). `sources`:
   the training sources if already opened (make_sources), else opened here."""
-  d, t, m = config.data, config.train, config.model
+  d, t, m = section(config, "data"), config.train, config.model
   read = t.steps * t.batch_size * m.seq_len
   if d.source == "synthetic":
     tokens = d.synthetic_records * m.seq_len
     return (f"data: synthetic (Markov chain with copy spans), vocab {m.vocab_size}, {d.synthetic_records:,} records "
             f"= {tokens:,} tokens, no documents; {t.steps:,} steps read {read / tokens:.3g} epochs")
   if sources is None:
-    quick = config.copy_and_resolve_references()
-    quick.data.verify_checksum = False   # A description reads sidecars and the index, not every byte.
-    sources = make_sources(quick)
+    sources = make_sources(config, verify=False)   # A description reads sidecars and the index, not every byte.
   tokens = sum(source.num_tokens for source, _ in sources)
   documents = sum(source.num_documents for source, _ in sources)
   total = sum(weight for _, weight in sources)
@@ -391,7 +395,7 @@ def describe_data(config, sources: list | None = None) -> str:
       else sources[0][0].path
   tokenizer = sources[0][0].file.tokenizer["kind"]
   held_out = f" (data.eval_fraction={d.eval_fraction} held out)" if d.eval_fraction else ""
-  masking = "document masking on" if uses_document_masking(config) else "document masking off"
+  masking = "document masking on" if d.packs_documents else "document masking off"
   return (f"data: tokens from {names}; tokenizer {tokenizer}, vocab {sources[0][0].vocab_size}; {tokens:,} training "
           f"tokens in {documents:,} documents{held_out}; {masking}; {t.steps:,} steps read {read / tokens:.3g} epochs")
 

@@ -28,7 +28,6 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from megajax.layers import NORM_MODULES, Attention, Mlp, initializers
 
@@ -63,8 +62,9 @@ class ModelConfig:
   remat: str
 
   @classmethod
-  def from_config(cls, model: ml_collections.ConfigDict) -> "ModelConfig":
-    fields = {f.name: model[f.name] for f in dataclasses.fields(cls)}
+  def from_config(cls, model) -> "ModelConfig":
+    """`model`: the config's model section (megajax.sections.ModelSection, or its ConfigDict node)."""
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(cls)}
     fields["num_kv_heads"] = model.num_kv_heads or model.num_heads
     fields["mlp_dim"] = model.mlp_dim or 4 * model.hidden_dim
     fields["window"] = model.window or None

@@ -16,7 +16,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 # Leaf names of the parameters that get weight decay and a trust ratio.
@@ -30,16 +29,17 @@ def matrix_mask(params):
   return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup to the peak, cosine decay to end_lr_ratio * peak at the last step.
+def learning_rate_schedule(optimizer, steps: int) -> optax.Schedule:
+  """Linear warmup to the peak, cosine decay to end_lr_ratio * peak at the last of `steps`
+  (train.steps); `optimizer`: the config's optimizer section.
 
   Indexed by optax's update count (0 for the first update); the curve is read at count + 1
   so the first update is not spent at learning rate 0 and the last one lands on the end value.
   """
-  o = config.optimizer
+  o = optimizer
   curve = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
-      decay_steps=config.train.steps, end_value=o.learning_rate * o.end_lr_ratio)
+      decay_steps=steps, end_value=o.learning_rate * o.end_lr_ratio)
   return lambda count: curve(count + 1)
 
 
@@ -77,11 +77,11 @@ def scale_by_trust_ratio(mask_fn, norms: TensorNorms) -> optax.GradientTransform
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def make_optimizer(config: ml_collections.ConfigDict,
-                   norms: TensorNorms | None = None) -> optax.GradientTransformation:
-  """LAMB or AdamW. `norms`: the whole-tensor norms of sharded leaves (see above)."""
-  o = config.optimizer
-  schedule = learning_rate_schedule(config)
+def make_optimizer(optimizer, steps: int, norms: TensorNorms | None = None) -> optax.GradientTransformation:
+  """LAMB or AdamW as the optimizer section says, over `steps` (train.steps). `norms`: the
+  whole-tensor norms of sharded leaves (see above)."""
+  o = optimizer
+  schedule = learning_rate_schedule(optimizer, steps)
   if norms is None:
     clip = optax.clip_by_global_norm(o.grad_clip_norm)
     trust_ratio = optax.masked(optax.scale_by_trust_ratio(), matrix_mask)

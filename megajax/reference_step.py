@@ -130,7 +130,7 @@ def make_reference_step(model: GPT, optimizer: optax.GradientTransformation,
   with_gradients=True: (state, metrics, gradients) (the mean over the batch's tokens, before
   the optimizer), like ParallelStep.train_step(with_gradients=True)."""
   loss_sums = make_loss_sums_fn(model, config.train.z_loss)
-  schedule = learning_rate_schedule(config)
+  schedule = learning_rate_schedule(config.optimizer, config.train.steps)
   microbatches = config.train.microbatches
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:

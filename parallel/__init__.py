@@ -17,7 +17,7 @@ from megajax.parallel.collective_matmul import (all_gather_matmul, column_parall
                                                 row_parallel_linear)
 from megajax.parallel.fbd import FbdStep
 from megajax.parallel.mesh import (DP, MESH_AXES, PP, TP, batch_sharding, local_batch_slice,
-                                   local_device_coordinates, make_mesh, mesh_shape)
+                                   local_device_coordinates, make_mesh)
 from megajax.parallel.pipeline import Tables, pipeline_gradients, simulate, to_model_params, to_pipeline_params
 from megajax.parallel.sharding import Layout, param_layouts
 from megajax.parallel.step import ParallelStep
@@ -26,6 +26,6 @@ from megajax.parallel.tensor_parallel import Overlap, loss_sums
 __all__ = [
     "DP", "FbdStep", "Layout", "MESH_AXES", "Overlap", "PP", "ParallelStep", "TP", "Tables", "all_gather_matmul",
     "batch_sharding", "column_parallel_linear", "local_batch_slice", "local_device_coordinates", "loss_sums",
-    "make_mesh", "matmul_reduce_scatter", "mesh_shape", "param_layouts", "pipeline_gradients",
+    "make_mesh", "matmul_reduce_scatter", "param_layouts", "pipeline_gradients",
     "row_parallel_linear", "simulate", "to_model_params", "to_pipeline_params",
 ]

@@ -37,7 +37,7 @@ import ml_collections
 
 from megajax.config import ConfigError
 from megajax.model import GPT, ModelConfig
-from megajax.parallel.mesh import make_mesh, mesh_shape
+from megajax.parallel.mesh import make_mesh
 from megajax.parallel.step import ParallelStep
 
 
@@ -215,8 +215,8 @@ def bytes_per_device(compiled) -> int:
 
 def parallel_step_for_gpu(config: ml_collections.ConfigDict, target: str = "h100-80g") -> ParallelStep:
   """The config's 3D step on a mesh of described GPUs (kernels lowered for CUDA)."""
-  dp, pp, tp = mesh_shape(config)
-  mesh = make_mesh(config, gpu_devices(target, dp * pp * tp))
+  dp, pp, tp = config.parallel.dp, config.parallel.pp, config.parallel.tp
+  mesh = make_mesh(config.parallel, gpu_devices(target, dp * pp * tp))
   return ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), mesh, platform="cuda")
 
 

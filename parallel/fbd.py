@@ -42,13 +42,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import ConfigError, uses_document_masking
+from megajax.config import ConfigError
 from megajax.model import GPT, init_params
 from megajax.optim import learning_rate_schedule, make_optimizer
 from megajax.parallel import sharding, zero
 from megajax.parallel.deviceless import bytes_per_device
-from megajax.parallel.mesh import AXIS_TYPES, DP, MESH_AXES, job_device_count
-from megajax.reference_step import TrainState, apply_gradients, fresh_train_state, make_loss_sums_fn, split_microbatches
+from megajax.parallel.mesh import AXIS_TYPES, DP, MESH_AXES
+from megajax.reference_step import TrainState, apply_gradients, fresh_train_state, make_loss_sums_fn
+from megajax.run_config import RunConfig
+from megajax.sections import TrainSection
 
 
 def group_mesh(devices, dp: int, tp: int) -> Mesh:
@@ -93,8 +95,11 @@ def _abstract(tree, shardings):
 @dataclasses.dataclass
 class FbdStep:
   """The decoupled step: `train_step()(state, batch) -> (state, metrics)` with the state on the
-  backward group and the batch on the forward group (put_batch)."""
-  config: ml_collections.ConfigDict
+  backward group and the batch on the forward group (put_batch). It keeps the run's train
+  section and what it derives from the rest, not the config."""
+  train: TrainSection
+  packs_documents: bool        # batches carry positions and segment_ids (data.packs_documents)
+  learning_rate: Any           # optax's update count -> the learning rate
   model: GPT
   forward_mesh: Mesh
   backward_mesh: Mesh
@@ -105,44 +110,48 @@ class FbdStep:
   pipeline = None              # (the trainer's view of a step: no pipeline)
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, model: GPT, devices) -> "FbdStep":
+  def from_config(cls, config: RunConfig | ml_collections.ConfigDict, model: GPT, devices) -> "FbdStep":
     """parallel.fbd's groups over `devices`: the first forward_dp * forward_tp of them forward,
     the rest (parallel.dp * parallel.tp) backward. ConfigError (one line) where it cannot run."""
-    p, f = config.parallel, config.parallel.fbd
+    run = RunConfig.of(config)
+    p, f = run.parallel, run.parallel.fbd
     devices = list(devices)
     if jax.process_count() > 1:
       raise ConfigError("parallel.fbd.enabled", True,
                         f"MegaFBD runs in one process, this job has {jax.process_count()}: its groups exchange "
                         "residuals and weights with jax.device_put, which megajax uses between one process's devices "
                         "only", "run it on one host (one process), or set parallel.fbd.enabled=False")
-    if len(devices) != job_device_count(config):
+    if len(devices) != p.device_count:
       raise ConfigError("parallel.fbd", f"forward {f.forward_dp}x{f.forward_tp} + backward {p.dp}x{p.tp}",
-                        f"the two groups need {job_device_count(config)} devices, the job has {len(devices)}",
+                        f"the two groups need {p.device_count} devices, the job has {len(devices)}",
                         "choose forward_dp * forward_tp + parallel.dp * parallel.tp = "
                         f"{len(devices)} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count="
-                        f"{job_device_count(config)})")
+                        f"{p.device_count})")
     split = f.forward_dp * f.forward_tp
-    return cls.build(config, model, devices[:split], devices[split:], f.forward_dp, f.forward_tp, p.dp, p.tp)
+    return cls.build(run, model, devices[:split], devices[split:], f.forward_dp, f.forward_tp, p.dp, p.tp)
 
   @classmethod
-  def build(cls, config: ml_collections.ConfigDict, model: GPT, forward_devices, backward_devices,
+  def build(cls, config: RunConfig | ml_collections.ConfigDict, model: GPT, forward_devices, backward_devices,
             forward_dp: int, forward_tp: int, backward_dp: int, backward_tp: int) -> "FbdStep":
+    run = RunConfig.of(config)
     forward_mesh = group_mesh(forward_devices, forward_dp, forward_tp)
     backward_mesh = group_mesh(backward_devices, backward_dp, backward_tp)
     params_like = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     # jit over global arrays: a leaf's norm is its whole tensor's (the layouts of one device, no
     # collective); the 3D step's optimizer, so that the two states (and checkpoints) are alike.
-    optimizer = make_optimizer(config, sharding.tensor_norms(sharding.param_layouts(model, params_like, 1, 1)))
+    optimizer = make_optimizer(run.optimizer, run.train.steps,
+                               sharding.tensor_norms(sharding.param_layouts(model, params_like, 1, 1)))
     specs = lambda dp, tp: sharding.param_specs(sharding.param_layouts(model, params_like, dp, tp), params_like)
     master = specs(backward_dp, backward_tp)
     state_specs = TrainState(step=P(), params=master,
                              opt_state=sharding.optimizer_specs(optimizer, params_like, master))
-    return cls(config, model, forward_mesh, backward_mesh, optimizer, specs(1, forward_tp), specs(1, backward_tp),
+    return cls(run.train, run.data.packs_documents, learning_rate_schedule(run.optimizer, run.train.steps), model,
+               forward_mesh, backward_mesh, optimizer, specs(1, forward_tp), specs(1, backward_tp),
                state_specs)
 
   def __post_init__(self):
-    c, f, b = self.config, self.forward_mesh, self.backward_mesh
-    loss_sums = make_loss_sums_fn(self.model, c.train.z_loss)
+    f, b = self.forward_mesh, self.backward_mesh
+    loss_sums = make_loss_sums_fn(self.model, self.train.z_loss)
     eval_sums = make_loss_sums_fn(self.model, 0.0)
     whole_b = NamedSharding(b, P())
     self.batch_sharding = NamedSharding(f, P(None, DP))    # [microbatches, rows, ...]: rows over dp
@@ -171,7 +180,7 @@ class FbdStep:
 
     def update(state, summed, microbatch_stats):
       stats = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), microbatch_stats)   # in microbatch order
-      new_state, metrics, grads = apply_gradients(self.optimizer, learning_rate_schedule(c), state, summed, stats)
+      new_state, metrics, grads = apply_gradients(self.optimizer, self.learning_rate, state, summed, stats)
       # The 3D step's rule: a non-finite loss, norm or learning rate leaves the state as it was.
       finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
                 & jnp.isfinite(metrics["learning_rate"]))
@@ -234,17 +243,17 @@ class FbdStep:
 
   def abstract_batch(self) -> dict:
     """A batch as put_batch places it: [microbatches, rows, seq] on the forward group."""
-    c = self.config
-    shape = (c.train.microbatches, c.train.batch_size // c.train.microbatches, c.model.seq_len)
+    t = self.train
+    shape = (t.microbatches, t.batch_size // t.microbatches, self.model.config.seq_len)
     keys = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
-    if uses_document_masking(c):
+    if self.packs_documents:
       keys.update(positions=jnp.int32, segment_ids=jnp.int32)
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in keys.items()}
 
   def put_batch(self, local_batch: dict) -> dict:
     """A global batch (numpy, one process) onto the forward group, split into its microbatches
     (row m*b + r is microbatch m's row r, as the reference splits), each one's rows over dp."""
-    microbatches = self.config.train.microbatches
+    microbatches = self.train.microbatches
     return {k: jax.device_put(np.asarray(v).reshape(microbatches, -1, *np.shape(v)[1:]), self.batch_sharding)
             for k, v in local_batch.items()}
 
@@ -271,7 +280,7 @@ class FbdStep:
     sent = jax.device_put(weights, self._forward_weights)
     summed = zeros(state.params)
     stats = []                       # each microbatch's loss sums, summed by the update's program
-    for i in range(self.config.train.microbatches):
+    for i in range(self.train.microbatches):
       microbatch_stats, residuals = wait(forward(sent, batch, np.int32(i)))
       summed = wait(backward(send(residuals, self.backward_mesh), weights, summed))
       stats.append(send(microbatch_stats, self.backward_mesh))
@@ -318,7 +327,7 @@ class FbdStep:
     return {"cast": compile_lowered(self._weights.lower(state.params)), "forward": forward,
             "backward": compile_lowered(self._backward.lower(received, weights, state.params)),
             "update": compile_lowered(self._update.lower(state, state.params,
-                                                         [whole] * self.config.train.microbatches)),
+                                                         [whole] * self.train.microbatches)),
             "zeros": compile_lowered(self._zeros.lower(state.params)),
             "eval": compile_lowered(self._eval.lower(sent, batch))}
 

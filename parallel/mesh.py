@@ -79,19 +79,6 @@ def picked(deps):
   return sum(jnp.ravel(jax.lax.stop_gradient(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(deps))
 
 
-def mesh_shape(config) -> tuple[int, int, int]:
-  """The (dp, pp, tp) sizes a config asks for."""
-  return (config.parallel.dp, config.parallel.pp, config.parallel.tp)
-
-
-def job_device_count(config) -> int:
-  """The devices a config's job runs on: dp * pp * tp, plus MegaFBD's forward group
-  (parallel.fbd: forward_dp * forward_tp more)."""
-  dp, pp, tp = mesh_shape(config)
-  fbd = config.parallel.fbd
-  return dp * pp * tp + (fbd.forward_dp * fbd.forward_tp if fbd.enabled else 0)
-
-
 def _host_split(dp: int, pp: int, tp: int, per_host: int):
   """(in-host, across-host) sizes in physical (pp, dp, tp) order; TP first, then DP, in a host."""
   if per_host % tp:
@@ -107,9 +94,10 @@ def _host_split(dp: int, pp: int, tp: int, per_host: int):
   return (pp_in, dp_in, tp), (pp // pp_in, dp // dp_in, 1)
 
 
-def make_mesh(config, devices=None) -> Mesh:
-  """The (dp, pp, tp) mesh over `devices` (default: every device of the job)."""
-  dp, pp, tp = mesh_shape(config)
+def make_mesh(parallel, devices=None) -> Mesh:
+  """The (dp, pp, tp) mesh of the config's parallel section over `devices` (default: every
+  device of the job)."""
+  dp, pp, tp = parallel.dp, parallel.pp, parallel.tp
   devices = list(jax.devices() if devices is None else devices)
   if dp * pp * tp != len(devices):
     raise ConfigError("parallel", f"dp={dp} pp={pp} tp={tp}",

@@ -39,8 +39,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from megajax.config import (ConfigError, dp_bucket_bytes, pipeline_recompute, tp_overlap, uses_document_masking,
-                            wants_probes)
+from megajax.config import ConfigError
 from megajax.layers.kernels import lowering_for
 from megajax.model import GPT, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
@@ -51,6 +50,8 @@ from megajax.parallel.pipeline import simulate
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 from megajax.reference_step import TrainState, accumulate_gradients, fresh_train_state, split_microbatches
+from megajax.run_config import RunConfig
+from megajax.sections import ParallelSection, TrainSection
 
 # tp_overlap="xla": plain collectives, and XLA's own windowed-einsum rewrite of them (GPU).
 XLA_WINDOWED_EINSUM_OPTIONS = {
@@ -86,16 +87,20 @@ def _after_the_others(microbatch: dict, carry) -> dict:
 @dataclasses.dataclass(frozen=True)
 class ParallelStep:
   """The 3D-parallel step of one config on one mesh: each parameter's layout, the optimizer
-  that goes with them, the state's specs, and the jitted step (`train_step()`)."""
+  that goes with them, the state's specs, and the jitted step (`train_step()`). It keeps the
+  sections it reads (the run's parallel and train ones), not the config."""
 
-  config: ml_collections.ConfigDict
+  parallel: ParallelSection
+  train: TrainSection
+  packs_documents: bool                     # batches carry positions and segment_ids (data.packs_documents)
+  learning_rate: Callable                   # optax's update count -> the learning rate
   mesh: Mesh
   model: GPT
   layouts: object                           # pytree of sharding.Layout, like the params
   optimizer: optax.GradientTransformation   # LAMB / AdamW with whole-tensor norms
   state_specs: TrainState                   # PartitionSpecs of the TrainState
   pipeline: pipeline.Tables | None          # the schedule's tables when pp > 1
-  # What the step observes and perturbs (megajax.observe.Probes.from_config(config)); None: off,
+  # What the step observes and perturbs (megajax.observe.Probes.of(run.observe, layers)); None: off,
   # and the step traces exactly as without it.
   probes: object = None
   # (batch, step) -> a scalar the step must compute, on every device (a drill: the straggler's
@@ -106,10 +111,12 @@ class ParallelStep:
   platform: str = "cpu"
 
   @classmethod
-  def build(cls, config: ml_collections.ConfigDict, model: GPT, mesh: Mesh, probes=None,
+  def build(cls, config: RunConfig | ml_collections.ConfigDict, model: GPT, mesh: Mesh, probes=None,
             extra_work: Callable | None = None, platform: str | None = None) -> "ParallelStep":
+    """The step of `config` (a RunConfig, or a ConfigDict resolved here) for `model` on `mesh`."""
+    run = RunConfig.of(config)
     platform = platform or mesh.devices.flat[0].platform
-    impl = config.model.attention_impl
+    impl = run.model.attention_impl
     if impl == "pallas" and platform == "cpu":
       raise ConfigError("model.attention_impl", impl,
                         "on CPU the Pallas kernels run in interpret mode, which jax 0.10 cannot trace inside "
@@ -120,35 +127,36 @@ class ParallelStep:
                         "use model.attention_impl=xla (or pallas on a GPU)")
     # What observes or drills the step is handed in (this layer imports neither): a config that
     # asks for them must get them, not a step that silently ignores the fields.
-    o, slow = config.observe, config.debug.slow_rank
-    if wants_probes(config) and probes is None:
+    o, slow = run.observe, run.debug.slow_rank
+    if o.wants_probes and probes is None:
       field, value = ("observe.capture", o.capture) if o.capture else ("observe.perturb", o.perturb)
       raise ConfigError(field, value, "the 3D step was built without its probes",
                         "build it with megajax.trainer.build_parallel_step(config), or pass "
-                        "probes=megajax.observe.Probes.from_config(config)")
+                        "probes=megajax.observe.Probes.of(observe, num_layers)")
     if slow and extra_work is None:
       raise ConfigError("debug.slow_rank", slow, "the 3D step was built without the straggler drill's work",
                         "build it with megajax.trainer.build_parallel_step(config), or pass "
-                        "extra_work=megajax.trainer.drills.straggler_work(config)")
+                        "extra_work=megajax.trainer.drills.straggler_work(debug, model)")
     params_like = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     layouts = sharding.param_layouts(model, params_like, mesh.shape[DP], mesh.shape[TP])
     tables = None
+    p = run.parallel
     if mesh.shape[PP] > 1:
-      p = config.parallel
-      schedule = simulate(p.schedule, p.pp, p.virtual_stages, config.train.microbatches, p.traversal)
-      tables = pipeline.Tables.build(schedule, model.config, pipeline_recompute(config, platform))
+      schedule = simulate(p.schedule, p.pp, p.virtual_stages, run.train.microbatches, p.traversal)
+      tables = pipeline.Tables.build(schedule, model.config, p.pipeline_recompute_on(platform))
       params_like = jax.eval_shape(functools.partial(pipeline.to_pipeline_params, stages=p.pp,
                                                      virtual_stages=p.virtual_stages), params_like)
       layouts = pipeline.pipeline_layouts(layouts)
-    optimizer = make_optimizer(config, sharding.tensor_norms(layouts))
+    optimizer = make_optimizer(run.optimizer, run.train.steps, sharding.tensor_norms(layouts))
     param_specs = sharding.param_specs(layouts, params_like)
     state_specs = TrainState(step=P(), params=param_specs,
                              opt_state=sharding.optimizer_specs(optimizer, params_like, param_specs))
-    return cls(config, mesh, model, layouts, optimizer, state_specs, tables, probes, extra_work, platform)
+    return cls(p, run.train, run.data.packs_documents, learning_rate_schedule(run.optimizer, run.train.steps), mesh,
+               model, layouts, optimizer, state_specs, tables, probes, extra_work, platform)
 
   @property
   def overlap(self) -> Overlap:
-    return Overlap(tp_overlap(self.config, self.platform), self.config.parallel.tp_overlap_chunks)
+    return Overlap(self.parallel.tp_overlap_on(self.platform), self.parallel.tp_overlap_chunks)
 
   @property
   def devices(self) -> list:
@@ -176,27 +184,27 @@ class ParallelStep:
     """The model's parameter pytree -> the state's (the pipeline layout when pp > 1)."""
     if self.pipeline is None:
       return params
-    return pipeline.to_pipeline_params(params, self.config.parallel.pp, self.config.parallel.virtual_stages)
+    return pipeline.to_pipeline_params(params, self.parallel.pp, self.parallel.virtual_stages)
 
   def model_params(self, params: dict) -> dict:
     """The state's parameters (or gradients) -> the model's pytree, whatever the mesh."""
     if self.pipeline is None:
       return params
-    return pipeline.to_model_params(params, self.config.parallel.pp, self.config.parallel.virtual_stages)
+    return pipeline.to_model_params(params, self.parallel.pp, self.parallel.virtual_stages)
 
   def abstract_inputs(self) -> tuple[TrainState, dict]:
     """The step's (state, batch) as ShapeDtypeStructs with their shardings: for
     `.lower(...).compile()` and a checkpoint's restore, without materializing anything.
-    Packed data (megajax.config.uses_document_masking) adds "positions" and "segment_ids"."""
+    Packed data (data.packs_documents) adds "positions" and "segment_ids"."""
     return self._abstract_state, self.abstract_batch()
 
   def abstract_batch(self) -> dict:
     """abstract_inputs' batch alone: a global batch's ShapeDtypeStructs, rows split over dp."""
-    shape, rows = (self.config.train.batch_size, self.config.model.seq_len), batch_sharding(self.mesh)
+    shape, rows = (self.train.batch_size, self.model.config.seq_len), batch_sharding(self.mesh)
     batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)}
-    if uses_document_masking(self.config):
+    if self.packs_documents:
       batch.update({key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
                     for key in ("positions", "segment_ids")})
     return batch
@@ -210,7 +218,7 @@ class ParallelStep:
 
   def put_batch(self, local_batch: dict) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays split over dp."""
-    batch_size = self.config.train.batch_size
+    batch_size = self.train.batch_size
     placement = batch_sharding(self.mesh)
     return {k: jax.make_array_from_process_local_data(placement, np.asarray(v), (batch_size, *v.shape[1:]))
             for k, v in local_batch.items()}
@@ -220,34 +228,34 @@ class ParallelStep:
   def _summed_gradients(self, params, batch, step=None):
     """ZeRO gather -> forward/backward of every microbatch -> ZeRO reduce-scatter, per device:
     (gradient shards summed over the batch, loss stats summed over the batch)."""
-    c = self.config
+    p, t = self.parallel, self.train
     probes = self.probes
     if probes is not None:    # observe.capture / perturb; keyed by the step and the global rows
       probes = probes.bind(step)
       batch = {**batch, "rows": probes.rows(batch)}
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
-                                         self.overlap, c.train.z_loss, probes, c.parallel.grad_sync,
-                                         ordered_collectives=self.platform == "cpu", bucket_bytes=dp_bucket_bytes(c))
+                                         self.overlap, t.z_loss, probes, p.grad_sync,
+                                         ordered_collectives=self.platform == "cpu", bucket_bytes=p.dp_bucket_bytes)
     # The forward's ops are named .../forward/..., the backward's .../transpose(jvp(forward))/...
     loss = jax.named_scope("forward")(
-        functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=c.train.z_loss, probes=probes))
+        functools.partial(loss_sums, c=self.model.config, overlap=self.overlap, z_loss=t.z_loss, probes=probes))
     # ZeRO's gathers run inside the first microbatch's forward, one layer ahead of use
     # (zero.layer_ahead_gathers), each layer in its compute form (megajax.parallel.fused:
     # a fused matmul's kernels gathered as its operand); the later microbatches use what it gathered.
     m = self.model.config
     sinks = zero.gathered_zeros(params, self.layouts, m.compute_dtype, model=m)
     first = zero.first_microbatch_gathering(loss, params, self.layouts, m.compute_dtype, sinks,
-                                                ordered=self.platform == "cpu", bucket_bytes=dp_bucket_bytes(c), model=m)
+                                                ordered=self.platform == "cpu", bucket_bytes=p.dp_bucket_bytes, model=m)
     reduce_scatter = functools.partial(zero.reduce_scatter_grads, layouts=self.layouts,
-                                       bucket_bytes=dp_bucket_bytes(c), shards=params, model=m)
-    if c.parallel.grad_sync == "microbatch":
+                                       bucket_bytes=p.dp_bucket_bytes, shards=params, model=m)
+    if p.grad_sync == "microbatch":
       # Each microbatch's gradients are reduce-scattered over dp as they come: the scan carries
       # only this device's 1/dp shard, shaped like the master shard (m collectives per leaf).
       # Gradients w.r.t. leaves gathered in the compute dtype come back in it: in the master
       # dtype again before the reduction (the conversion the cast's transpose made before).
       master = zero.gathered_zeros(params, self.layouts, model=m)
-      grads, stats = accumulate_gradients(loss, None, batch, c.train.microbatches, first_microbatch=first,
+      grads, stats = accumulate_gradients(loss, None, batch, t.microbatches, first_microbatch=first,
                                           reduce_grads=lambda g: reduce_scatter(zero.to_master_dtype(g, master)),
                                           zero_grads=jax.tree.map(jnp.zeros_like, params), probes=probes,
                                           in_order=_after_the_others)
@@ -258,7 +266,7 @@ class ParallelStep:
       # each depending only on its own gradients: XLA may start the head's while the first
       # layers' backward runs.
       grads, stats = accumulate_gradients(
-          loss, None, batch, c.train.microbatches, first_microbatch=first, zero_grads=zero.gradient_accumulators(sinks),
+          loss, None, batch, t.microbatches, first_microbatch=first, zero_grads=zero.gradient_accumulators(sinks),
           probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)),
           in_order=_after_the_others)
     # Captured statistics are global already (reduced over dp and tp where they were taken).
@@ -280,7 +288,7 @@ class ParallelStep:
     if self.extra_work is not None:    # its scalar joins the loss times 0: XLA must compute it
       extra = self.extra_work(batch, state.step + 1)
       metrics["loss"] = metrics["loss"] + collectives.psum(0.0 * extra, (DP, PP, TP))
-    metrics["learning_rate"] = learning_rate_schedule(self.config)(state.step)
+    metrics["learning_rate"] = self.learning_rate(state.step)
     # A non-finite loss, gradient norm or learning rate skips the update: the state passes
     # through unchanged (all three are global, so every device decides alike; the trainer
     # counts the skips and rolls back after train.nonfinite_rollback_after in a row). With
@@ -349,15 +357,14 @@ class ParallelStep:
     """ZeRO gather -> the forward of every microbatch -> the loss sums, per device; summed
     over dp (and pp) so every device holds the batch's global sums. No gradients, no z-loss:
     the held-out loss is the cross-entropy alone."""
-    c = self.config
+    p, microbatch_count = self.parallel, self.train.microbatches
     if self.pipeline is not None:
-      stats = pipeline_loss_sums(params, batch, self.layouts, c.parallel.pp, c.parallel.virtual_stages,
-                                 c.train.microbatches, self.model.config, self.overlap,
-                                 bucket_bytes=dp_bucket_bytes(c))
+      stats = pipeline_loss_sums(params, batch, self.layouts, p.pp, p.virtual_stages, microbatch_count,
+                                 self.model.config, self.overlap, bucket_bytes=p.dp_bucket_bytes)
     else:
       full_params = zero.gather_params(params, self.layouts, self.model.config.compute_dtype,
-                                       bucket_bytes=dp_bucket_bytes(c), model=self.model.config)
-      microbatches = split_microbatches(batch, c.train.microbatches)
+                                       bucket_bytes=p.dp_bucket_bytes, model=self.model.config)
+      microbatches = split_microbatches(batch, microbatch_count)
       # One microbatch's activations at a time, as in training; the zeros are typed like the
       # batch (inside the shard_map the sums vary over dp as it does).
       start = jnp.zeros_like(microbatches["loss_mask"][0, 0, 0], jnp.float32)

@@ -44,7 +44,7 @@ def observe(repeats: int) -> None:
   mesh, one_step = step.mesh, step.run
 
   with tempfile.TemporaryDirectory() as workdir:
-    tracer = StepTracer(config, mesh, workdir)
+    tracer = StepTracer(config.observe, mesh, workdir)
     tracer.describe(step.compiled)
     writer = MetricsWriter(workdir, 10 ** 6, progress=False)
     heartbeat = Heartbeat(workdir, 0, [], interval=1.0)

@@ -150,7 +150,7 @@ def _jit_step(peer: str, config, parallel_step, params_like):
   batch's): the reference step with the peer's sharding annotations, left to GSPMD."""
   mesh, model = parallel_step.mesh, parallel_step.model
   layouts = peer_layouts(peer, model, params_like, mesh.shape[DP], mesh.shape[TP])
-  optimizer = make_optimizer(config)
+  optimizer = make_optimizer(config.optimizer, config.train.steps)
   specs = sharding.param_specs(layouts, params_like)
   state_specs = TrainState(step=P(), params=specs, opt_state=sharding.optimizer_specs(optimizer, params_like, specs))
   state_shardings = sharding.named(mesh, state_specs)

@@ -15,7 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from megajax.config import default_config, dp_bucket_bytes
+from megajax.config import default_config
+from megajax.sections import section
 from megajax.launch.bench.timing import median_seconds
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import fused, make_mesh
@@ -42,7 +43,7 @@ def _gradient_temp_bytes(config, baseline: bool) -> tuple[int, int]:
   fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=config.parallel.pp,
                          virtual_stages=config.parallel.virtual_stages, microbatches=config.train.microbatches,
                          c=parallel_step.model.config, overlap=parallel_step.overlap, z_loss=0.0,
-                         bucket_bytes=dp_bucket_bytes(config)) if baseline else None
+                         bucket_bytes=section(config, "parallel").dp_bucket_bytes) if baseline else None
   state, batch = parallel_step.abstract_inputs()
   compiled = parallel_step.summed_gradients(fn).lower(state.params, batch).compile()
   return compiled.memory_analysis().temp_size_in_bytes, parallel_step.pipeline.stash_slots
@@ -80,7 +81,7 @@ def lockstep(p: int, repeats: int) -> None:
   config = _pipeline_config(1, 1, 2)
   config.parallel.pp = 1
   c = ModelConfig.from_config(config.model)
-  mesh = make_mesh(config, jax.devices()[:1])
+  mesh = make_mesh(config.parallel, jax.devices()[:1])
   layers = [fused.to_compute_form(init_params(GPT(c), jax.random.key(0))[f"layer_{i}"], c) for i in range(2)]
   x = jax.random.normal(jax.random.key(1), (2, c.seq_len, c.hidden_dim), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(c.seq_len), (2, c.seq_len))

@@ -164,8 +164,8 @@ def memory(pipelines: dict) -> None:
         "(fits.estimate, cpu: remat none), dp1-pp2-tp1 v=2 m=4, fp32")
   print(f"{'':10} {'XLA temp':>10} {'planner: activations+logits+pipeline':>37} {'params_temp':>12} {'total':>10}")
   for recompute, way in WAYS.items():
-    parallel_step, compiled = pipelines[recompute]
-    estimate = fits.estimate(parallel_step.config, "cpu")
+    _, compiled = pipelines[recompute]
+    estimate = fits.estimate(_config(pp=2, remat="none", recompute=recompute), "cpu")   # the step's config
     mib = lambda n: f"{n / 2**20:.2f} MiB"
     print(f"{way:10} {mib(compiled.memory_analysis().temp_size_in_bytes):>10} "
           f"{mib(estimate.activations + estimate.logits + estimate.pipeline):>37} "

@@ -230,7 +230,7 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
   job's findings (see the module docstring) on every process."""
   start = time.perf_counter()
   # MegaFBD's job is two groups, not one mesh: every device measured as one dp line of them.
-  mesh = group_mesh(jax.devices(), len(jax.devices()), 1) if config.parallel.fbd.enabled else make_mesh(config)
+  mesh = group_mesh(jax.devices(), len(jax.devices()), 1) if config.parallel.fbd.enabled else make_mesh(config.parallel)
   platform = jax.devices()[0].platform
   sizes = CPU_SIZES if platform == "cpu" else ACCELERATOR_SIZES
   matmul_size = matmul_size or sizes["matmul_size"]
@@ -242,7 +242,7 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
     index = np.argwhere(mesh.devices == device)[0]
     return {axis: int(i) for axis, i in zip(mesh.axis_names, index)}
 
-  slow = diagnose_slowed(config, jax.process_index())
+  slow = diagnose_slowed(config.debug, jax.process_index())
   devices = _measure_devices(jax.local_devices(), coords_of, matmul_size, transfer_bytes, repeats, slow)
   collectives = []
   for axis in mesh.axis_names:

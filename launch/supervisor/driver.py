@@ -34,7 +34,7 @@ from megajax.launch.supervisor.hang_view import classify_hang, format_hang_view
 from megajax.launch.supervisor.jobs import POLL_SECONDS, CommandJob, LocalJob, job_wait
 from megajax.observe.goodput import append_supervisor_event, process_start_time
 from megajax.observe.records import INCIDENTS, append_jsonl
-from megajax.parallel.mesh import job_device_count
+from megajax.sections import section
 from megajax.trainer.heartbeat import HEARTBEAT_DIR, read_heartbeats
 from megajax.trainer.workdir import SUPERVISOR_LOCK_FILE, WorkdirLock, check_workdir
 
@@ -90,7 +90,7 @@ class Supervisor:
     self.worker_args = list(worker_args)      # --config=..., --config.a.b=v: passed on verbatim
     s = config.supervisor
     self.processes = s.processes
-    self.devices_per_process = s.devices_per_process or max(1, job_device_count(config) // s.processes)
+    self.devices_per_process = s.devices_per_process or max(1, section(config, "parallel").device_count // s.processes)
     self.overrides: dict = {}                 # elastic changes to the mesh and accumulation
     self.spares = s.spares
     self.excluded_hosts: list[str] = []

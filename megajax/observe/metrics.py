@@ -162,8 +162,8 @@ class Throughput:
   """Tokens/s, TFLOP/s per device and MFU between logged steps (the first one compiles:
   measured from its end onwards)."""
 
-  def __init__(self, config, model: ModelConfig, devices):
-    self.tokens_per_step = config.train.batch_size * config.model.seq_len
+  def __init__(self, batch_size: int, model: ModelConfig, devices):
+    self.tokens_per_step = batch_size * model.seq_len          # train.batch_size sequences
     self.flops_per_token = training_flops_per_token(model)
     self.device_kind = devices[0].device_kind
     self.num_devices = len(devices)

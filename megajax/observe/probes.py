@@ -1,8 +1,8 @@
 """MegaScope's core: activation capture and perturbation inside the 3D step, all by config.
 
-Off by default, and then free: `Probes.from_config` is None and the step traces exactly as
+Off by default, and then free: `Probes.of` is None and the step traces exactly as
 without this module. The trainer hands the probes to the step (ParallelStep.build(...,
-probes=Probes.from_config(config))); the step calls them, it never imports them. With `observe.capture` ("0:attn_probs,*:residual") the model's sharded
+probes=Probes.of(run.observe, run.model.num_layers))); the step calls them, it never imports them. With `observe.capture` ("0:attn_probs,*:residual") the model's sharded
 forward pass (megajax.parallel.tensor_parallel) hands each observation point's tensor to
 `LayerProbe.capture`, which reduces it to global statistics inside the shard_map:
 
@@ -42,7 +42,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from megajax.config import CAPTURE_TENSOR_CHOICES, wants_probes
+from megajax.config import CAPTURE_TENSOR_CHOICES
 from megajax.layers.attention import attention_probs
 from megajax.observe.records import ACTIVATIONS, append_jsonl, drop_after, read_jsonl
 from megajax.parallel import collectives
@@ -84,13 +84,14 @@ class Probes:
   step: jax.Array | None = None
 
   @classmethod
-  def from_config(cls, config) -> "Probes | None":
-    """None unless observe.capture or observe.perturb is set: the step is then untouched."""
-    if not wants_probes(config):
+  def of(cls, observe, num_layers: int) -> "Probes | None":
+    """The observe section's probes for a model of `num_layers` layers; None unless
+    observe.capture or observe.perturb is set: the step is then untouched."""
+    o = observe
+    if not o.wants_probes:
       return None
-    o = config.observe
     site, _, where = o.perturb_at.partition(":") if o.perturb else ("", "", "-1")
-    return cls(parse_points(o.capture, config.model.num_layers), o.capture_sample, o.perturb, site,
+    return cls(parse_points(o.capture, num_layers), o.capture_sample, o.perturb, site,
                int(where), float(o.perturb_scale), int(o.perturb_bit), float(o.perturb_fraction))
 
   def bind(self, step) -> "Probes":
@@ -264,8 +265,8 @@ class ActivationLog:
   after the next step was dispatched (no stall), like the trainer's non-finite guard. A run
   resumed from step n (`start_step`) first drops the file's records after step n."""
 
-  def __init__(self, config, workdir: str | None, enabled: bool, start_step: int = 0):
-    self.every = config.observe.capture_every if config.observe.capture else 0
+  def __init__(self, observe, workdir: str | None, enabled: bool, start_step: int = 0):
+    self.every = observe.capture_every if observe.capture else 0
     self.path = os.path.join(workdir, ACTIVATIONS) if self.every and workdir and enabled else None
     self.pending = None                      # (step, captured metrics) not yet written
     if self.path and start_step:

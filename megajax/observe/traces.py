@@ -71,8 +71,8 @@ def module_name(hlo_text: str) -> str:
 class StepTracer:
   """Decides which steps to trace and records them (one step, every process)."""
 
-  def __init__(self, config, mesh, workdir: str | None):
-    self.every = config.observe.trace_every if workdir else 0
+  def __init__(self, observe, mesh, workdir: str | None):
+    self.every = observe.trace_every if workdir else 0
     self.root = os.path.join(workdir, TRACES) if workdir else None
     self.mesh = mesh
     self.meta = None                 # what trace_meta.json says, built from the compiled step once

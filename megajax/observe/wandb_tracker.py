@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-import ml_collections
 
 RUN_ID_FILE = "wandb_run_id"
 STEP = "train/step"
@@ -20,16 +19,18 @@ STEP = "train/step"
 
 class WandbTracker:
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None):
+  def __init__(self, observe, record: dict, workdir: str | None):
+    """`observe`: the run's observe section (the project and entity); `record`: the config
+    it logs (RunConfig.record)."""
     import wandb        # pylint: disable=import-outside-toplevel  (an optional dependency)
     run_id, id_path = None, os.path.join(workdir, RUN_ID_FILE) if workdir else None
     if id_path and os.path.exists(id_path):
       with open(id_path) as f:
         run_id = f.read().strip() or None
-    o = config.observe
+    o = observe
     self.run = wandb.init(project=o.wandb_project, entity=o.wandb_entity or None, id=run_id, resume="allow",
                           dir=workdir, name=os.path.basename(os.path.abspath(workdir)) if workdir else None,
-                          config=config.to_dict())
+                          config=record)
     self.run.define_metric(STEP)
     self.run.define_metric("*", step_metric=STEP)
     self.run_id = self.run.id

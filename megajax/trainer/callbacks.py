@@ -29,7 +29,6 @@ from typing import Any
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 
 from megajax.checkpoint import TrainingCheckpointer
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, StepTracer, Throughput
@@ -42,7 +41,7 @@ from megajax.trainer.heartbeat import Heartbeat
 @dataclasses.dataclass
 class Loop:
   """What the loop shares with its callbacks."""
-  config: ml_collections.ConfigDict
+  train: Any                        # the run's train section (train.steps: the last step)
   parallel_step: ParallelStep
   start_step: int                   # the checkpoint step this run resumed from (0: a fresh start)
   state: Any                        # the TrainState the next step starts from
@@ -195,13 +194,13 @@ class MetricsLog(Callback):
   """The progress bar every step; metrics at step 1 (the starting loss), every train.log_every
   steps and the last step, with throughput and MFU, into metrics.jsonl and the history."""
 
-  def __init__(self, config: ml_collections.ConfigDict, parallel_step: ParallelStep, guard):
-    self.config = config
-    self.meter = Throughput(config, parallel_step.model.config, parallel_step.devices)
+  def __init__(self, train, parallel_step: ParallelStep, guard):
+    self.train = train                      # the train section: log_every, steps
+    self.meter = Throughput(train.batch_size, parallel_step.model.config, parallel_step.devices)
     self.guard = guard                      # nonfinite.NonFiniteGuard: the updates skipped so far
 
   def due(self, step: int) -> bool:
-    return step == 1 or step % self.config.train.log_every == 0 or step == self.config.train.steps
+    return step == 1 or step % self.train.log_every == 0 or step == self.train.steps
 
   def after_step(self, loop: Loop) -> None:
     loop.writer.step_done(loop.step)

@@ -26,7 +26,6 @@ from typing import Callable
 import jax
 from jax import lax
 import jax.numpy as jnp
-import ml_collections
 
 from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, PP, TP, to_varying
@@ -38,8 +37,8 @@ class PoisonedBatches(Callback):
   """debug.nonfinite_steps: those steps' batches get a NaN loss mask (first in the list: the
   batch is poisoned before any other callback sees the step)."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    self.steps = {int(x) for x in config.debug.nonfinite_steps.split(",") if x.strip()}
+  def __init__(self, debug):
+    self.steps = {int(x) for x in debug.nonfinite_steps.split(",") if x.strip()}
 
   def before_step(self, loop: Loop) -> None:
     if loop.step in self.steps:
@@ -61,8 +60,8 @@ class FailAtStep(Callback):
   steps the restart runs again (a real kill loses at most the step the guard has not read).
   Once per job: a supervisor's restart (MEGAJAX_ATTEMPT > 0) runs clean, as after a real fault."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    d = config.debug
+  def __init__(self, debug):
+    d = debug
     self.after = d.fail_at_step if supervisor_attempt() == 0 and d.fail_process in (-1, jax.process_index()) else 0
     self.signal = FAIL_SIGNALS[d.fail_mode]
 
@@ -76,18 +75,18 @@ class FailAtStep(Callback):
       os.kill(os.getpid(), self.signal)
 
 
-def straggler_work(config: ml_collections.ConfigDict) -> Callable | None:
+def straggler_work(debug, model) -> Callable | None:
   """debug.slow_rank as the 3D step's `extra_work` (ParallelStep.build), or None when off.
 
   From step debug.slow_rank_from_step on, that rank alone runs slow_rank_work extra
   [hidden, hidden] matmuls over its tokens under the "forward" scope, as a slow GPU would
   take longer for the same forward. A scalar that depends on the work (XLA keeps it); 0
   elsewhere. One compiled program before and after the step it starts at."""
-  if not config.debug.slow_rank:
+  if not debug.slow_rank:
     return None
-  coords = [int(x) for x in config.debug.slow_rank.split(",")]
-  hidden, vocab = config.model.hidden_dim, config.model.vocab_size
-  rounds, from_step = config.debug.slow_rank_work, config.debug.slow_rank_from_step
+  coords = [int(x) for x in debug.slow_rank.split(",")]
+  hidden, vocab = model.hidden_dim, model.vocab_size
+  rounds, from_step = debug.slow_rank_work, debug.slow_rank_from_step
 
   @jax.named_scope("forward")
   def extra_work(batch, step):
@@ -106,8 +105,8 @@ def straggler_work(config: ml_collections.ConfigDict) -> Callable | None:
   return extra_work
 
 
-def diagnose_slowed(config: ml_collections.ConfigDict, process: int) -> bool:
+def diagnose_slowed(debug, process: int) -> bool:
   """debug.diagnose_slow_process: does megajax-diagnose run this process's device measurements
   slowed (each timed run then sleeps until it took diagnostics.DRILL_SLOWDOWN x as long)?
   Collectives are never slowed."""
-  return config.debug.diagnose_slow_process == process
+  return debug.diagnose_slow_process == process

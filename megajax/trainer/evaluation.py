@@ -16,7 +16,6 @@ from typing import Callable, Iterable
 
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 
 from megajax import data
@@ -40,7 +39,7 @@ def evaluate(eval_fn, params, local_batches: Iterable[dict], put_batch: Callable
           "eval_tokens": int(tokens), "eval_batches": len(sums)}
 
 
-def held_out_batches(config: ml_collections.ConfigDict, parallel_step: ParallelStep) -> Callable:
+def held_out_batches(config, parallel_step: ParallelStep) -> Callable:
   """() -> a fresh pass over this process's rows of the train.eval_batches held-out batches.
   The dataset is made here, once: a bad eval file fails now, before the step compiles (not
   at the first evaluation, hours in), and no pass opens and checksums the files again."""
@@ -55,21 +54,20 @@ class Evaluation(Callback):
   the progress line. Its program is compiled once, ahead of time, with the step's
   (`compile`, before the processes meet: megajax.trainer.loop._compile_and_meet)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, parallel_step: ParallelStep, batches: Callable):
-    self.every = config.train.eval_every
+  def __init__(self, every: int, parallel_step: ParallelStep, batches: Callable):
+    self.every = every                  # train.eval_every
     self.parallel_step = parallel_step
     self.batches = batches              # () -> a fresh pass over this process's held-out batches
     self.compiled = None                # None: not compiled (no step left to run), nothing evaluated
     self.evaluated_step = None
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, parallel_step: ParallelStep,
-                  eval_dataset) -> "Evaluation | None":
-    """None when train.eval_every is 0 (nothing evaluated, nothing compiled). `eval_dataset`: the
-    held-out pass, made once (data.open_pipeline's)."""
-    if not config.train.eval_every:
+  def every_steps(cls, every: int, parallel_step: ParallelStep, eval_dataset) -> "Evaluation | None":
+    """Every `every` steps (train.eval_every); None when it is 0 (nothing evaluated, nothing
+    compiled). `eval_dataset`: the held-out pass, made once (data.open_pipeline's)."""
+    if not every:
       return None
-    return cls(config, parallel_step, lambda: iter(eval_dataset))
+    return cls(every, parallel_step, lambda: iter(eval_dataset))
 
   def compile(self) -> None:
     self.compiled = self.parallel_step.compiled_eval_step()

@@ -1,6 +1,8 @@
 """The training loop as a library: `train(config, workdir)` trains up to `config.train.steps`.
 
-`train` reads top to bottom as named sections, each one call: the config's memory estimate
+`train` resolves the config once (megajax.run_config.RunConfig: checked, frozen, typed
+sections) and hands each layer the section it needs. It reads top to bottom as named
+sections, each one call: the config's memory estimate
 against its devices (parallel.planner.fits) -> the workdir claimed (checked,
 locked: one job per workdir) -> the model and the 3D-parallel step -> data -> the workdir
 (config, heartbeat, checkpointer) -> state (resume or init) -> compile -> the loop with its
@@ -25,7 +27,6 @@ import ml_collections
 
 from megajax import data
 from megajax.checkpoint import TrainingCheckpointer, initial_state, save_params
-from megajax.config import validate
 from megajax.model import GPT, ModelConfig, count_params
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
 from megajax.observe.goodput import GoodputClock
@@ -34,6 +35,7 @@ from megajax.parallel import FbdStep, ParallelStep, local_batch_slice, local_dev
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.planner.fits import check_fits
 from megajax.reference_step import TrainState
+from megajax.run_config import RunConfig
 from megajax.tokenizer import check_run_identity, copy_tokenizer, record_run_identity, tokenizer_of
 from megajax.trainer import callbacks, drills
 from megajax.trainer.evaluation import Evaluation
@@ -50,37 +52,42 @@ class TrainResult:
   preempted: bool = False   # stopped early by SIGTERM / SIGINT, after saving a checkpoint
 
 
-def build_model(config: ml_collections.ConfigDict) -> GPT:
+def build_model(config: RunConfig | ml_collections.ConfigDict) -> GPT:
+  """The Flax GPT of a config's model section (a RunConfig's or a ConfigDict's)."""
   return GPT(ModelConfig.from_config(config.model))
 
 
-def build_parallel_step(config: ml_collections.ConfigDict, devices=None) -> ParallelStep | FbdStep:
+def build_parallel_step(config: RunConfig | ml_collections.ConfigDict, devices=None) -> ParallelStep | FbdStep:
   """The 3D-parallel step the trainer runs on `devices` (default: all of the job's): the
   model, the mesh, what to observe (observe.*) and the straggler drill (debug.slow_rank); with
-  parallel.fbd.enabled, MegaFBD's decoupled step over the same devices (megajax.parallel.fbd)."""
-  if config.parallel.fbd.enabled:
-    return FbdStep.from_config(config, build_model(config), jax.devices() if devices is None else devices)
-  return ParallelStep.build(config, build_model(config), make_mesh(config, devices),
-                            probes=Probes.from_config(config), extra_work=drills.straggler_work(config))
+  parallel.fbd.enabled, MegaFBD's decoupled step over the same devices (megajax.parallel.fbd).
+  `config`: the run's (a ConfigDict is resolved here, unchecked)."""
+  run = RunConfig.of(config)
+  model = build_model(run)
+  if run.parallel.fbd.enabled:
+    return FbdStep.from_config(run, model, jax.devices() if devices is None else devices)
+  return ParallelStep.build(run, model, make_mesh(run.parallel, devices),
+                            probes=Probes.of(run.observe, run.model.num_layers),
+                            extra_work=drills.straggler_work(run.debug, run.model))
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | None = None,
           progress: bool | None = None, devices=None) -> TrainResult:
   """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
-  validate(config)
+  run = RunConfig.resolve(config)     # checked (a ConfigError names the field), then typed sections
   # --- Goodput: this run's time by cause from its start (WORKDIR/goodput/, observe/goodput.py).
   clock = GoodputClock(supervisor_attempt())
   # --- Python's garbage collector: collections at the same steps on every process
   # (runtime.gc_every_steps), from the run's start.
-  with callbacks.manual_garbage_collection(config.runtime.gc_every_steps):
+  with callbacks.manual_garbage_collection(run.runtime.gc_every_steps):
     # --- A config its devices cannot hold, by the cost model's estimate: refused before the
     # workdir, the data or any compile (the step's build compiles small programs), in an instant.
-    check_fits(config, jax.devices() if devices is None else devices)
+    check_fits(run, jax.devices() if devices is None else devices)
     # --- The workdir, this job's alone from before anything is written into it to the export:
     # a second job on it, or one it cannot write, fails here with a WorkdirError (workdir.py).
-    with claim_workdir(workdir, config.supervisor.startup_timeout_s):
+    with claim_workdir(workdir, run.supervisor.startup_timeout_s):
       try:
-        result = _train(config, workdir, progress, devices, clock)
+        result = _train(run, workdir, progress, devices, clock)
       except BaseException:
         clock.close("error")
         raise
@@ -88,8 +95,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | None = None,
       return result
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: bool | None, devices,
-           clock: GoodputClock) -> TrainResult:
+def _train(run: RunConfig, workdir: str | None, progress: bool | None, devices, clock: GoodputClock) -> TrainResult:
   outcome = {"finished": False}       # the heartbeat's last beat reads it as the stack closes
   with contextlib.ExitStack() as cleanup:    # everything opened below closes in reverse, always
     clock.lap("start")
@@ -97,49 +103,49 @@ def _train(config: ml_collections.ConfigDict, workdir: str | None, progress: boo
     cache = cleanup.enter_context(CompilationCacheCounter())
 
     # --- Model, mesh and the 3D-parallel step (refusing what this build cannot run, before any compile).
-    parallel_step = build_parallel_step(config, devices)
+    parallel_step = build_parallel_step(run, devices)
 
     # --- Data: one loader per process, reading only the rows of each global batch its devices
     # hold, its held-out pass, opened once (a bad token file fails here, before anything compiles).
-    pipeline = data.open_pipeline(config, *local_batch_slice(parallel_step.mesh, config.train.batch_size))
+    pipeline = data.open_pipeline(run, *local_batch_slice(parallel_step.mesh, run.train.batch_size))
     iterator = pipeline.iterator
-    evaluation = Evaluation.from_config(config, parallel_step, pipeline.eval_dataset)   # None: no evaluation
+    evaluation = Evaluation.every_steps(run.train.eval_every, parallel_step, pipeline.eval_dataset)   # or None
 
     # --- Preemption: SIGTERM / SIGINT from here on ask for a save after the next step.
     preemption = cleanup.enter_context(callbacks.Preemption())
 
     # --- Workdir: the config, this process's heartbeat, the checkpointer.
-    heartbeat, checkpointer = _open_workdir(config, workdir, parallel_step, cleanup, outcome, pipeline.token_paths)
+    heartbeat, checkpointer = _open_workdir(run, workdir, parallel_step, cleanup, outcome, pipeline.token_paths)
     clock.lap("setup")
     if workdir and jax.process_index() == 0:    # written from here: a refused start leaves none
-      clock.open(workdir, config.supervisor.heartbeat_interval_s)
+      clock.open(workdir, run.supervisor.heartbeat_interval_s)
 
     # --- State: the latest complete checkpoint (and the data position it saved), or a fresh one.
-    state, start_step = _restore_or_init(config, parallel_step, checkpointer, iterator, heartbeat)
+    state, start_step = _restore_or_init(run.train, parallel_step, checkpointer, iterator, heartbeat)
     clock.set_start_step(start_step)
     clock.lap("restore")
-    _describe(config, pipeline.description, parallel_step, state)
+    _describe(run, pipeline.description, parallel_step, state)
 
     # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
     batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))
 
     # --- Step: compiled ahead of time; with several processes, every one meets the others first.
-    step_fn = _compile_and_meet(config, parallel_step, heartbeat, start_step, evaluation, checkpointer)
+    step_fn = _compile_and_meet(run, parallel_step, heartbeat, start_step, evaluation, checkpointer)
     clock.set_cache(cache.counts)
     clock.lap("compile")
 
     # --- Loop: the steps, each between its collaborators' callbacks.
-    writer = MetricsWriter(workdir, config.train.steps, enabled=jax.process_index() == 0, progress=progress,
-                           start_step=start_step, tracker=_tracker(config, workdir))
+    writer = MetricsWriter(workdir, run.train.steps, enabled=jax.process_index() == 0, progress=progress,
+                           start_step=start_step, tracker=_tracker(run, workdir))
     cleanup.callback(writer.close)
-    loop = callbacks.Loop(config, parallel_step, start_step, state, batches, heartbeat=heartbeat, writer=writer,
+    loop = callbacks.Loop(run.train, parallel_step, start_step, state, batches, heartbeat=heartbeat, writer=writer,
                           clock=clock)
     clock.lap("setup")
-    _run_loop(loop, step_fn, _callbacks(loop, workdir, checkpointer, step_fn, cache, preemption, evaluation))
+    _run_loop(loop, step_fn, _callbacks(run, loop, workdir, checkpointer, step_fn, cache, preemption, evaluation))
     outcome["finished"] = not loop.preempted
 
   # --- Export: the trained parameters, the model's own pytree whatever the mesh.
-  if workdir and config.checkpoint.save_params and outcome["finished"]:
+  if workdir and run.checkpoint.save_params and outcome["finished"]:
     _export(parallel_step, loop.state, workdir)
   return TrainResult(state=loop.state, history=loop.history, start_step=start_step, preempted=loop.preempted)
 
@@ -150,7 +156,7 @@ def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callb
   The goodput clock charges the wait for the batch to data_wait and the rest to the step but
   what evaluation, checkpointing and a rollback charge to themselves (loop.clock.lap)."""
   clock = loop.clock
-  for step in range(loop.start_step + 1, loop.config.train.steps + 1):
+  for step in range(loop.start_step + 1, loop.train.steps + 1):
     loop.step = step
     loop.beat(phase=f"step {step}")
     clock.lap("steps")
@@ -169,35 +175,37 @@ def _run_loop(loop: callbacks.Loop, step_fn, collaborators: list[callbacks.Callb
 
 
 
-def _callbacks(loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption, evaluation) -> list:
-  """The loop's collaborators, in the order they are called at each point of a step."""
-  config, parallel_step, is_chief = loop.config, loop.parallel_step, jax.process_index() == 0
-  guard = NonFiniteGuard(config, checkpointer)
+def _callbacks(run: RunConfig, loop: callbacks.Loop, workdir, checkpointer, step_fn, cache, preemption,
+               evaluation) -> list:
+  """The loop's collaborators, in the order they are called at each point of a step; each
+  takes the section it reads."""
+  parallel_step, is_chief = loop.parallel_step, jax.process_index() == 0
+  guard = NonFiniteGuard(run.train, checkpointer)
   return [
-      drills.PoisonedBatches(config),                                    # debug.nonfinite_steps: before all
-      callbacks.Tracing(StepTracer(config, parallel_step.mesh, workdir), step_fn),   # observe.trace_every
+      drills.PoisonedBatches(run.debug),                                 # debug.nonfinite_steps: before all
+      callbacks.Tracing(StepTracer(run.observe, parallel_step.mesh, workdir), step_fn),   # observe.trace_every
       guard,                                                             # non-finite: skip, roll back
-      callbacks.ActivationCapture(ActivationLog(config, workdir, enabled=is_chief, start_step=loop.start_step)),
+      callbacks.ActivationCapture(ActivationLog(run.observe, workdir, enabled=is_chief, start_step=loop.start_step)),
       callbacks.StartupLog(cache),                                       # time to the first step
       preemption,                                                        # SIGTERM: save and stop
-      callbacks.MetricsLog(config, parallel_step, guard),                # metrics.jsonl, progress
+      callbacks.MetricsLog(run.train, parallel_step, guard),             # metrics.jsonl, progress
       *([evaluation] if evaluation else []),                             # train.eval_every: held-out loss
       callbacks.Checkpointing(checkpointer, guard),                      # the checkpointer's cadence
-      drills.FailAtStep(config),                                         # debug.fail_at_step: after the save
-      callbacks.GarbageCollection(config.runtime.gc_every_steps),         # after the step's work is queued
+      drills.FailAtStep(run.debug),                                      # debug.fail_at_step: after the save
+      callbacks.GarbageCollection(run.runtime.gc_every_steps),           # after the step's work is queued
   ]
 
 
 # --- The sections' one calls.
 
-def _tracker(config, workdir: str | None):
+def _tracker(run: RunConfig, workdir: str | None):
   """Weights & Biases (observe.wandb_project) on process 0; None when off (wandb not imported)."""
-  if not config.observe.wandb_project or jax.process_index() != 0:
+  if not run.observe.wandb_project or jax.process_index() != 0:
     return None
-  return WandbTracker(config, workdir)
+  return WandbTracker(run.observe, run.record, workdir)
 
 
-def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, cleanup, outcome: dict,
+def _open_workdir(run: RunConfig, workdir: str | None, parallel_step: ParallelStep, cleanup, outcome: dict,
                   token_paths: list[str]):
   """(heartbeat, checkpointer), both None without a workdir; process 0 writes config.json."""
   if not workdir:
@@ -206,13 +214,13 @@ def _open_workdir(config, workdir: str | None, parallel_step: ParallelStep, clea
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json(indent=2))
+      f.write(run.json)
     if tokenizer_data:
       _adopt_tokenizer(tokenizer_data, workdir)
   heartbeat = Heartbeat(workdir, jax.process_index(), local_device_coordinates(parallel_step.mesh),
-                        config.supervisor.heartbeat_interval_s)
+                        run.supervisor.heartbeat_interval_s)
   cleanup.callback(lambda: heartbeat.close(done=outcome["finished"]))
-  checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), config)
+  checkpointer = TrainingCheckpointer(os.path.join(workdir, "checkpoints"), run)
   cleanup.callback(checkpointer.close)
   return heartbeat, checkpointer
 
@@ -240,7 +248,7 @@ def _adopt_tokenizer(data_path: str, workdir: str) -> None:
     logging.info("tokenizer of %s copied to %s", data_path, copied)
 
 
-def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator, heartbeat):
+def _restore_or_init(train, parallel_step: ParallelStep, checkpointer, iterator, heartbeat):
   """(state, its step): the latest readable checkpoint onto this run's mesh, with the data
   iterator set to the position it saved; else a fresh state: from train.init_params when set
   (fine-tuning), or each device initializing only its own shards."""
@@ -251,28 +259,28 @@ def _restore_or_init(config, parallel_step: ParallelStep, checkpointer, iterator
     state, start_step = restored.state, restored.step
     iterator.set_state(restored.data_state)
     logging.info("resumed from %s (step %d of %d)", checkpointer.path(restored.step), restored.step,
-                 config.train.steps)
-  elif config.train.init_params:
-    state, start_step = initial_state(parallel_step, config.train.init_params), 0
-    logging.info("initialized from the parameters in %s (train.init_params)", config.train.init_params)
+                 train.steps)
+  elif train.init_params:
+    state, start_step = initial_state(parallel_step, train.init_params), 0
+    logging.info("initialized from the parameters in %s (train.init_params)", train.init_params)
   else:
-    state, start_step = parallel_step.init_state(jax.random.key(config.train.seed)), 0
+    state, start_step = parallel_step.init_state(jax.random.key(train.seed)), 0
   if heartbeat:
     heartbeat.update(start_step=start_step, step=start_step)
   return state, start_step
 
 
-def _describe(config, data_line: str, parallel_step: ParallelStep, state) -> None:
+def _describe(run: RunConfig, data_line: str, parallel_step: ParallelStep, state) -> None:
   logging.info("%s", data_line)
   if isinstance(parallel_step, FbdStep):
     f, b = parallel_step.forward_mesh.shape, parallel_step.backward_mesh.shape
     logging.info("model: %s block, %d layers, %.2fM parameters; MegaFBD: forward on %d devices (dp=%d tp=%d), "
-                 "backward and optimizer on %d (dp=%d tp=%d)", config.model.block, config.model.num_layers,
+                 "backward and optimizer on %d (dp=%d tp=%d)", run.model.block, run.model.num_layers,
                  count_params(state.params) / 1e6, f["dp"] * f["tp"], f["dp"], f["tp"], b["dp"] * b["tp"], b["dp"],
                  b["tp"])
     return
   logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
-               config.model.block, config.model.num_layers, count_params(state.params) / 1e6,
+               run.model.block, run.model.num_layers, count_params(state.params) / 1e6,
                *parallel_step.mesh.devices.shape, parallel_step.overlap.mode)
   if parallel_step.pipeline is not None:
     tables = parallel_step.pipeline
@@ -281,14 +289,14 @@ def _describe(config, data_line: str, parallel_step: ParallelStep, state) -> Non
                 f"backwards from kept residuals, up to {tables.residual_slots} microbatch-chunks' per stage")
     logging.info("pipeline: %s, %d virtual stages, %s, %d microbatches: bubble %.3f of ideal (one op per "
                  "tick), stash of up to %d activations per stage, %s\n%s\n%s", schedule.name,
-                 schedule.virtual_stages, config.parallel.traversal, schedule.microbatches, schedule.bubble_fraction,
+                 schedule.virtual_stages, run.parallel.traversal, schedule.microbatches, schedule.bubble_fraction,
                  tables.stash_slots, backward, ascii_timeline(schedule), ascii_paired_timeline(schedule))
 
 
 _BARRIERS = itertools.count()
 
 
-def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step: int, evaluation=None,
+def _compile_and_meet(run: RunConfig, parallel_step: ParallelStep, heartbeat, start_step: int, evaluation=None,
                       checkpointer=None):
   """Compiles the step ahead of time (from its abstract inputs: the trace analysis reads its
   operations); with several processes, then waits at a coordination-service barrier until
@@ -300,7 +308,7 @@ def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step
   at train.steps already: nothing to run (every process restored the same step). The
   evaluation's program (train.eval_every) and the checkpoints' checksums compile here too, before
   the barrier, for the same reason (and so that the first save does not hold the step for a compile)."""
-  if start_step >= config.train.steps:
+  if start_step >= run.train.steps:
     return None
   if heartbeat:
     heartbeat.update(phase="compiling the step")
@@ -312,7 +320,7 @@ def _compile_and_meet(config, parallel_step: ParallelStep, heartbeat, start_step
   if jax.process_count() > 1:
     # A barrier's name is used once per job: numbered, for a process that trains more than once.
     distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}",
-                                                    int(config.supervisor.startup_timeout_s * 1000))
+                                                    int(run.supervisor.startup_timeout_s * 1000))
   return compiled
 
 

@@ -36,8 +36,8 @@ class NonFiniteError(Exception):
 
 class NonFiniteGuard(Callback):
 
-  def __init__(self, config, checkpointer: TrainingCheckpointer | None):
-    self.config, self.checkpointer = config, checkpointer
+  def __init__(self, train, checkpointer: TrainingCheckpointer | None):
+    self.train, self.checkpointer = train, checkpointer      # the train section
     self.skipped, self.in_a_row, self.rollbacks = 0, 0, 0   # in_a_row: since the last applied update or rollback
     self.skipping_since = None              # first step of the current run of skipped updates (None: the last applied)
     self.rolled_back_to = None              # the step rolled back to (0: the initial state), until an update applies
@@ -87,7 +87,7 @@ class NonFiniteGuard(Callback):
     else:
       self.in_a_row, self.skipping_since, self.rolled_back_to, self.tried = 0, None, None, []
     loop.beat(step=step, loss=float(metrics["loss"]), step_time_s=step_time, skipped_steps=self.skipped)
-    if self.in_a_row >= self.config.train.nonfinite_rollback_after:
+    if self.in_a_row >= self.train.nonfinite_rollback_after:
       self._rollback(step, loop)
 
   def _rollback(self, step: int, loop: Loop) -> None:
@@ -109,12 +109,12 @@ class NonFiniteGuard(Callback):
       loop.state, to_step = restored.state, restored.step
       self.tried.append(f"checkpoint {self.checkpointer.path(to_step)}")
     else:
-      loop.state, to_step = loop.parallel_step.init_state(jax.random.key(self.config.train.seed)), 0
+      loop.state, to_step = loop.parallel_step.init_state(jax.random.key(self.train.seed)), 0
       self.tried.append("the initial state")
     self.rolled_back_to = to_step
     jax.block_until_ready(loop.state)
     loop.clock.lap("rollback")
     loop.clock.discarded(loop.step, to_step)       # the step in flight ran on the replaced state too
     logging.warning("step %d: %d non-finite steps in a row: rolled back to the state of step %d (rollback %d); "
-                    "the data reads on", step, self.config.train.nonfinite_rollback_after, to_step, self.rollbacks)
+                    "the data reads on", step, self.train.nonfinite_rollback_after, to_step, self.rollbacks)
     loop.beat(rollbacks=self.rollbacks, last_rollback={"step": step, "to_step": to_step, "time": time.time()})

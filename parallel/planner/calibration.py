@@ -211,7 +211,7 @@ def measured_bytes(config) -> float:
   the donated state aliases + temporaries."""
   validate(config)
   devices = jax.devices()[:config.parallel.dp * config.parallel.pp * config.parallel.tp]
-  step = ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config, devices))
+  step = ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), make_mesh(config.parallel, devices))
   state, batch = step.abstract_inputs()
   stats = step.train_step().lower(state, batch).compile().memory_analysis()
   return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes

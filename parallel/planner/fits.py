@@ -27,29 +27,29 @@ from __future__ import annotations
 
 from absl import logging
 import jax
-import ml_collections
 import psutil
 
-from megajax.config import pipeline_recompute
 from megajax.config_checks import ConfigError
 from megajax.layers import ATTENTION_FUSED, BLOCK_FAMILIES
 from megajax.model import ModelConfig
 from megajax.parallel.planner import cost_model, memory
 from megajax.parallel.planner.cost_model import GB, Plan
 from megajax.parallel.planner.memory import Memory
+from megajax.sections import section
 
-def plan_of(config: ml_collections.ConfigDict, platform: str = "gpu") -> Plan:
-  """The cost model's Plan for a megajax config (its own block and attention, no switches
-  changed) as it runs on `platform` (an unset parallel.pipeline_recompute is the platform's)."""
-  c, p, t = config.model, config.parallel, config.train
+def plan_of(config, platform: str = "gpu") -> Plan:
+  """The cost model's Plan for a megajax config (a ConfigDict or a RunConfig: its own block and
+  attention, no switches changed) as it runs on `platform` (an unset parallel.pipeline_recompute
+  is the platform's)."""
+  c, p, t = config.model, section(config, "parallel"), config.train
   opts = cost_model.Optimizations(ptb=BLOCK_FAMILIES[c.block].parallel, swa=True,
                                       fused_ops=ATTENTION_FUSED[c.attention_impl],
                                   lamb=config.optimizer.name == "lamb")
   return Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches), t.batch_size, opts,
-              "megajax", p.grad_sync, pipeline_recompute(config, platform), p.schedule, p.traversal)
+              "megajax", p.grad_sync, p.pipeline_recompute_on(platform), p.schedule, p.traversal)
 
 
-def estimate(config: ml_collections.ConfigDict, platform: str) -> Memory:
+def estimate(config, platform: str) -> Memory:
   """Bytes per device of the config's step. On CPU with remat none whatever model.remat says:
   XLA:CPU's scheduler runs the recomputation early, measured equal to none (calibration.py)."""
   return memory.memory(ModelConfig.from_config(config.model), plan_of(config, platform),
@@ -68,7 +68,7 @@ def device_memory(devices) -> tuple[float | None, str]:
   return float(min(limits)), f"{devices[0].device_kind}: memory_stats() bytes_limit"
 
 
-def check_fits(config: ml_collections.ConfigDict, devices) -> Memory:
+def check_fits(config, devices) -> Memory:
   """The estimate for this process's share of `devices` (the job's, dp * pp * tp of them);
   raises ConfigError when it is more than their memory (a warning with train.force_memory)."""
   devices = [d for d in devices if d.process_index == jax.process_index()]

@@ -41,7 +41,7 @@ def test_restore_onto_another_mesh(tmp_path_factory, tiny_config, mesh):
   saved_step, parallel_step = parallel_step_for(_small(_copy_of(tiny_config), 2, 2, 2)), parallel_step_for(config)
   saved_copy = tmp_path_factory.mktemp("saved")    # the source is shared: read a copy of it
   _copy_checkpoint(source, saved_copy, 6)
-  saved = TrainingCheckpointer(str(saved_copy / "checkpoints"), saved_step.config).restore(6, saved_step.abstract_inputs()[0])
+  saved = TrainingCheckpointer(str(saved_copy / "checkpoints"), _small(_copy_of(tiny_config), 2, 2, 2)).restore(6, saved_step.abstract_inputs()[0])
   workdir = tmp_path_factory.mktemp("target")
   _copy_checkpoint(source, workdir, 6)
   checkpointer = TrainingCheckpointer(str(workdir / "checkpoints"), config)

@@ -60,7 +60,7 @@ def test_the_step_compiles_for_h100s_with_its_kernels_and_fits(mesh, impl):
   result = compiled(mesh, impl)
   text = result.text
   if impl == "pallas":
-    layers_per_device = result.step.config.model.num_layers // MESHES[mesh][1]
+    layers_per_device = result.step.model.config.num_layers // MESHES[mesh][1]
     assert text.count(TRITON_CALL) >= 3 * layers_per_device
   else:
     assert all(f'custom_call_target="{name}"' in text for name in CUDNN_CALLS) and TRITON_CALL not in text
@@ -108,7 +108,7 @@ def test_the_collective_matmul_ring_hides_every_hop_under_a_partial_matmul():
   hops = [c for c in async_collectives(result.text, result.step.mesh)
           if c.kind == "collective-permute" and c.axis == "tp"]
   tp = MESHES["dp2-tp4"][2]
-  layers = result.step.config.model.num_layers
+  layers = result.step.model.config.num_layers
   assert len(hops) >= 2 * layers * 2 * (tp - 1)     # two rings a layer's forward, both directions
   exposed = [c.start.name for c in hops if not c.overlapped]
   assert len(exposed) <= layers, exposed

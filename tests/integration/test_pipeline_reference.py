@@ -134,9 +134,12 @@ def test_packed_documents_through_the_pipeline():
   The reference accumulates the same 4 microbatches. Against the whole batch at once (the
   other cases' reference), on an AMD Zen 5 host (AVX-512), layer 1's out-projection bias (zero
   at init, so only its 3 updates, each near Adam's eps) ends 4.0e-5 away while its first
-  gradient agrees to 3e-7: over the 3e-5 every leaf is held to."""
+  gradient agrees to 3e-7; on an Intel Xeon host (AVX-512) it does so against the accumulated
+  reference too (3.94e-5, the same before and after the typed config sections: the programs
+  are text-identical). So each leaf is held to 6e-5 (that bias is the worst), the whole model
+  and the first gradients to 1e-5."""
   config = pipeline_config((2, 2, 2), "interleaved_1f1b", 2, microbatches=4)
-  assert_matches_reference(config, param_leaf_rtol=3e-5, packed=True, accumulated_reference=True)
+  assert_matches_reference(config, param_leaf_rtol=6e-5, packed=True, accumulated_reference=True)
 
 
 def test_gpipe_by_autodiff_baseline_reads_packed_documents():

@@ -15,7 +15,8 @@ import pickle
 import jax
 import numpy as np
 
-from megajax.config import default_config, dp_bucket_bytes
+from megajax.config import default_config
+from megajax.sections import section
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.observe.hlo import collectives_by_group_size
 from megajax.optim import make_optimizer
@@ -96,7 +97,7 @@ def _single_device_reference(model_fields, rows, packed, microbatches):
   config.model.update(dict(model_fields))
   config.train.batch_size = rows
   model = GPT(ModelConfig.from_config(config.model))
-  optimizer = make_optimizer(config)
+  optimizer = make_optimizer(config.optimizer, config.train.steps)
   with jax.default_device(jax.devices()[0]):
     # init_train_state's state, its parameters by the model's own init (the sharded inits are
     # checked against them bit for bit).
@@ -213,11 +214,11 @@ def compiled_gradients(mesh, m, baseline=False, packed=False, ordered_collective
   if baseline:
     fn = functools.partial(gpipe_autodiff_gradients, layouts=parallel_step.layouts, stages=mesh[1], virtual_stages=1,
                            microbatches=m, c=parallel_step.model.config, overlap=parallel_step.overlap,
-                           z_loss=config.train.z_loss, bucket_bytes=dp_bucket_bytes(config))
+                           z_loss=config.train.z_loss, bucket_bytes=section(config, "parallel").dp_bucket_bytes)
   elif ordered_collectives is not None:
     fn = functools.partial(pipeline_gradients, layouts=parallel_step.layouts, tables=parallel_step.pipeline,
                            c=parallel_step.model.config, overlap=parallel_step.overlap, z_loss=config.train.z_loss,
                            grad_sync=config.parallel.grad_sync, ordered_collectives=ordered_collectives,
-                           bucket_bytes=dp_bucket_bytes(config))
+                           bucket_bytes=section(config, "parallel").dp_bucket_bytes)
   state, batch = parallel_step.abstract_inputs()
   return parallel_step, parallel_step.summed_gradients(fn).lower(state.params, batch).compile()

@@ -143,4 +143,4 @@ def test_the_3d_step_refuses_what_this_cpu_cannot_run(tiny_config, impl):
   tiny_config.model.attention_impl = impl
   with pytest.raises(ConfigError, match=rf"^model\.attention_impl='{impl}': .*; use model\.attention_impl=xla"):
     ParallelStep.build(tiny_config, GPT(ModelConfig.from_config(tiny_config.model)),
-                       make_mesh(tiny_config, jax.devices()[:1]))
+                       make_mesh(tiny_config.parallel, jax.devices()[:1]))

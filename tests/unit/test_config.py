@@ -7,7 +7,8 @@ import pytest
 
 from megajax.config import (ATTENTION_IMPL_CHOICES, BLOCK_CHOICES, FAIL_MODES, MLP_CHOICES, NORM_CHOICES,
                             REMAT_CHOICES, ConfigError, default_config, load_config, parse_mixture,
-                            uses_document_masking, validate)
+                            validate)
+from megajax.sections import section
 from megajax.launch import train as train_command
 from megajax.layers import (ATTENTION_FUSED, ATTENTION_IMPLS, BLOCK_FAMILIES, MLP_ACTIVATIONS, MLP_FAMILIES,
                             NORM_FAMILIES, NORM_MODULES)
@@ -119,10 +120,10 @@ def test_megafbd_refuses_what_it_cannot_run(field, value, named):
   config = default_config()
   config.parallel.fbd.enabled, config.parallel.fbd.forward_tp = True, 2
   validate(config)
-  *sections, name = field.split(".")
+  *parents, name = field.split(".")
   node = config
-  for section in sections:
-    node = node[section]
+  for parent in parents:
+    node = node[parent]
   node[name] = value
   with pytest.raises(ConfigError) as error:
     validate(config)
@@ -200,15 +201,15 @@ def test_invalid_data_fields_are_one_line_naming_the_field_and_fix(tmp_path, fie
 def test_valid_data_fields_and_document_masking(tmp_path):
   config = _token_data_config(tmp_path, eval_fraction=0.01)
   validate(config)
-  assert uses_document_masking(config)
+  assert section(config, "data").packs_documents
   config.data.document_masking = False
-  assert not uses_document_masking(config)
+  assert not section(config, "data").packs_documents
   config = _token_data_config(tmp_path, path="", mixture=f"{tmp_path}/a.bin:0.7, {tmp_path}/b.bin:0.3",
                               eval_path=str(tmp_path / "b.bin"))
   validate(config)
   assert parse_mixture(config.data.mixture) == [(f"{tmp_path}/a.bin", 0.7), (f"{tmp_path}/b.bin", 0.3)]
   default = default_config()
-  assert default.data.source == "synthetic" and default.data.document_masking and not uses_document_masking(default)
+  assert default.data.source == "synthetic" and default.data.document_masking and not section(default, "data").packs_documents
 
 
 def test_evaluating_token_data_needs_eval_data(tmp_path):

@@ -126,7 +126,7 @@ def test_the_3d_train_step_lowers_for_cuda(tiny_config, mesh, impl, monkeypatch)
   if impl == "cudnn":
     answer_cudnn_queries_as_hopper(monkeypatch)
   model = GPT(ModelConfig.from_config(c.model))
-  step = ParallelStep.build(c, model, make_mesh(c, jax.devices()[:dp * pp * tp]), platform="cuda")
+  step = ParallelStep.build(c, model, make_mesh(c.parallel, jax.devices()[:dp * pp * tp]), platform="cuda")
   module = export_for_cuda(step.train_step(), *step.abstract_inputs())
   if impl == "pallas":
     assert module.count(TRITON) >= 3          # a layer's forward, dq and dk/dv kernels at least

@@ -11,6 +11,7 @@ import pytest
 from megajax import config as config_lib
 from megajax import data
 from megajax import token_files
+from megajax.sections import section
 from tests.support.processes import HANG_S   # a hang guard only: each wait ends on its event
 
 
@@ -84,7 +85,7 @@ def test_batch_layout_and_targets_are_inputs_shifted_by_one():
   for i in range(8):
     np.testing.assert_array_equal(batch["inputs"][i], source[i][:-1])
     np.testing.assert_array_equal(batch["targets"][i], source[i][1:])
-  assert "segment_ids" not in batch and not config_lib.uses_document_masking(c)   # synthetic: no documents
+  assert "segment_ids" not in batch and not section(c, "data").packs_documents   # synthetic: no documents
 
 
 def _global_batches(config, process_count, num_batches):
@@ -341,7 +342,7 @@ def test_packed_rows_carry_segment_ids_positions_and_mask_the_document_boundary(
   stream = _token_file(tmp_path / "d.bin", [np.arange(n) + 10 * i for i, n in enumerate(lengths)])
   document_of = np.repeat(np.arange(len(lengths)), np.array(lengths) + 1)
   c = _document_config(tmp_path / "d.bin", shuffle=False)
-  assert config_lib.uses_document_masking(c)
+  assert section(c, "data").packs_documents
   batches = _take(data.make_iterator(c, 0, 1), 2)
   for k, batch in enumerate(batches):
     assert set(batch) == {"inputs", "targets", "loss_mask", "segment_ids", "positions"}
@@ -361,7 +362,7 @@ def test_packed_rows_carry_segment_ids_positions_and_mask_the_document_boundary(
 def test_without_document_masking_rows_are_the_plain_windows(tmp_path):
   stream = _token_file(tmp_path / "d.bin", [np.arange(5), np.arange(30)])
   c = _document_config(tmp_path / "d.bin", shuffle=False, document_masking=False)
-  assert not config_lib.uses_document_masking(c)
+  assert not section(c, "data").packs_documents
   batch = next(data.make_iterator(c, 0, 1))
   assert set(batch) == {"inputs", "targets", "loss_mask"} and np.all(batch["loss_mask"] == 1)
   np.testing.assert_array_equal(batch["inputs"][1], stream[8:16])

@@ -207,13 +207,14 @@ def test_packed_row_equals_its_documents_one_by_one(tiny_config, impl, block, mo
 
 
 def test_abstract_inputs_carry_the_packed_keys_when_the_data_is_packed(tiny_config):
-  step = ParallelStep.build(tiny_config, GPT(ModelConfig.from_config(tiny_config.model)),
-                            make_mesh(tiny_config, jax.devices()[:1]))
-  assert set(step.abstract_inputs()[1]) == {"inputs", "targets", "loss_mask"}
+  # The step reads the config once, when built (its sections are frozen): one step per config.
+  step = lambda: ParallelStep.build(tiny_config, GPT(ModelConfig.from_config(tiny_config.model)),
+                                    make_mesh(tiny_config.parallel, jax.devices()[:1]))
+  assert set(step().abstract_inputs()[1]) == {"inputs", "targets", "loss_mask"}
   tiny_config.data.source, tiny_config.data.document_masking = "tokens", True
-  _, batch = step.abstract_inputs()
+  _, batch = step().abstract_inputs()
   for key in ("positions", "segment_ids"):
     assert batch[key].shape == batch["inputs"].shape and batch[key].dtype == jnp.int32
     assert batch[key].sharding == batch["inputs"].sharding
   tiny_config.data.document_masking = False
-  assert "segment_ids" not in step.abstract_inputs()[1]
+  assert "segment_ids" not in step().abstract_inputs()[1]

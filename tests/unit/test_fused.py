@@ -60,7 +60,7 @@ def test_zero_gathers_each_operand_whole_and_scatters_its_gradient_back():
   c = model.config
   config = default_config()
   config.parallel.dp, config.parallel.tp = 2, 2
-  mesh = make_mesh(config, jax.devices()[:4])
+  mesh = make_mesh(config.parallel, jax.devices()[:4])
   params = init_params(model, jax.random.key(0))
   layouts = sharding.param_layouts(model, params, 2, 2)
   specs = sharding.param_specs(layouts, params)

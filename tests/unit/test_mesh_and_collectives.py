@@ -19,9 +19,10 @@ from megajax.parallel.zero import gather_params, reduce_scatter_grads
 
 
 def mesh_config(dp, pp, tp):
-  config = default_config()
-  config.parallel.dp, config.parallel.pp, config.parallel.tp = dp, pp, tp
-  return config
+  """A parallel section of dp x pp x tp (make_mesh's argument)."""
+  parallel = default_config().parallel
+  parallel.dp, parallel.pp, parallel.tp = dp, pp, tp
+  return parallel
 
 
 def test_an_order_through_one_element_keeps_every_bit_and_the_gradient():

@@ -54,7 +54,7 @@ def test_lamb_matches_the_formula():
   rng = np.random.default_rng(1)
   grads_per_step = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape)), params) for _ in range(3)]
 
-  optimizer = make_optimizer(config)
+  optimizer = make_optimizer(config.optimizer, config.train.steps)
   state = optimizer.init(params)
   current = params
   for grads in grads_per_step:
@@ -75,8 +75,8 @@ def test_trust_ratio_and_decay_skip_biases_and_norm_scales():
   config.optimizer.grad_clip_norm, config.optimizer.warmup_steps = 0.0, 0
   params = jax.tree.map(jnp.asarray, small_tree())
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.3), params)
-  ours, _ = make_optimizer(config).update(grads, make_optimizer(config).init(params), params)
-  lr = float(learning_rate_schedule(config)(0))
+  ours, _ = make_optimizer(config.optimizer, config.train.steps).update(grads, make_optimizer(config.optimizer, config.train.steps).init(params), params)
+  lr = float(learning_rate_schedule(config.optimizer, config.train.steps)(0))
   plain = optax.lamb(lr, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, mask=matrix_mask)
   theirs, _ = plain.update(grads, plain.init(params), params)
   np.testing.assert_allclose(ours["layer"]["kernel"], theirs["layer"]["kernel"], rtol=1e-6)
@@ -87,7 +87,7 @@ def test_warmup_cosine_schedule():
   config = default_config()
   config.train.steps, config.optimizer.warmup_steps = 100, 10
   config.optimizer.learning_rate, config.optimizer.end_lr_ratio = 1.0, 0.1
-  schedule = learning_rate_schedule(config)  # indexed by update count: 0 is the first update
+  schedule = learning_rate_schedule(config.optimizer, config.train.steps)  # indexed by update count: 0 is the first update
   np.testing.assert_allclose(float(schedule(0)), 0.1, rtol=1e-6)   # 1/10 of the warmup, not 0
   np.testing.assert_allclose(float(schedule(9)), 1.0, rtol=1e-6)   # warmup done
   np.testing.assert_allclose(float(schedule(99)), 0.1, rtol=1e-6)  # the last update: end value
@@ -95,7 +95,7 @@ def test_warmup_cosine_schedule():
 
 
 def second_update(config, params, first_scale, second_scale):
-  optimizer = make_optimizer(config)
+  optimizer = make_optimizer(config.optimizer, config.train.steps)
   state = optimizer.init(params)
   for scale in (first_scale, second_scale):
     grads = jax.tree.map(lambda p: jnp.full(p.shape, scale), params)

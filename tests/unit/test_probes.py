@@ -244,7 +244,7 @@ def test_a_step_built_without_the_probes_its_config_asks_for_is_refused():
   """observe.* (and the straggler drill) are handed to the 3D step by the trainer: building it
   directly from such a config names the field and the way to build it."""
   config = probe_config(capture="0:residual")
-  model, mesh = GPT(ModelConfig.from_config(config.model)), make_mesh(config, jax.devices()[:1])
+  model, mesh = GPT(ModelConfig.from_config(config.model)), make_mesh(config.parallel, jax.devices()[:1])
   with pytest.raises(ConfigError, match=r"^observe\.capture='0:residual': the 3D step was built without its probes; "
                      r"build it with megajax\.trainer\.build_parallel_step"):
     ParallelStep.build(config, model, mesh)

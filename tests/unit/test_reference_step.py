@@ -17,7 +17,7 @@ def test_gradient_accumulation_equals_the_full_batch(tiny_config):
   for microbatches in (1, 4):
     tiny_config.train.microbatches = microbatches
     model = GPT(ModelConfig.from_config(tiny_config.model))
-    optimizer = make_optimizer(tiny_config)
+    optimizer = make_optimizer(tiny_config.optimizer, tiny_config.train.steps)
     state = init_train_state(model, optimizer, jax.random.key(0))
     step = make_reference_step(model, optimizer, tiny_config)
     for _ in range(3):

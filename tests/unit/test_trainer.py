@@ -42,7 +42,7 @@ class _Recorder(callbacks.Callback):
 
 
 def _loop(config, start_step=0, batches=None):
-  return callbacks.Loop(config, parallel_step=None, start_step=start_step, state=0,
+  return callbacks.Loop(config.train, parallel_step=None, start_step=start_step, state=0,
                         batches=batches or iter(range(100)), writer=None, heartbeat=None)
 
 
@@ -79,18 +79,18 @@ def test_a_preemption_stops_the_loop_after_that_step(tiny_config):
 
 def test_fault_drills_poison_their_batches(tiny_config):
   tiny_config.debug.nonfinite_steps = "2,3"
-  drill = drills.PoisonedBatches(tiny_config)
+  drill = drills.PoisonedBatches(tiny_config.debug)
   loop = _loop(tiny_config)
   for step in (1, 2):
     loop.step, loop.batch = step, {"loss_mask": np.ones(3, np.float32)}
     drill.before_step(loop)
     assert np.isnan(loop.batch["loss_mask"]).all() == (step == 2)
-  assert drills.straggler_work(tiny_config) is None
+  assert drills.straggler_work(tiny_config.debug, tiny_config.model) is None
   tiny_config.debug.slow_rank = "0,0,0"
-  assert callable(drills.straggler_work(tiny_config))
-  assert drills.diagnose_slowed(tiny_config, 0) is False
+  assert callable(drills.straggler_work(tiny_config.debug, tiny_config.model))
+  assert drills.diagnose_slowed(tiny_config.debug, 0) is False
   tiny_config.debug.diagnose_slow_process = 0
-  assert drills.diagnose_slowed(tiny_config, 0) is True
+  assert drills.diagnose_slowed(tiny_config.debug, 0) is True
 
 
 @pytest.mark.parametrize("mode,sent", [("kill", signal.SIGKILL), ("hang", signal.SIGSTOP)])
@@ -107,7 +107,7 @@ def test_the_fail_drill_signals_after_its_step_on_the_first_attempt_only(tiny_co
   for attempt, process, want in (("0", -1, fired), ("0", 0, fired), ("0", 1, []), ("1", -1, [])):
     monkeypatch.setenv("MEGAJAX_ATTEMPT", attempt)
     tiny_config.debug.fail_process = process
-    drill, signals[:] = drills.FailAtStep(tiny_config), []
+    drill, signals[:] = drills.FailAtStep(tiny_config.debug), []
     for step in (1, 2, 3):
       loop.step = step
       drill.after_step(loop)
@@ -202,11 +202,11 @@ def test_evaluation_every_eval_every_steps_and_after_the_last(tmp_path, tiny_con
   parallel_step = build_parallel_step(tiny_config, jax.devices()[:2])
   held_out = list(itertools.islice(data.make_iterator(tiny_config, 0, 1), 2))
   held_out[1]["loss_mask"][:, ::2] = 0                # fewer tokens in the second batch
-  evaluation = Evaluation(tiny_config, parallel_step, lambda: iter(held_out))
+  evaluation = Evaluation(tiny_config.train.eval_every, parallel_step, lambda: iter(held_out))
   evaluation.compile()
   state = parallel_step.init_state(jax.random.key(0))
   writer = MetricsWriter(str(tmp_path), steps, progress=False)
-  loop = callbacks.Loop(tiny_config, parallel_step, 0, state, batches=iter(range(100)), writer=writer)
+  loop = callbacks.Loop(tiny_config.train, parallel_step, 0, state, batches=iter(range(100)), writer=writer)
   _run_loop(loop, lambda state, batch: (state, {}), [evaluation])
   writer.close()
   records = [r for r in read_jsonl(str(tmp_path / METRICS)) if "eval_loss" in r]
@@ -240,9 +240,9 @@ def test_held_out_batches_open_the_eval_data_once(tmp_path, tiny_config, monkeyp
 
 def test_no_evaluation_after_a_preemption_or_when_off(tiny_config):
   """A preempted run stops at once (no final evaluation); train.eval_every=0 builds nothing."""
-  assert Evaluation.from_config(tiny_config, parallel_step=None, eval_dataset=None) is None
+  assert Evaluation.every_steps(0, parallel_step=None, eval_dataset=None) is None
   tiny_config.train.eval_every = 3
-  evaluation = Evaluation(tiny_config, parallel_step=None, batches=lambda: pytest.fail("evaluated"))
+  evaluation = Evaluation(tiny_config.train.eval_every, parallel_step=None, batches=lambda: pytest.fail("evaluated"))
   evaluation.compiled = object()
 
   class Preempt(callbacks.Callback):
