@@ -56,7 +56,7 @@ from megajax.config import default_config
 from megajax.model import GPT, ModelConfig, init_params
 from megajax.parallel import ParallelStep
 from megajax.parallel.mesh import DP
-from megajax.run_config import RunConfig
+from megajax.sections import RunConfig
 
 STATE, DATA, META = "state", "data", "meta"
 QUARANTINE = "quarantine"      # WORKDIR/checkpoints/quarantine/<step>-<reason>: what failed to restore

@@ -11,7 +11,7 @@ order. `validate(config)` runs the checks in section order before anything is co
 field to another section's (heads to parallel.tp, say) sits in the later section. The names
 a choice field accepts are module constants `<FIELD>_CHOICES`; code that implements a choice
 keys its registry by them (e.g. megajax.layers.ATTENTION_IMPLS, tested equal). A run
-resolves its checked ConfigDict once into those sections (megajax.run_config.RunConfig).
+resolves its checked ConfigDict once into those sections (megajax.sections.RunConfig).
 """
 
 from __future__ import annotations

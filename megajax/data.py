@@ -21,7 +21,7 @@ input's document number within its row, from 1) and "positions" (its place in th
 the document, from 0 at the row start or the document's start), and loss_mask is 0 where a
 document's EOS would predict the next document's first token.
 
-`config` below is the run's (megajax.run_config.RunConfig, as the trainer passes it) or a
+`config` below is the run's (megajax.sections.RunConfig, as the trainer passes it) or a
 ConfigDict; what is read of it is its data, model and train sections.
 """
 

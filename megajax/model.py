@@ -30,56 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.layers import NORM_MODULES, Attention, Mlp, initializers
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """The model's typed, resolved fields (zeros in the ConfigDict become their defaults)."""
-
-  vocab_size: int
-  seq_len: int
-  num_layers: int
-  hidden_dim: int
-  num_heads: int
-  num_kv_heads: int
-  mlp_dim: int
-  window: int | None
-  window_pattern: str
-  block: str
-  norm: str
-  mlp: str
-  attention_impl: str
-  compute_dtype: jnp.dtype
-  param_dtype: jnp.dtype
-  tie_embeddings: bool
-  use_bias: bool
-  qkv_bias: bool
-  rope_theta: float
-  global_rope: bool
-  logit_scale: float
-  layernorm_epsilon: float
-  init_std: float
-  remat: str
-
-  @classmethod
-  def from_config(cls, model) -> "ModelConfig":
-    """`model`: the config's model section (megajax.sections.ModelSection, or its ConfigDict node)."""
-    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(cls)}
-    fields["num_kv_heads"] = model.num_kv_heads or model.num_heads
-    fields["mlp_dim"] = model.mlp_dim or 4 * model.hidden_dim
-    fields["window"] = model.window or None
-    fields["compute_dtype"] = jnp.dtype(model.compute_dtype)
-    fields["param_dtype"] = jnp.dtype(model.param_dtype)
-    return cls(**fields)
-
-  @property
-  def head_dim(self) -> int:
-    return self.hidden_dim // self.num_heads
-
-  def layer_window(self, layer: int) -> int | None:
-    """The window of one layer: `window` on local (L) layers, None on global (G) ones."""
-    local = self.window_pattern[layer % len(self.window_pattern)] == "L"
-    return self.window if local else None
+from megajax.sections import ModelConfig   # the model section resolved (typed once, there)
 
 
 def _attention(config: ModelConfig, window: int | None) -> Attention:

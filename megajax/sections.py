@@ -3,19 +3,23 @@
 Each section is a frozen dataclass. The experiment file's ConfigDict (megajax.config:
 `default_config()`, the `--config.a.b=v` flags, config.json) is built from these defaults, so a
 field's default and type live here only; its checks are megajax.config's `_check_<section>`.
-`RunConfig.resolve` (megajax.run_config) turns a checked ConfigDict into these sections once;
-the layers below take the section they need. The values a section derives from its own fields
-(a mesh shape, the per-platform defaults, whether batches carry documents) are its properties,
-computed in one place. Nothing here imports jax: the launcher reads this before it starts one.
+A run turns its checked ConfigDict into these sections once (`RunConfig.of`, at the bottom:
+the model's as `ModelConfig`, the section resolved); the layers below take the section they
+need. The values a section derives from its own fields (a mesh shape, the per-platform
+defaults, whether batches carry documents) are its properties, computed in one place.
+Nothing here imports jax: the launcher reads this before it starts one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 
 import ml_collections
+import ml_dtypes
+import numpy as np
 
 
 # --- model ------------------------------------------------------------------------------------
@@ -53,6 +57,39 @@ class ModelSection:
   layernorm_epsilon: float = 1e-5   # the epsilon of model.norm, either kind.
   init_std: float = 0.02
   remat: str = "none"         # Activation recomputation per block.
+
+
+def _dtype(name) -> np.dtype:
+  """A dtype by name ("bfloat16" is ml_dtypes', the one jax uses) or the dtype itself."""
+  return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(ModelSection):
+  """The model section resolved, what the model code reads: num_kv_heads and mlp_dim of 0
+  filled in (num_heads; 4 * hidden_dim), window 0 as None (full causal), compute_dtype and
+  param_dtype as numpy dtypes. Its fields are ModelSection's (a model field is stated once)."""
+
+  def __post_init__(self):
+    resolved = {"num_kv_heads": self.num_kv_heads or self.num_heads, "mlp_dim": self.mlp_dim or 4 * self.hidden_dim,
+                "window": self.window or None, "compute_dtype": _dtype(self.compute_dtype),
+                "param_dtype": _dtype(self.param_dtype)}
+    for name, value in resolved.items():       # frozen: set once, here (resolving twice changes nothing)
+      object.__setattr__(self, name, value)
+
+  @classmethod
+  def from_config(cls, model) -> "ModelConfig":
+    """`model`: the config's model section (ModelSection, its ConfigDict node, or a ModelConfig)."""
+    return cls(**{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)})
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_dim // self.num_heads
+
+  def layer_window(self, layer: int) -> int | None:
+    """The window of one layer: `window` on local (L) layers, None on global (G) ones."""
+    local = self.window_pattern[layer % len(self.window_pattern)] == "L"
+    return self.window if local else None
 
 
 # --- train ------------------------------------------------------------------------------------
@@ -377,7 +414,43 @@ def from_config_dict(section_type: type, node) -> object:
 
 def section(config, name: str):
   """One frozen section of a ConfigDict (`section(config, "parallel").mesh_shape`), for a tool
-  that reads one derived value (a run resolves all of them once: megajax.run_config); of a
+  that reads one derived value (a run resolves all of them once: RunConfig.of); of a
   RunConfig, its own."""
   node = getattr(config, name)
   return node if isinstance(node, SECTION_TYPES[name]) else from_config_dict(SECTION_TYPES[name], node)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """A run's config resolved once: every section frozen and typed, the model's resolved. The
+  trainer and the tools make it where they read the file (after megajax.config.validate); the
+  layers below take the section they need (`run.parallel`, `run.data`, ...), never the dict."""
+
+  model: ModelConfig
+  train: TrainSection
+  optimizer: OptimizerSection
+  parallel: ParallelSection
+  data: DataSection
+  checkpoint: CheckpointSection
+  runtime: RuntimeSection
+  supervisor: SupervisorSection
+  observe: ObserveSection
+  debug: DebugSection
+  # The config as its file and flags gave it (JSON): what config.json, a checkpoint's metadata
+  # and the trackers record, and what a resumed run is compared with.
+  json: str
+
+  @classmethod
+  def of(cls, config: "ml_collections.ConfigDict | RunConfig") -> "RunConfig":
+    """`config`'s sections (as it is when it is a RunConfig already: the library's constructors
+    take either). Not checked here: the trainer and the tools check the file where they read it."""
+    if isinstance(config, RunConfig):
+      return config
+    sections = {name: from_config_dict(section_type, config[name]) for name, section_type in SECTION_TYPES.items()}
+    sections["model"] = ModelConfig.from_config(sections["model"])
+    return cls(**sections, json=config.to_json(indent=2))
+
+  @property
+  def record(self) -> dict:
+    """The config as plain JSON values, {"model": {...}, ...}."""
+    return json.loads(self.json)

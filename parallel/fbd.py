@@ -49,7 +49,7 @@ from megajax.parallel import sharding, zero
 from megajax.parallel.deviceless import bytes_per_device
 from megajax.parallel.mesh import AXIS_TYPES, DP, MESH_AXES
 from megajax.reference_step import TrainState, apply_gradients, fresh_train_state, make_loss_sums_fn
-from megajax.run_config import RunConfig
+from megajax.sections import RunConfig
 from megajax.sections import TrainSection
 
 

@@ -50,7 +50,7 @@ from megajax.parallel.pipeline import simulate
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 from megajax.reference_step import TrainState, accumulate_gradients, fresh_train_state, split_microbatches
-from megajax.run_config import RunConfig
+from megajax.sections import RunConfig
 from megajax.sections import ParallelSection, TrainSection
 
 # tp_overlap="xla": plain collectives, and XLA's own windowed-einsum rewrite of them (GPU).

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 
 RUN_ID_FILE = "wandb_run_id"
 STEP = "train/step"
 
 
 class WandbTracker:
+
+  @classmethod
+  def for_run(cls, observe, record: dict, workdir: str | None) -> "WandbTracker | None":
+    """The run's tracker on process 0 when observe.wandb_project names one; else None (and
+    wandb is not imported)."""
+    if not observe.wandb_project or jax.process_index() != 0:
+      return None
+    return cls(observe, record, workdir)
 
   def __init__(self, observe, record: dict, workdir: str | None):
     """`observe`: the run's observe section (the project and entity); `record`: the config

@@ -1,6 +1,6 @@
 """The training loop as a library: `train(config, workdir)` trains up to `config.train.steps`.
 
-`train` resolves the config once (megajax.run_config.RunConfig: checked, frozen, typed
+`train` resolves the config once (megajax.sections.RunConfig: checked, frozen, typed
 sections) and hands each layer the section it needs. It reads top to bottom as named
 sections, each one call: the config's memory estimate
 against its devices (parallel.planner.fits) -> the workdir claimed (checked,
@@ -27,6 +27,7 @@ import ml_collections
 
 from megajax import data
 from megajax.checkpoint import TrainingCheckpointer, initial_state, save_params
+from megajax.config import validate
 from megajax.model import GPT, ModelConfig, count_params
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
 from megajax.observe.goodput import GoodputClock
@@ -35,7 +36,7 @@ from megajax.parallel import FbdStep, ParallelStep, local_batch_slice, local_dev
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.planner.fits import check_fits
 from megajax.reference_step import TrainState
-from megajax.run_config import RunConfig
+from megajax.sections import RunConfig
 from megajax.tokenizer import check_run_identity, copy_tokenizer, record_run_identity, tokenizer_of
 from megajax.trainer import callbacks, drills
 from megajax.trainer.evaluation import Evaluation
@@ -74,7 +75,8 @@ def build_parallel_step(config: RunConfig | ml_collections.ConfigDict, devices=N
 def train(config: ml_collections.ConfigDict, workdir: str | None = None,
           progress: bool | None = None, devices=None) -> TrainResult:
   """Trains on `devices` (default: all of the job's), which must number dp * pp * tp."""
-  run = RunConfig.resolve(config)     # checked (a ConfigError names the field), then typed sections
+  validate(config)                # a ConfigError names the field, before anything runs
+  run = RunConfig.of(config)      # the config once, as frozen typed sections: the layers take theirs
   # --- Goodput: this run's time by cause from its start (WORKDIR/goodput/, observe/goodput.py).
   clock = GoodputClock(supervisor_attempt())
   # --- Python's garbage collector: collections at the same steps on every process
@@ -136,7 +138,7 @@ def _train(run: RunConfig, workdir: str | None, progress: bool | None, devices, 
 
     # --- Loop: the steps, each between its collaborators' callbacks.
     writer = MetricsWriter(workdir, run.train.steps, enabled=jax.process_index() == 0, progress=progress,
-                           start_step=start_step, tracker=_tracker(run, workdir))
+                           start_step=start_step, tracker=WandbTracker.for_run(run.observe, run.record, workdir))
     cleanup.callback(writer.close)
     loop = callbacks.Loop(run.train, parallel_step, start_step, state, batches, heartbeat=heartbeat, writer=writer,
                           clock=clock)
@@ -146,7 +148,9 @@ def _train(run: RunConfig, workdir: str | None, progress: bool | None, devices, 
 
   # --- Export: the trained parameters, the model's own pytree whatever the mesh.
   if workdir and run.checkpoint.save_params and outcome["finished"]:
-    _export(parallel_step, loop.state, workdir)
+    # Under jit: with several processes no process holds every stage's rows.
+    path = save_params(os.path.join(workdir, "params"), jax.jit(parallel_step.model_params)(loop.state.params))
+    logging.info("parameters written to %s", path)
   return TrainResult(state=loop.state, history=loop.history, start_step=start_step, preempted=loop.preempted)
 
 
@@ -197,13 +201,6 @@ def _callbacks(run: RunConfig, loop: callbacks.Loop, workdir, checkpointer, step
 
 
 # --- The sections' one calls.
-
-def _tracker(run: RunConfig, workdir: str | None):
-  """Weights & Biases (observe.wandb_project) on process 0; None when off (wandb not imported)."""
-  if not run.observe.wandb_project or jax.process_index() != 0:
-    return None
-  return WandbTracker(run.observe, run.record, workdir)
-
 
 def _open_workdir(run: RunConfig, workdir: str | None, parallel_step: ParallelStep, cleanup, outcome: dict,
                   token_paths: list[str]):
@@ -322,9 +319,3 @@ def _compile_and_meet(run: RunConfig, parallel_step: ParallelStep, heartbeat, st
     distributed.global_state.client.wait_at_barrier(f"megajax_step_compiled_{next(_BARRIERS)}",
                                                     int(run.supervisor.startup_timeout_s * 1000))
   return compiled
-
-
-def _export(parallel_step: ParallelStep, state, workdir: str) -> None:
-  # Under jit: with several processes no process holds every stage's rows.
-  path = save_params(os.path.join(workdir, "params"), jax.jit(parallel_step.model_params)(state.params))
-  logging.info("parameters written to %s", path)
