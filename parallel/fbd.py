@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 from megajax.config import ConfigError
-from megajax.model import GPT, init_params
+from megajax.model import GPT, count_params, init_params
 from megajax.optim import learning_rate_schedule, make_optimizer
 from megajax.parallel import sharding, zero
 from megajax.parallel.deviceless import bytes_per_device
@@ -240,6 +240,13 @@ class FbdStep:
   @functools.cached_property
   def _abstract_state(self) -> TrainState:
     return _abstract(jax.eval_shape(self.init_state, jax.random.key(0)), self.state_shardings)
+
+  def describe(self) -> str:
+    """The start-up log's line: the model and the two groups."""
+    m, f, b = self.model.config, self.forward_mesh.shape, self.backward_mesh.shape
+    return (f"model: {m.block} block, {m.num_layers} layers, {count_params(self._abstract_state.params) / 1e6:.2f}M "
+            f"parameters; MegaFBD: forward on {f['dp'] * f['tp']} devices (dp={f['dp']} tp={f['tp']}), backward and "
+            f"optimizer on {b['dp'] * b['tp']} (dp={b['dp']} tp={b['tp']})")
 
   def abstract_batch(self) -> dict:
     """A batch as put_batch places it: [microbatches, rows, seq] on the forward group."""

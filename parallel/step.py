@@ -41,12 +41,13 @@ import optax
 
 from megajax.config import ConfigError
 from megajax.layers.kernels import lowering_for
-from megajax.model import GPT, init_params
+from megajax.model import GPT, count_params, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding, zero
 from megajax.parallel import collectives
 from megajax.parallel.mesh import DP, MESH_AXES, PP, TP, after, batch_sharding, batch_spec, picked, varying_axes
 from megajax.parallel.pipeline import simulate
+from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 from megajax.reference_step import TrainState, accumulate_gradients, fresh_train_state, split_microbatches
@@ -162,6 +163,22 @@ class ParallelStep:
   def devices(self) -> list:
     """Every device of the step (what MFU divides by)."""
     return list(self.mesh.devices.flat)
+
+  def describe(self) -> str:
+    """The start-up log's lines: the model, the mesh, and with pp > 1 the pipeline's schedule
+    (its bubble, stash and backward, and its timelines)."""
+    m, (dp, pp, tp) = self.model.config, self.mesh.devices.shape
+    lines = [f"model: {m.block} block, {m.num_layers} layers, {count_params(self._abstract_state.params) / 1e6:.2f}M "
+             f"parameters; mesh dp={dp} pp={pp} tp={tp}, tp_overlap={self.overlap.mode}"]
+    if self.pipeline is not None:
+      tables, schedule = self.pipeline, self.pipeline.schedule
+      backward = ("each chunk's forward rerun in its backward (parallel.pipeline_recompute)" if tables.recompute else
+                  f"backwards from kept residuals, up to {tables.residual_slots} microbatch-chunks' per stage")
+      lines += [f"pipeline: {schedule.name}, {schedule.virtual_stages} virtual stages, {self.parallel.traversal}, "
+                f"{schedule.microbatches} microbatches: bubble {schedule.bubble_fraction:.3f} of ideal (one op per "
+                f"tick), stash of up to {tables.stash_slots} activations per stage, {backward}",
+                ascii_timeline(schedule), ascii_paired_timeline(schedule)]
+    return "\n".join(lines)
 
   @property
   def state_shardings(self):

@@ -28,12 +28,11 @@ import ml_collections
 from megajax import data
 from megajax.checkpoint import TrainingCheckpointer, initial_state, save_params
 from megajax.config import validate
-from megajax.model import GPT, ModelConfig, count_params
+from megajax.model import GPT, ModelConfig
 from megajax.observe import ActivationLog, CompilationCacheCounter, MetricsWriter, Probes, StepTracer
 from megajax.observe.goodput import GoodputClock
 from megajax.observe.wandb_tracker import WandbTracker     # imports wandb only when constructed
 from megajax.parallel import FbdStep, ParallelStep, local_batch_slice, local_device_coordinates, make_mesh
-from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.planner.fits import check_fits
 from megajax.reference_step import TrainState
 from megajax.sections import RunConfig
@@ -64,7 +63,7 @@ def build_parallel_step(config: RunConfig | ml_collections.ConfigDict, devices=N
   parallel.fbd.enabled, MegaFBD's decoupled step over the same devices (megajax.parallel.fbd).
   `config`: the run's (a ConfigDict is resolved here, unchecked)."""
   run = RunConfig.of(config)
-  model = build_model(run)
+  model = GPT(run.model)
   if run.parallel.fbd.enabled:
     return FbdStep.from_config(run, model, jax.devices() if devices is None else devices)
   return ParallelStep.build(run, model, make_mesh(run.parallel, devices),
@@ -126,7 +125,7 @@ def _train(run: RunConfig, workdir: str | None, progress: bool | None, devices, 
     state, start_step = _restore_or_init(run.train, parallel_step, checkpointer, iterator, heartbeat)
     clock.set_start_step(start_step)
     clock.lap("restore")
-    _describe(run, pipeline.description, parallel_step, state)
+    logging.info("%s\n%s", pipeline.description, parallel_step.describe())   # data, model, mesh, pipeline
 
     # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
     batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))
@@ -265,29 +264,6 @@ def _restore_or_init(train, parallel_step: ParallelStep, checkpointer, iterator,
   if heartbeat:
     heartbeat.update(start_step=start_step, step=start_step)
   return state, start_step
-
-
-def _describe(run: RunConfig, data_line: str, parallel_step: ParallelStep, state) -> None:
-  logging.info("%s", data_line)
-  if isinstance(parallel_step, FbdStep):
-    f, b = parallel_step.forward_mesh.shape, parallel_step.backward_mesh.shape
-    logging.info("model: %s block, %d layers, %.2fM parameters; MegaFBD: forward on %d devices (dp=%d tp=%d), "
-                 "backward and optimizer on %d (dp=%d tp=%d)", run.model.block, run.model.num_layers,
-                 count_params(state.params) / 1e6, f["dp"] * f["tp"], f["dp"], f["tp"], b["dp"] * b["tp"], b["dp"],
-                 b["tp"])
-    return
-  logging.info("model: %s block, %d layers, %.2fM parameters; mesh dp=%d pp=%d tp=%d, tp_overlap=%s",
-               run.model.block, run.model.num_layers, count_params(state.params) / 1e6,
-               *parallel_step.mesh.devices.shape, parallel_step.overlap.mode)
-  if parallel_step.pipeline is not None:
-    tables = parallel_step.pipeline
-    schedule = tables.schedule
-    backward = ("each chunk's forward rerun in its backward (parallel.pipeline_recompute)" if tables.recompute else
-                f"backwards from kept residuals, up to {tables.residual_slots} microbatch-chunks' per stage")
-    logging.info("pipeline: %s, %d virtual stages, %s, %d microbatches: bubble %.3f of ideal (one op per "
-                 "tick), stash of up to %d activations per stage, %s\n%s\n%s", schedule.name,
-                 schedule.virtual_stages, run.parallel.traversal, schedule.microbatches, schedule.bubble_fraction,
-                 tables.stash_slots, backward, ascii_timeline(schedule), ascii_paired_timeline(schedule))
 
 
 _BARRIERS = itertools.count()
