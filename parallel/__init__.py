@@ -6,6 +6,8 @@
   fused.py              a block's fused matmul operands: the compute form its forward reads a layer in
   collective_matmul.py  the parallel linears, with the collective fused into the matmul
   tensor_parallel.py    the model's forward pass on one device's shards (what trains)
+  context_parallel.py   attention over positions split across devices (cp): halo exchange for
+                        sliding-window layers, ring attention for global ones (not yet in the step)
   pipeline/             pipeline schedules, the stacked layout, the tick executor, the baseline
   step.py               ParallelStep: the one jitted shard_map training step
   fbd.py                MegaFBD: the forward and the backward on separate device groups (FbdStep)
@@ -15,6 +17,7 @@
 
 from megajax.parallel.collective_matmul import (all_gather_matmul, column_parallel_linear, matmul_reduce_scatter,
                                                 row_parallel_linear)
+from megajax.parallel.context_parallel import CP, dual_chunk_order, halo_attention, ring_attention
 from megajax.parallel.fbd import FbdStep
 from megajax.parallel.mesh import (DP, MESH_AXES, PP, TP, batch_sharding, local_batch_slice,
                                    local_device_coordinates, make_mesh)
@@ -24,8 +27,8 @@ from megajax.parallel.step import ParallelStep
 from megajax.parallel.tensor_parallel import Overlap, loss_sums
 
 __all__ = [
-    "DP", "FbdStep", "Layout", "MESH_AXES", "Overlap", "PP", "ParallelStep", "TP", "Tables", "all_gather_matmul",
-    "batch_sharding", "column_parallel_linear", "local_batch_slice", "local_device_coordinates", "loss_sums",
-    "make_mesh", "matmul_reduce_scatter", "param_layouts", "pipeline_gradients",
-    "row_parallel_linear", "simulate", "to_model_params", "to_pipeline_params",
+    "CP", "DP", "FbdStep", "Layout", "MESH_AXES", "Overlap", "PP", "ParallelStep", "TP", "Tables", "all_gather_matmul",
+    "batch_sharding", "column_parallel_linear", "dual_chunk_order", "halo_attention", "local_batch_slice",
+    "local_device_coordinates", "loss_sums", "make_mesh", "matmul_reduce_scatter", "param_layouts", "pipeline_gradients",
+    "ring_attention", "row_parallel_linear", "simulate", "to_model_params", "to_pipeline_params",
 ]

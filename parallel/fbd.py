@@ -241,12 +241,12 @@ class FbdStep:
   def _abstract_state(self) -> TrainState:
     return _abstract(jax.eval_shape(self.init_state, jax.random.key(0)), self.state_shardings)
 
-  def describe(self) -> str:
-    """The start-up log's line: the model and the two groups."""
+  def describe(self) -> list[str]:
+    """The start-up log's record: the model and the two groups."""
     m, f, b = self.model.config, self.forward_mesh.shape, self.backward_mesh.shape
-    return (f"model: {m.block} block, {m.num_layers} layers, {count_params(self._abstract_state.params) / 1e6:.2f}M "
+    return [f"model: {m.block} block, {m.num_layers} layers, {count_params(self._abstract_state.params) / 1e6:.2f}M "
             f"parameters; MegaFBD: forward on {f['dp'] * f['tp']} devices (dp={f['dp']} tp={f['tp']}), backward and "
-            f"optimizer on {b['dp'] * b['tp']} (dp={b['dp']} tp={b['tp']})")
+            f"optimizer on {b['dp'] * b['tp']} (dp={b['dp']} tp={b['tp']})"]
 
   def abstract_batch(self) -> dict:
     """A batch as put_batch places it: [microbatches, rows, seq] on the forward group."""

@@ -164,9 +164,9 @@ class ParallelStep:
     """Every device of the step (what MFU divides by)."""
     return list(self.mesh.devices.flat)
 
-  def describe(self) -> str:
-    """The start-up log's lines: the model, the mesh, and with pp > 1 the pipeline's schedule
-    (its bubble, stash and backward, and its timelines)."""
+  def describe(self) -> list[str]:
+    """The start-up log's records: the model and the mesh, and with pp > 1 the pipeline's
+    schedule (its bubble, stash and backward) with its timelines."""
     m, (dp, pp, tp) = self.model.config, self.mesh.devices.shape
     lines = [f"model: {m.block} block, {m.num_layers} layers, {count_params(self._abstract_state.params) / 1e6:.2f}M "
              f"parameters; mesh dp={dp} pp={pp} tp={tp}, tp_overlap={self.overlap.mode}"]
@@ -174,11 +174,11 @@ class ParallelStep:
       tables, schedule = self.pipeline, self.pipeline.schedule
       backward = ("each chunk's forward rerun in its backward (parallel.pipeline_recompute)" if tables.recompute else
                   f"backwards from kept residuals, up to {tables.residual_slots} microbatch-chunks' per stage")
-      lines += [f"pipeline: {schedule.name}, {schedule.virtual_stages} virtual stages, {self.parallel.traversal}, "
-                f"{schedule.microbatches} microbatches: bubble {schedule.bubble_fraction:.3f} of ideal (one op per "
-                f"tick), stash of up to {tables.stash_slots} activations per stage, {backward}",
-                ascii_timeline(schedule), ascii_paired_timeline(schedule)]
-    return "\n".join(lines)
+      lines.append(f"pipeline: {schedule.name}, {schedule.virtual_stages} virtual stages, {self.parallel.traversal}, "
+                   f"{schedule.microbatches} microbatches: bubble {schedule.bubble_fraction:.3f} of ideal (one op per "
+                   f"tick), stash of up to {tables.stash_slots} activations per stage, {backward}\n"
+                   f"{ascii_timeline(schedule)}\n{ascii_paired_timeline(schedule)}")
+    return lines
 
   @property
   def state_shardings(self):

@@ -125,7 +125,8 @@ def _train(run: RunConfig, workdir: str | None, progress: bool | None, devices, 
     state, start_step = _restore_or_init(run.train, parallel_step, checkpointer, iterator, heartbeat)
     clock.set_start_step(start_step)
     clock.lap("restore")
-    logging.info("%s\n%s", pipeline.description, parallel_step.describe())   # data, model, mesh, pipeline
+    for record in (pipeline.description, *parallel_step.describe()):    # data; model and mesh; pipeline
+      logging.info("%s", record)
 
     # --- Batches onto the devices from there, prefetched (a thread) while the step compiles and runs.
     batches = cleanup.enter_context(data.DevicePrefetcher(iterator, put_fn=parallel_step.put_batch))

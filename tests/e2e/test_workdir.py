@@ -41,7 +41,8 @@ def _one_line(returncode: int, stderr: str, kind: str) -> str:
   lines = [line for line in stderr.splitlines() if line.strip()]
   assert returncode == 2, stderr[-3000:]
   assert lines and lines[-1].startswith(f"megajax-train: {kind}: "), stderr[-3000:]
-  assert all(_LOG_LINE.match(line) for line in lines[:-1]), stderr[-3000:]
+  strays = [line for line in lines[:-1] if not _LOG_LINE.match(line)]
+  assert not strays, "\n".join(strays[:20])
   return lines[-1]
 
 

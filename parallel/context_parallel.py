@@ -1,0 +1,164 @@
+"""Context parallelism: attention over a sequence whose positions are split across devices.
+
+Inside a shard_map over the context-parallel axis (CP, of size cp), every device holds s/cp
+of a row's positions; each function below is one attention layer's core, q, k and v already
+rotated (RoPE by global position), for the shard's queries:
+
+  halo_attention (local, sliding-window layers; contiguous shards: rank r holds positions
+      r*n .. r*n+n-1, n = s/cp): a query needs the previous window-1 keys, which for the
+      shard's first queries sit on the previous rank. One ppermute brings that rank's last
+      window-1 keys and values (and document ids): O(w) bytes whatever s is, and its
+      transpose sends their gradients back in the backward. The attention over the shard's
+      own keys does not wait for it (XLA may run the permute under it); the two partial
+      attentions are merged by their log-sum-exp, so no [halo, own] buffer is assembled.
+      window - 1 > n (a halo beyond the previous rank) is refused (ValueError): one hop.
+
+  ring_attention (global, full causal layers; the dual-chunk layout: the row cut into 2*cp
+      chunks, rank r holding chunks r and 2*cp-1-r, so every rank has as many visible
+      query-key pairs as any other): cp steps, the keys and values (and document ids)
+      passed one rank on at each (cp-1 ppermutes of the shard's K/V: (cp-1)/cp of the row's),
+      each visiting block attended under the causal mask by global position, the partial
+      attentions merged online by their log-sum-exp.
+
+`dual_chunk_order(seq_len, cp)` is the layout's permutation of a row's positions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+CP = "cp"   # the context-parallel mesh axis
+
+
+def dual_chunk_order(seq_len: int, cp: int) -> np.ndarray:
+  """The positions of a row in the order the ring's layout holds them: rank r's shard is
+  positions [r*c, (r+1)*c) then [(2cp-1-r)*c, (2cp-r)*c), c = seq_len / (2*cp); the shards
+  one after the other (so a row split evenly over cp devices lands laid out)."""
+  if seq_len % (2 * cp):
+    raise ValueError(f"a row of {seq_len} positions does not cut into 2 * cp = {2 * cp} equal chunks")
+  c = seq_len // (2 * cp)
+  chunks = [chunk for r in range(cp) for chunk in (r, 2 * cp - 1 - r)]
+  return np.concatenate([np.arange(chunk * c, (chunk + 1) * c) for chunk in chunks])
+
+
+def _partial_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+  """q [b, t, h, d] over k, v [b, u, kv_h, d] where mask [b, t, u] allows: (out [b, kv_h, g, t, d]
+  fp32, normalized over these keys; lse [b, kv_h, g, t, 1] fp32, the log of the softmax's
+  denominator). A query that sees none of these keys: out 0, lse -inf."""
+  b, t, h, d = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, t, kv_heads, h // kv_heads, d)
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+  visible = mask[:, None, None]
+  scores = jnp.where(visible, scores, -jnp.inf)
+  peak = jnp.max(scores, axis=-1, keepdims=True)
+  peak = jnp.where(jnp.isfinite(peak), peak, 0.0)          # a row with no key: nothing to subtract
+  weights = jnp.where(visible, jnp.exp(scores - peak), 0.0)
+  total = jnp.sum(weights, axis=-1, keepdims=True)
+  seen = total > 0
+  total = jnp.where(seen, total, 1.0)
+  out = jnp.einsum("bkgqs,bskd->bkgqd", (weights / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out, jnp.where(seen, peak + jnp.log(total), -jnp.inf)
+
+
+def _merge(parts: list) -> jax.Array:
+  """Partial attentions of the same queries over disjoint keys -> their attention over all
+  of them: each part's output weighted by its share of the whole softmax denominator."""
+  lses = [lse for _, lse in parts]
+  peak = functools.reduce(jnp.maximum, lses)
+  peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  shares = [jnp.exp(lse - peak) for lse in lses]            # exp(-inf) = 0: a part with no key
+  total = functools.reduce(jnp.add, shares)
+  out = functools.reduce(jnp.add, [share * part for share, (part, _) in zip(shares, parts)])
+  return out / jnp.where(total > 0, total, 1.0)
+
+
+def _heads_last(out: jax.Array, dtype) -> jax.Array:
+  """[b, kv_h, g, t, d] -> [b, t, h, d] in `dtype` (the attention's output layout)."""
+  b, kv_heads, g, t, d = out.shape
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, kv_heads * g, d).astype(dtype)
+
+
+def _same_document(q_segments, k_segments):
+  return q_segments[:, :, None] == k_segments[:, None, :]
+
+
+def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
+  """Sliding-window causal attention (i - window < j <= i) of this rank's contiguous shard.
+  q [b, n, h, d]; k, v [b, n, kv_h, d]; segment_ids [b, n] (the row's document numbers,
+  shards of one row's). Returns [b, n, h, d] in v's dtype."""
+  n = q.shape[1]
+  halo = window - 1
+  if halo > n:
+    raise ValueError(f"a window of {window} reaches {halo} positions back, beyond the previous rank's {n}: "
+                     "context parallelism sends one rank's halo (make model.window at most s / cp + 1)")
+  rows = jnp.arange(n)[:, None]
+  own_mask = ((jnp.arange(n)[None, :] <= rows) & (jnp.arange(n)[None, :] > rows - window))[None]
+  if segment_ids is not None:
+    own_mask = own_mask & _same_document(segment_ids, segment_ids)
+  own = _partial_attention(q, k, v, jnp.broadcast_to(own_mask, (q.shape[0], n, n)))
+  cp = lax.axis_size(axis)
+  if cp == 1 or halo == 0:
+    return _heads_last(own[0], v.dtype)
+  # The previous rank's last window-1 keys and values: rank 0 gets zeros (no rank sends to it), masked.
+  forward = [(r, r + 1) for r in range(cp - 1)]
+  k_halo = lax.ppermute(k[:, n - halo:], axis, forward)
+  v_halo = lax.ppermute(v[:, n - halo:], axis, forward)
+  keys = jnp.arange(halo)[None, :] - halo                  # their positions, relative to this shard's first
+  halo_mask = (keys > rows - window)[None] & (lax.axis_index(axis) > 0)
+  if segment_ids is not None:
+    halo_mask = halo_mask & _same_document(segment_ids, lax.ppermute(segment_ids[:, n - halo:], axis, forward))
+  from_halo = _partial_attention(q, k_halo, v_halo, jnp.broadcast_to(halo_mask, (q.shape[0], n, halo)))
+  return _heads_last(_merge([own, from_halo]), v.dtype)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
+  """Full causal attention of this rank's dual-chunk shard (dual_chunk_order). q [b, 2c, h, d];
+  k, v [b, 2c, kv_h, d]; segment_ids [b, 2c]. Returns [b, 2c, h, d] in v's dtype.
+
+  Rank r holds chunks A = r and B = 2cp-1-r. Its own keys (the first step) are attended under
+  the causal mask. A visiting rank j's chunks A' = j and B' = 2cp-1-j are all before B, all
+  after A when j > r, all before A when j < r; and B' is after A always. So from j < r every
+  query sees A' (and nothing of B'), from j > r only B's queries see anything, all of A' and
+  B': c x 2c visible pairs either way, computed without the masked half (lax.cond per rank)."""
+  cp = lax.axis_size(axis)
+  b, two_c = q.shape[:2]
+  c = two_c // 2
+  rank = lax.axis_index(axis)
+  rows = jnp.arange(two_c)
+  own_positions = jnp.where(rows < c, rank * c + rows, (2 * cp - 1 - rank) * c + rows - c)
+  mask = own_positions[None, :] <= own_positions[:, None]                      # the own step: causal
+  mask = mask[None] & (_same_document(segment_ids, segment_ids) if segment_ids is not None else True)
+  parts = [_partial_attention(q, k, v, jnp.broadcast_to(mask, (b, two_c, two_c)))]
+
+  def visible(q_from: int, k_to: int, k_segments):
+    """Queries q_from.. over keys ..k_to, every pair visible by position: the documents' mask."""
+    if segment_ids is None:
+      return jnp.ones((b, two_c - q_from, k_to), bool)
+    return _same_document(segment_ids[:, q_from:], k_segments[:, :k_to])
+
+  def earlier(k, v, k_segments):        # j < r: every query over A' (the first half)
+    return _partial_attention(q, k[:, :c], v[:, :c], visible(0, c, k_segments))
+
+  def later(k, v, k_segments):          # j > r: B's queries over A' and B'; A's see none of it
+    out, lse = _partial_attention(q[:, c:], k, v, visible(c, two_c, k_segments))
+    return (jnp.concatenate([jnp.zeros_like(out), out], axis=3),
+            jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=3))
+
+  onward = [(r, (r + 1) % cp) for r in range(cp)]
+  k_segments = segment_ids
+  for step in range(1, cp):
+    k, v = lax.ppermute(k, axis, onward), lax.ppermute(v, axis, onward)
+    if segment_ids is not None:
+      k_segments = lax.ppermute(k_segments, axis, onward)
+    source = (rank - step) % cp                 # whose keys are here now
+    parts.append(lax.cond(source < rank, earlier, later, k, v, k_segments))
+  return _heads_last(_merge(parts), v.dtype)
