@@ -9,8 +9,10 @@ rotated (RoPE by global position), for the shard's queries:
       shard's first queries sit on the previous rank. One ppermute brings that rank's last
       window-1 keys and values (and document ids): O(w) bytes whatever s is, and its
       transpose sends their gradients back in the backward. The attention over the shard's
-      own keys does not wait for it (XLA may run the permute under it); the two partial
-      attentions are merged by their log-sum-exp, so no [halo, own] buffer is assembled.
+      own keys (the sliding-window Pallas kernel with its block-skip, impl="pallas", or the
+      dense XLA reference) does not wait for it (XLA may run the permute under it); only the
+      first window-1 queries reach the halo, a small dense attention, and the two partials
+      are merged by their log-sum-exp: no [halo, own] buffer is assembled.
       window - 1 > n (a halo beyond the previous rank) is refused (ValueError): one hop.
 
   ring_attention (global, full causal layers; the dual-chunk layout: the row cut into 2*cp
@@ -33,6 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from megajax.layers.kernels import pallas_attention_with_lse
+
 CP = "cp"   # the context-parallel mesh axis
 
 
@@ -48,9 +52,9 @@ def dual_chunk_order(seq_len: int, cp: int) -> np.ndarray:
 
 
 def _partial_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
-  """q [b, t, h, d] over k, v [b, u, kv_h, d] where mask [b, t, u] allows: (out [b, kv_h, g, t, d]
-  fp32, normalized over these keys; lse [b, kv_h, g, t, 1] fp32, the log of the softmax's
-  denominator). A query that sees none of these keys: out 0, lse -inf."""
+  """q [b, t, h, d] over k, v [b, u, kv_h, d] where mask [b, t, u] allows: (out [b, t, h, d]
+  fp32, normalized over these keys; lse [b, t, h] fp32, the log of the softmax's denominator
+  over the scaled scores). A query that sees none of these keys: out 0, lse -inf."""
   b, t, h, d = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, h // kv_heads, d)
@@ -63,60 +67,77 @@ def _partial_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
   total = jnp.sum(weights, axis=-1, keepdims=True)
   seen = total > 0
   total = jnp.where(seen, total, 1.0)
-  out = jnp.einsum("bkgqs,bskd->bkgqd", (weights / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return out, jnp.where(seen, peak + jnp.log(total), -jnp.inf)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", (weights / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
+  lse = jnp.where(seen, peak + jnp.log(total), -jnp.inf)[..., 0]          # [b, kv_h, g, t]
+  return out.reshape(b, t, h, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
 
 
 def _merge(parts: list) -> jax.Array:
-  """Partial attentions of the same queries over disjoint keys -> their attention over all
-  of them: each part's output weighted by its share of the whole softmax denominator."""
+  """Partial attentions of the same queries over disjoint keys, (out [b, t, h, d], lse
+  [b, t, h]) each -> their attention over all of them (fp32): each part's output weighted by
+  its share of the whole softmax denominator."""
   lses = [lse for _, lse in parts]
   peak = functools.reduce(jnp.maximum, lses)
   peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-  shares = [jnp.exp(lse - peak) for lse in lses]            # exp(-inf) = 0: a part with no key
+  shares = [jnp.exp(lse - peak)[..., None] for lse in lses]   # exp(-inf) = 0: a part with no key
   total = functools.reduce(jnp.add, shares)
   out = functools.reduce(jnp.add, [share * part for share, (part, _) in zip(shares, parts)])
   return out / jnp.where(total > 0, total, 1.0)
-
-
-def _heads_last(out: jax.Array, dtype) -> jax.Array:
-  """[b, kv_h, g, t, d] -> [b, t, h, d] in `dtype` (the attention's output layout)."""
-  b, kv_heads, g, t, d = out.shape
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, kv_heads * g, d).astype(dtype)
 
 
 def _same_document(q_segments, k_segments):
   return q_segments[:, :, None] == k_segments[:, None, :]
 
 
+def _own_window(q, k, v, window: int, segment_ids, impl: str):
+  """The shard's queries over its own keys under the sliding window: (out [b, n, h, d], lse
+  [b, n, h]), by the XLA reference or the Pallas kernel (its block-skip kept)."""
+  if impl == "pallas":
+    out, lse = pallas_attention_with_lse(q, k, v, window, segment_ids)
+    return out.astype(jnp.float32), jnp.transpose(lse, (0, 2, 1))
+  n = q.shape[1]
+  rows, cols = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+  mask = ((cols <= rows) & (cols > rows - window))[None]
+  if segment_ids is not None:
+    mask = mask & _same_document(segment_ids, segment_ids)
+  return _partial_attention(q, k, v, jnp.broadcast_to(mask, (q.shape[0], n, n)))
+
+
+HALO_IMPLS = ("xla", "pallas")
+
+
 def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
-                   segment_ids: jax.Array | None = None) -> jax.Array:
+                   segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
   """Sliding-window causal attention (i - window < j <= i) of this rank's contiguous shard.
   q [b, n, h, d]; k, v [b, n, kv_h, d]; segment_ids [b, n] (the row's document numbers,
-  shards of one row's). Returns [b, n, h, d] in v's dtype."""
+  shards of one row's). Returns [b, n, h, d] in v's dtype. impl: the own keys' attention,
+  "xla" (dense, the reference's) or "pallas" (the sliding-window kernel, with its
+  log-sum-exp); the halo's, window-1 queries over window-1 keys, is small and dense."""
+  if impl not in HALO_IMPLS:
+    raise ValueError(f"impl={impl!r}: use one of {HALO_IMPLS}")
   n = q.shape[1]
   halo = window - 1
   if halo > n:
     raise ValueError(f"a window of {window} reaches {halo} positions back, beyond the previous rank's {n}: "
                      "context parallelism sends one rank's halo (make model.window at most s / cp + 1)")
-  rows = jnp.arange(n)[:, None]
-  own_mask = ((jnp.arange(n)[None, :] <= rows) & (jnp.arange(n)[None, :] > rows - window))[None]
-  if segment_ids is not None:
-    own_mask = own_mask & _same_document(segment_ids, segment_ids)
-  own = _partial_attention(q, k, v, jnp.broadcast_to(own_mask, (q.shape[0], n, n)))
+  own_out, own_lse = _own_window(q, k, v, window, segment_ids, impl)
   cp = lax.axis_size(axis)
   if cp == 1 or halo == 0:
-    return _heads_last(own[0], v.dtype)
-  # The previous rank's last window-1 keys and values: rank 0 gets zeros (no rank sends to it), masked.
+    return own_out.astype(v.dtype)
+  # The previous rank's last window-1 keys and values: rank 0 gets zeros (no rank sends to it),
+  # masked. Only this shard's first window-1 queries reach back that far.
   forward = [(r, r + 1) for r in range(cp - 1)]
   k_halo = lax.ppermute(k[:, n - halo:], axis, forward)
   v_halo = lax.ppermute(v[:, n - halo:], axis, forward)
+  rows = jnp.arange(halo)[:, None]
   keys = jnp.arange(halo)[None, :] - halo                  # their positions, relative to this shard's first
-  halo_mask = (keys > rows - window)[None] & (lax.axis_index(axis) > 0)
+  mask = (keys > rows - window)[None] & (lax.axis_index(axis) > 0)
   if segment_ids is not None:
-    halo_mask = halo_mask & _same_document(segment_ids, lax.ppermute(segment_ids[:, n - halo:], axis, forward))
-  from_halo = _partial_attention(q, k_halo, v_halo, jnp.broadcast_to(halo_mask, (q.shape[0], n, halo)))
-  return _heads_last(_merge([own, from_halo]), v.dtype)
+    halo_segments = lax.ppermute(segment_ids[:, n - halo:], axis, forward)
+    mask = mask & _same_document(segment_ids[:, :halo], halo_segments)
+  from_halo = _partial_attention(q[:, :halo], k_halo, v_halo, jnp.broadcast_to(mask, (q.shape[0], halo, halo)))
+  first = _merge([(own_out[:, :halo], own_lse[:, :halo]), from_halo])
+  return own_out.at[:, :halo].set(first).astype(v.dtype)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
@@ -150,8 +171,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
 
   def later(k, v, k_segments):          # j > r: B's queries over A' and B'; A's see none of it
     out, lse = _partial_attention(q[:, c:], k, v, visible(c, two_c, k_segments))
-    return (jnp.concatenate([jnp.zeros_like(out), out], axis=3),
-            jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=3))
+    return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
+            jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
 
   onward = [(r, (r + 1) % cp) for r in range(cp)]
   k_segments = segment_ids
@@ -161,4 +182,4 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
       k_segments = lax.ppermute(k_segments, axis, onward)
     source = (rank - step) % cp                 # whose keys are here now
     parts.append(lax.cond(source < rank, earlier, later, k, v, k_segments))
-  return _heads_last(_merge(parts), v.dtype)
+  return _merge(parts).astype(v.dtype)

@@ -14,11 +14,11 @@ model through `megajax.layers` (attention: `ATTENTION_IMPLS["pallas"]`).
                        another platform), Triton params, output types
 """
 
-from megajax.layers.kernels.attention import default_backend, pallas_attention
+from megajax.layers.kernels.attention import default_backend, pallas_attention, pallas_attention_with_lse
 from megajax.layers.kernels.gelu import fused_bias_gelu
 from megajax.layers.kernels.layer_norm import fused_layer_norm, fused_rms_norm
 from megajax.layers.kernels.support import lowering_for
 from megajax.layers.kernels.swiglu import fused_swiglu
 
 __all__ = ["default_backend", "fused_bias_gelu", "fused_layer_norm", "fused_rms_norm", "fused_swiglu",
-           "lowering_for", "pallas_attention"]
+           "lowering_for", "pallas_attention", "pallas_attention_with_lse"]

@@ -218,7 +218,9 @@ def _dkdv_kernel(*refs, scale, window, block_q, block_k, q_blocks, group, segmen
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, interpret):
+def _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, interpret, d_lse=None):
+  """d_lse [b, heads, s]: a cotangent of the log-sum-exp too (pallas_attention_with_lse): since
+  d lse_i / d s_ij = p_ij, it enters as delta_i - d_lse_i (the kernels unchanged)."""
   b, s, heads, d = q.shape
   segmented = documents is not None
   dq_segments, dkdv_segments = (), ()
@@ -230,6 +232,8 @@ def _backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, int
   scale = 1.0 / math.sqrt(d)
   # delta_i = sum_d out_id * d_out_id: one fused elementwise pass, left to XLA.
   delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  if d_lse is not None:
+    delta = delta - d_lse
   params = compiler_params(interpret, 4, 2)
   row_block = lambda i, n, h: (n, i, h, 0)
   dq = pl.pallas_call(
@@ -291,6 +295,25 @@ def _attention_bwd(window, block_q, block_k, interpret, backend, backward, optio
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention_with_lse(q, k, v, documents, window, block_q, block_k, interpret, backend):
+  return tuple(_forward(q, k, v, documents, window, block_q, block_k, interpret, backend))
+
+
+def _attention_with_lse_fwd(q, k, v, documents, window, block_q, block_k, interpret, backend):
+  out, lse = _forward(q, k, v, documents, window, block_q, block_k, interpret, backend)
+  return (out, lse), (q, k, v, documents, out, lse)
+
+
+def _attention_with_lse_bwd(window, block_q, block_k, interpret, backend, residuals, cotangents):
+  q, k, v, documents, out, lse = residuals
+  d_out, d_lse = cotangents
+  return (*_backward(q, k, v, out, lse, d_out, documents, window, block_q, block_k, interpret, d_lse=d_lse), None)
+
+
+_attention_with_lse.defvjp(_attention_with_lse_fwd, _attention_with_lse_bwd)
+
+
 BACKENDS = ("triton", "mosaic")
 
 
@@ -331,7 +354,17 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
                      "use backward='triton'")
   if segment_ids is not None:
     backward = "triton"                      # the Hopper backward takes no documents
-  interpret = use_interpret(interpret)
+  q, k, v, documents, block_q, block_k = _padded(q, k, v, segment_ids, block_q, block_k, backend, backward)
+  out = _attention(q, k, v, documents, window, block_q, block_k, use_interpret(interpret), backend, backward,
+                   hopper_forward)
+  return out[:, :s]
+
+
+def _padded(q, k, v, segment_ids, block_q: int, block_k: int, backend: str, backward: str):
+  """(q, k, v, documents, block_q, block_k) with the sequence padded to whole blocks (whole
+  Hopper programs where those run) and the documents' bounds; the padded positions are one
+  document no real token is in."""
+  s = q.shape[1]
   block_q, block_k = min(block_q, padded_length(s, 8, 8)), min(block_k, padded_length(s, 8, 8))
   padded = padded_length(s, block_q, block_k)
   if backend == "mosaic":                    # whole 128-row programs, and whole backward blocks
@@ -342,9 +375,22 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     pad = [(0, 0), (0, padded - s), (0, 0), (0, 0)]
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
   documents = None
-  if segment_ids is not None:   # padded positions: one document no real token is in
+  if segment_ids is not None:
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, padded - s)],
                           constant_values=PADDING_SEGMENT)
     documents = (segment_ids, *document_bounds(segment_ids))
-  out = _attention(q, k, v, documents, window, block_q, block_k, interpret, backend, backward, hopper_forward)
-  return out[:, :s]
+  return q, k, v, documents, block_q, block_k
+
+
+def pallas_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
+                              segment_ids: jax.Array | None = None, block_q: int = DEFAULT_BLOCK,
+                              block_k: int = DEFAULT_BLOCK, interpret: bool | None = None,
+                              backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """pallas_attention, also returning each query's log-sum-exp of its visible scaled scores
+  (fp32 [b, h, s]), differentiable in both: a partial attention that another over other keys
+  merges with (megajax.parallel.context_parallel). The portable backward (d_lse enters its delta)."""
+  s, d = q.shape[1], q.shape[-1]
+  backend = default_backend(q.dtype, d) if backend is None else backend
+  q, k, v, documents, block_q, block_k = _padded(q, k, v, segment_ids, block_q, block_k, backend, "triton")
+  out, lse = _attention_with_lse(q, k, v, documents, window, block_q, block_k, use_interpret(interpret), backend)
+  return out[:, :s], lse[:, :, :s]

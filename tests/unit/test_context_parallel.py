@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megajax.layers.attention import xla_attention
+from megajax.layers.kernels import pallas_attention_with_lse
 from megajax.observe.hlo import collective_counts
 from megajax.parallel.context_parallel import CP, dual_chunk_order, halo_attention, ring_attention
 
@@ -110,3 +111,41 @@ def test_ring_bytes_are_the_other_ranks_keys_and_values():
   shapes = ((b, s, 2, d), (b, s, kv_heads, d), (b, s, kv_heads, d))
   row_kv = 2 * b * s * kv_heads * d * 4
   assert _permute_bytes(lambda q, k, v: ring_attention(q, k, v), shapes, cp) == 2 * (cp - 1) * row_kv // cp
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["one_document", "packed"])
+def test_the_pallas_kernels_log_sum_exp_and_its_gradient(documents):
+  """pallas_attention_with_lse (interpret mode): the output and each query's log-sum-exp of its
+  visible scaled scores equal the dense reference's, and so do the gradients with a cotangent
+  on both (d_lse enters the backward's delta)."""
+  q, k, v, segments, cotangent = _inputs(s=32, documents=documents)
+  window, lse_cotangent = 6, jax.random.normal(jax.random.key(7), (q.shape[0], q.shape[2], q.shape[1]))
+
+  def reference(q, k, v):
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q.reshape(b, s, kv, h // kv, d), k) / np.sqrt(d)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    mask = ((j <= i) & (j > i - window))[None] & (segments[:, :, None] == segments[:, None, :])
+    lse = jax.nn.logsumexp(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1).reshape(b, h, s)
+    return xla_attention(q, k, v, window, segments), lse
+
+  ours = lambda q, k, v: pallas_attention_with_lse(q, k, v, window, segments, block_q=8, block_k=8)
+  loss = lambda fn: lambda q, k, v: (lambda out, lse: jnp.sum(out * cotangent) + jnp.sum(lse * lse_cotangent))(
+      *fn(q, k, v))
+  for got, want in zip(ours(q, k, v), reference(q, k, v)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  _assert_same(loss(ours), loss(reference), q, k, v)
+
+
+@pytest.mark.parametrize("cp,window", [(2, 9), (4, 17)])
+def test_halo_attention_over_the_pallas_kernel_equals_the_reference(cp, window):
+  """impl="pallas": the own keys by the sliding-window kernel (its block-skip kept; interpret
+  mode here, so shard_map without its varying-axes check, which jax 0.10 cannot give the
+  interpreted kernel), the halo merged by log-sum-exp: the single-device attention's values
+  and gradients."""
+  q, k, v, segments, cotangent = _inputs(documents=True)
+  sharded = jax.shard_map(lambda q, k, v, s: halo_attention(q, k, v, window, segment_ids=s, impl="pallas"),
+                          mesh=_mesh(cp), in_specs=(SHARDED,) * 4, out_specs=SHARDED, check_vma=False)
+  _assert_same(lambda q, k, v: jnp.sum(sharded(q, k, v, segments) * cotangent),
+               lambda q, k, v: jnp.sum(xla_attention(q, k, v, window, segments) * cotangent), q, k, v)
