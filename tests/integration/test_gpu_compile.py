@@ -13,12 +13,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 import pytest
 
 from megajax.config import default_config
-from megajax.layers.kernels import pallas_attention
+from megajax.layers.kernels import lowering_for, pallas_attention
 from megajax.observe.schedule import async_collectives, loop_copies, overlap_counts, synchronous_collectives
 from megajax.parallel import deviceless
+from megajax.parallel.context_parallel import CP, halo_attention
 from megajax.parallel.planner import (calibration, memory_gpu_fit, memory_gpu_pipeline_fit, memory_measured_gpu,
                                       memory_measured_gpu_pipeline)
 from tests.support.kernels import CUDNN_CALLS, TRITON_CALL
@@ -212,3 +215,24 @@ def test_megafbd_groups_compile_for_h100s_with_zero_and_tp_collectives():
   assert not {op for op, _ in by_axis(forward)} & {"all-gather", "reduce-scatter"}, forward
   limit = deviceless.GPU_TARGETS["h100-80g"].memory_bytes
   assert all(deviceless.bytes_per_device(p) < limit for p in programs.values())
+
+
+def test_context_parallel_halo_runs_under_compute_and_the_own_keys_stay_in_the_kernel():
+  """A sliding-window layer's attention over cp = 4 described H100s (bf16, s = 16,384, w = 1,025,
+  forward and backward, impl="pallas"): the halo's permutes (K/V forward, their gradients back)
+  are asynchronous with kernels under them in XLA's schedule, the shard's own keys are attended
+  by the Pallas kernels (a Triton call each way), and no all-gather appears."""
+  mesh = Mesh(np.array(deviceless.gpu_devices("h100-80g", 4)), (CP,))
+  sharded = P(None, CP)
+  # check_vma=False: the Pallas call's outputs carry no varying-axes type on jax 0.10.
+  attention = jax.shard_map(lambda q, k, v: halo_attention(q, k, v, 1025, impl="pallas"), mesh=mesh,
+                            in_specs=(sharded,) * 3, out_specs=sharded, check_vma=False)
+  shapes = [jax.ShapeDtypeStruct((1, 16384, 8, 128), jnp.bfloat16, sharding=NamedSharding(mesh, sharded))] * 3
+  with lowering_for("cuda"):
+    lowered = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
+                               argnums=(0, 1, 2))).lower(*shapes)
+  text = deviceless.compile_lowered(lowered)[0].as_text()
+  permutes = [c for c in async_collectives(text, mesh) if c.kind == "collective-permute"]
+  assert len(permutes) == 2 and all(c.overlapped and c.axis == CP for c in permutes), permutes
+  assert text.count(TRITON_CALL) >= 3, "the own keys' forward, dq and dk/dv kernels"
+  assert "all-gather" not in text
