@@ -18,9 +18,10 @@ rotated (RoPE by global position), for the shard's queries:
   ring_attention (global, full causal layers; the dual-chunk layout: the row cut into 2*cp
       chunks, rank r holding chunks r and 2*cp-1-r, so every rank has as many visible
       query-key pairs as any other): cp steps, the keys and values (and document ids)
-      passed one rank on at each (cp-1 ppermutes of the shard's K/V: (cp-1)/cp of the row's),
-      each visiting block attended under the causal mask by global position, the partial
-      attentions merged online by their log-sum-exp.
+      passed one rank on at each (cp-1 ppermutes of the shard's K/V: (cp-1)/cp of the row's);
+      the own block under the causal mask, each visiting rank's by the half of it its
+      position makes visible (c x 2c pairs, a lax.cond per rank), the partial attentions
+      merged online by their log-sum-exp.
 
 `dual_chunk_order(seq_len, cp)` is the layout's permutation of a row's positions.
 """
