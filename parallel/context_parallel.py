@@ -11,8 +11,9 @@ rotated (RoPE by global position), for the shard's queries:
       transpose sends their gradients back in the backward. The attention over the shard's
       own keys (the sliding-window Pallas kernel with its block-skip, impl="pallas", or the
       dense XLA reference) does not wait for it (XLA may run the permute under it); only the
-      first window-1 queries reach the halo, a small dense attention, and the two partials
-      are merged by their log-sum-exp: no [halo, own] buffer is assembled.
+      first window-1 queries reach the halo: they are attended again, in the same kernel,
+      over the 2(w-1) edge (the halo, then the shard's first w-1 keys), and their rows
+      replaced. O(w) work, memory and copy for the edge; no buffer of the shard's K/V.
       window - 1 > n (a halo beyond the previous rank) is refused (ValueError): one hop.
 
   ring_attention (global, full causal layers; the dual-chunk layout: the row cut into 2*cp
@@ -36,7 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from megajax.layers.kernels import pallas_attention_with_lse
+from megajax.layers.attention import xla_attention
+from megajax.layers.kernels import pallas_attention
 
 CP = "cp"   # the context-parallel mesh axis
 
@@ -90,55 +92,49 @@ def _same_document(q_segments, k_segments):
   return q_segments[:, :, None] == k_segments[:, None, :]
 
 
-def _own_window(q, k, v, window: int, segment_ids, impl: str):
-  """The shard's queries over its own keys under the sliding window: (out [b, n, h, d], lse
-  [b, n, h]), by the XLA reference or the Pallas kernel (its block-skip kept)."""
-  if impl == "pallas":
-    out, lse = pallas_attention_with_lse(q, k, v, window, segment_ids)
-    return out.astype(jnp.float32), jnp.transpose(lse, (0, 2, 1))
-  n = q.shape[1]
-  rows, cols = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-  mask = ((cols <= rows) & (cols > rows - window))[None]
-  if segment_ids is not None:
-    mask = mask & _same_document(segment_ids, segment_ids)
-  return _partial_attention(q, k, v, jnp.broadcast_to(mask, (q.shape[0], n, n)))
-
-
-HALO_IMPLS = ("xla", "pallas")
+# The sliding-window attention of a sequence with itself, by name: the reference and the kernel.
+HALO_IMPLS = {"xla": xla_attention, "pallas": pallas_attention}
 
 
 def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
                    segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
   """Sliding-window causal attention (i - window < j <= i) of this rank's contiguous shard.
   q [b, n, h, d]; k, v [b, n, kv_h, d]; segment_ids [b, n] (the row's document numbers,
-  shards of one row's). Returns [b, n, h, d] in v's dtype. impl: the own keys' attention,
-  "xla" (dense, the reference's) or "pallas" (the sliding-window kernel, with its
-  log-sum-exp); the halo's, window-1 queries over window-1 keys, is small and dense."""
+  shards of one row's). Returns [b, n, h, d] in v's dtype. impl: the attention both parts
+  run in, "xla" (the dense reference) or "pallas" (the sliding-window kernel, block-skip kept).
+
+  Every query over the shard's own keys, then the first window-1 queries again over the
+  edge: the previous rank's last window-1 keys followed by this shard's first window-1, a
+  2(w-1) sequence with the same relative positions, whose rows replace theirs. The own part
+  does not wait for the permute; the edge is O(w) work and memory (an O(w) copy: no buffer
+  of the shard's K/V is assembled)."""
   if impl not in HALO_IMPLS:
-    raise ValueError(f"impl={impl!r}: use one of {HALO_IMPLS}")
-  n = q.shape[1]
+    raise ValueError(f"impl={impl!r}: use one of {tuple(HALO_IMPLS)}")
+  attend = HALO_IMPLS[impl]
+  b, n = q.shape[:2]
   halo = window - 1
   if halo > n:
     raise ValueError(f"a window of {window} reaches {halo} positions back, beyond the previous rank's {n}: "
                      "context parallelism sends one rank's halo (make model.window at most s / cp + 1)")
-  own_out, own_lse = _own_window(q, k, v, window, segment_ids, impl)
+  out = attend(q, k, v, window, segment_ids)
   cp = lax.axis_size(axis)
   if cp == 1 or halo == 0:
-    return own_out.astype(v.dtype)
-  # The previous rank's last window-1 keys and values: rank 0 gets zeros (no rank sends to it),
-  # masked. Only this shard's first window-1 queries reach back that far.
+    return out
+  # The previous rank's last window-1 keys, values and document ids. Rank 0 receives nothing
+  # (zeros): its edge's first half is a document 0, which no query is in (ids count from 1).
   forward = [(r, r + 1) for r in range(cp - 1)]
   k_halo = lax.ppermute(k[:, n - halo:], axis, forward)
   v_halo = lax.ppermute(v[:, n - halo:], axis, forward)
-  rows = jnp.arange(halo)[:, None]
-  keys = jnp.arange(halo)[None, :] - halo                  # their positions, relative to this shard's first
-  mask = (keys > rows - window)[None] & (lax.axis_index(axis) > 0)
+  own_segments = jnp.ones((b, n), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  halo_segments = own_segments[:, n - halo:]           # one document a row: all ones
   if segment_ids is not None:
-    halo_segments = lax.ppermute(segment_ids[:, n - halo:], axis, forward)
-    mask = mask & _same_document(segment_ids[:, :halo], halo_segments)
-  from_halo = _partial_attention(q[:, :halo], k_halo, v_halo, jnp.broadcast_to(mask, (q.shape[0], halo, halo)))
-  first = _merge([(own_out[:, :halo], own_lse[:, :halo]), from_halo])
-  return own_out.at[:, :halo].set(first).astype(v.dtype)
+    halo_segments = lax.ppermute(halo_segments, axis, forward)
+  halo_segments = jnp.where(lax.axis_index(axis) > 0, halo_segments, 0)
+  edge = lambda before, after: jnp.concatenate([before, after[:, :halo]], axis=1)
+  # The edge's first half of queries are placeholders (their rows are dropped: no gradient).
+  edge_out = attend(edge(q[:, :halo], q), edge(k_halo, k), edge(v_halo, v), window,
+                    edge(halo_segments, own_segments))
+  return out.at[:, :halo].set(edge_out[:, halo:])
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,

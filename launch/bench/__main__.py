@@ -16,6 +16,7 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench scope [--repeats=20] [--new_tokens=32]   (the explorer's per-token latency)
   python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,2x2x2]
       [--compile_for=h100-80g]   (no GPU: every contender compiled for the GPUs, bytes and overlap)
+  python -m megajax.launch.bench cp [--repeats=20]   (context parallelism's attention: bytes, memory, time/token)
   python -m megajax.launch.bench gpu --out=DIR [--parts=tests,attention,train,run]
       [--train_sizes=1.3b:2048] [--run_steps=30]
 """
@@ -97,6 +98,7 @@ BENCHMARKS = {
     # the explorer's tokens: 32 unless --new_tokens is given (the sample benchmark's 512 is long for a 125M on CPU)
     "scope": lambda bench: bench.run(_REPEATS.value, _NEW_TOKENS.value if flags.FLAGS["new_tokens"].present else 32),
     "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value, _PEER_MESHES.value, _COMPILE_FOR.value),
+    "cp": lambda bench: bench.cp(_REPEATS.value),
     "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
                                          _RUN_STEPS.value, _BUDGET_S.value),
 }

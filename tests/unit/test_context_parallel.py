@@ -140,10 +140,10 @@ def test_the_pallas_kernels_log_sum_exp_and_its_gradient(documents):
 
 @pytest.mark.parametrize("cp,window", [(2, 9), (4, 17)])
 def test_halo_attention_over_the_pallas_kernel_equals_the_reference(cp, window):
-  """impl="pallas": the own keys by the sliding-window kernel (its block-skip kept; interpret
-  mode here, so shard_map without its varying-axes check, which jax 0.10 cannot give the
-  interpreted kernel), the halo merged by log-sum-exp: the single-device attention's values
-  and gradients."""
+  """impl="pallas": the own keys and the edge (the halo, then the shard's first window-1 keys)
+  by the sliding-window kernel (its block-skip kept; interpret mode here, so shard_map without
+  its varying-axes check, which jax 0.10 cannot give the interpreted kernel): the
+  single-device attention's values and gradients."""
   q, k, v, segments, cotangent = _inputs(documents=True)
   sharded = jax.shard_map(lambda q, k, v, s: halo_attention(q, k, v, window, segment_ids=s, impl="pallas"),
                           mesh=_mesh(cp), in_specs=(SHARDED,) * 4, out_specs=SHARDED, check_vma=False)
