@@ -16,7 +16,8 @@ r"""`python -m megajax.launch.bench NAME [flags]`: one benchmark of megajax.laun
   python -m megajax.launch.bench scope [--repeats=20] [--new_tokens=32]   (the explorer's per-token latency)
   python -m megajax.launch.bench peer [--rounds=12] [--peer_size=cpu|tiny] [--peer_meshes=8x1x1,2x2x2]
       [--compile_for=h100-80g]   (no GPU: every contender compiled for the GPUs, bytes and overlap)
-  python -m megajax.launch.bench cp [--repeats=20]   (context parallelism's attention: bytes, memory, time/token)
+  python -m megajax.launch.bench cp [--repeats=20] [--quick]   (context parallelism's attention: bytes, memory,
+      time per token)
   python -m megajax.launch.bench gpu --out=DIR [--parts=tests,attention,train,run]
       [--train_sizes=1.3b:2048] [--run_steps=30]
 """
@@ -57,7 +58,8 @@ _COMPILE_FOR = flags.DEFINE_string("compile_for", "", "train, peer: compile the 
                                    "(peer: every contender for as many GPUs as its mesh has, XLA's bytes, "
                                    "collectives and their overlap) instead of running them.")
 _QUICK = flags.DEFINE_boolean("quick", False,
-                              "step_costs benchmark: remat none and grad_sync=step only, no step time (the smoke test).")
+                              "step_costs benchmark: remat none and grad_sync=step only, no step time; cp: one "
+                              "memory length, shorter rows (the smoke tests).")
 _MEASURE_MEMORY_GPU = flags.DEFINE_boolean(
     "measure_memory_gpu", False, "planner: first compile the GPU memory cases for a described H100 and rewrite "
     "parallel/planner/memory_measured_gpu.py and memory_measured_gpu_pipeline.py (~25 minutes).")
@@ -98,7 +100,7 @@ BENCHMARKS = {
     # the explorer's tokens: 32 unless --new_tokens is given (the sample benchmark's 512 is long for a 125M on CPU)
     "scope": lambda bench: bench.run(_REPEATS.value, _NEW_TOKENS.value if flags.FLAGS["new_tokens"].present else 32),
     "peer": lambda bench: bench.peer(_ROUNDS.value, _PEER_SIZE.value, _PEER_MESHES.value, _COMPILE_FOR.value),
-    "cp": lambda bench: bench.cp(_REPEATS.value),
+    "cp": lambda bench: bench.cp(_REPEATS.value, _QUICK.value),
     "gpu": lambda bench: bench.gpu_check(_OUT.value, _PARTS.value, _REPEATS.value, _TRAIN_SIZES.value,
                                          _RUN_STEPS.value, _BUDGET_S.value),
 }

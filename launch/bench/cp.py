@@ -62,7 +62,7 @@ def permute_bytes(window: int = 129, cp: int = 4) -> None:
       print(f"{name:8} {s:>6} {permuted:>14,} {expected:>10,} {gathers:>12}")
 
 
-def memory_on_h100(window: int = 1025) -> None:
+def memory_on_h100(lengths=(16384, 65536), window: int = 1025) -> None:
   print(f"\n== memory per device, compiled for described H100s (bf16, w = {window}, 8 heads of 128, value and "
         "gradients, the Pallas kernel): XLA's temporaries of the attention core")
   try:
@@ -70,7 +70,7 @@ def memory_on_h100(window: int = 1025) -> None:
   except deviceless.DevicelessUnavailable as error:
     print(f"  skipped: {error}")
     return
-  for s in (16384, 65536):
+  for s in lengths:
     base = None
     for cp in (1, 2, 4):
       mesh = Mesh(np.array(devices[:cp]), (CP,))
@@ -99,7 +99,8 @@ def time_per_token(repeats: int, s: int = 1024, window: int = 129) -> None:
           f"   (cp = {scale}: {row[scale] / first:.2f} x the first row)")
 
 
-def cp(repeats: int) -> None:
+def cp(repeats: int, quick: bool = False) -> None:
+  """quick: the smoke test's (memory at s = 16,384 only, time per token from s = 256)."""
   permute_bytes()
-  memory_on_h100()
-  time_per_token(repeats)
+  memory_on_h100((16384,) if quick else (16384, 65536))
+  time_per_token(repeats, s=256 if quick else 1024)

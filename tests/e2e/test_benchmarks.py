@@ -77,6 +77,22 @@ def test_step_costs_benchmark_counts_the_pipelines_flops_and_the_dp_sync():
   assert re.search(r"^residuals +[\d.]+ MiB", out, re.M) and re.search(r"^recompute +[\d.]+ MiB", out, re.M)
 
 
+def test_cp_benchmark_shows_the_halo_flat_in_the_sequence():
+  """`python -m megajax.launch.bench cp --quick`: a local layer's permute bytes the same at both
+  lengths and equal to the halo's, the ring's growing with s, no all-gather; the memory rows
+  (or the reason they are skipped) and the time-per-token rows with cp scaled with s."""
+  result = run_module(["-m", "megajax.launch.bench", "cp", "--quick", "--repeats=1"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = {(m[0], int(m[1])): (m[2], m[3], m[4]) for m in
+          re.findall(r"^(local|global) +(\d+) +([\d,]+) +([\d,]+) +(\d+)$", result.stdout, re.M)}
+  assert rows[("local", 2048)][0] == rows[("local", 8192)][0] == rows[("local", 2048)][1]
+  assert rows[("global", 8192)][0] == rows[("global", 8192)][1] != rows[("global", 2048)][0]
+  assert all(gathers == "0" for _, _, gathers in rows.values())
+  assert re.search(r"s = +16384, cp = 4: +[\d.]+ MiB|skipped: ", result.stdout)
+  assert re.findall(r"^ +(256|512|1024) +(1|2|4) +[\d.]+ +[\d.]+ ", result.stdout, re.M) == [
+      ("256", "1"), ("512", "2"), ("1024", "4")]
+
+
 def test_sample_benchmark_prints_cache_against_recompute():
   """`python -m megajax.launch.bench sample` (few tokens): tokens/s of the KV cache next to the
   full recompute for batches 1 and 8, both decoding the same greedy tokens; a local layer's
