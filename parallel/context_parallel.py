@@ -54,6 +54,7 @@ def dual_chunk_order(seq_len: int, cp: int) -> np.ndarray:
   return np.concatenate([np.arange(chunk * c, (chunk + 1) * c) for chunk in chunks])
 
 
+@jax.checkpoint     # the backward recomputes a block's scores: one block's live at a time, not every step's
 def _partial_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
   """q [b, t, h, d] over k, v [b, u, kv_h, d] where mask [b, t, u] allows: (out [b, t, h, d]
   fp32, normalized over these keys; lse [b, t, h] fp32, the log of the softmax's denominator
