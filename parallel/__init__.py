@@ -17,7 +17,8 @@
 
 from megajax.parallel.collective_matmul import (all_gather_matmul, column_parallel_linear, matmul_reduce_scatter,
                                                 row_parallel_linear)
-from megajax.parallel.context_parallel import CP, dual_chunk_order, halo_attention, ring_attention
+from megajax.parallel.context_parallel import (CP, dual_chunk_halo_attention, dual_chunk_order, halo_attention,
+                                               ring_attention)
 from megajax.parallel.fbd import FbdStep
 from megajax.parallel.mesh import (DP, MESH_AXES, PP, TP, batch_sharding, local_batch_slice,
                                    local_device_coordinates, make_mesh)
@@ -28,7 +29,7 @@ from megajax.parallel.tensor_parallel import Overlap, loss_sums
 
 __all__ = [
     "CP", "DP", "FbdStep", "Layout", "MESH_AXES", "Overlap", "PP", "ParallelStep", "TP", "Tables", "all_gather_matmul",
-    "batch_sharding", "column_parallel_linear", "dual_chunk_order", "halo_attention", "local_batch_slice",
+    "batch_sharding", "column_parallel_linear", "dual_chunk_halo_attention", "dual_chunk_order", "halo_attention", "local_batch_slice",
     "local_device_coordinates", "loss_sums", "make_mesh", "matmul_reduce_scatter", "param_layouts", "pipeline_gradients",
     "ring_attention", "row_parallel_linear", "simulate", "to_model_params", "to_pipeline_params",
 ]

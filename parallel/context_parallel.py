@@ -24,6 +24,10 @@ rotated (RoPE by global position), for the shard's queries:
       position makes visible (c x 2c pairs, a lax.cond per rank), the partial attentions
       merged online by their log-sum-exp.
 
+  dual_chunk_halo_attention: halo_attention in the ring's layout (so a model of local and
+      global layers keeps one layout): each chunk's halo from its neighbour chunk's rank, two
+      O(w) permutes.
+
 `dual_chunk_order(seq_len, cp)` is the layout's permutation of a row's positions.
 """
 
@@ -97,45 +101,89 @@ def _same_document(q_segments, k_segments):
 HALO_IMPLS = {"xla": xla_attention, "pallas": pallas_attention}
 
 
+def _checked(impl: str, window: int, run: int):
+  """The attention of `impl`, after refusing a window that reaches beyond one run of `run` positions."""
+  if impl not in HALO_IMPLS:
+    raise ValueError(f"impl={impl!r}: use one of {tuple(HALO_IMPLS)}")
+  if window - 1 > run:
+    raise ValueError(f"a window of {window} reaches {window - 1} positions back, beyond the previous rank's {run}: "
+                     "context parallelism sends one rank's halo (make model.window at most the positions a rank "
+                     "holds in one run + 1)")
+  return HALO_IMPLS[impl]
+
+
+def _with_edge(attend, q, k, v, window: int, segment_ids, k_halo, v_halo, halo_segments):
+  """A contiguous run of positions (q, k, v [b, n, ...]; segment_ids [b, n] or None) attended
+  under the window, then its first window-1 queries again over the edge: the window-1 keys
+  and values before the run (k_halo, v_halo; halo_segments [b, w-1], 0 where there are none)
+  followed by the run's first window-1, a 2(w-1) sequence with the same relative positions,
+  whose rows replace theirs. The run's own attention does not wait for the halo."""
+  halo = window - 1
+  out = attend(q, k, v, window, segment_ids)
+  own_segments = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  edge = lambda before, after: jnp.concatenate([before, after[:, :halo]], axis=1)
+  # The edge's first half of queries are placeholders (their rows are dropped: no gradient).
+  edge_out = attend(edge(q[:, :halo], q), edge(k_halo, k), edge(v_halo, v), window,
+                    edge(halo_segments, own_segments))
+  return out.at[:, :halo].set(edge_out[:, halo:])
+
+
+def _halo_segments(segment_ids, tail: slice, shape, move):
+  """The document ids of the halo `move` brings (all ones for one document a row)."""
+  if segment_ids is None:
+    return jnp.ones(shape, jnp.int32)
+  return move(segment_ids[:, tail].astype(jnp.int32))
+
+
 def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
                    segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
   """Sliding-window causal attention (i - window < j <= i) of this rank's contiguous shard.
   q [b, n, h, d]; k, v [b, n, kv_h, d]; segment_ids [b, n] (the row's document numbers,
   shards of one row's). Returns [b, n, h, d] in v's dtype. impl: the attention both parts
   run in, "xla" (the dense reference) or "pallas" (the sliding-window kernel, block-skip kept).
-
-  Every query over the shard's own keys, then the first window-1 queries again over the
-  edge: the previous rank's last window-1 keys followed by this shard's first window-1, a
-  2(w-1) sequence with the same relative positions, whose rows replace theirs. The own part
-  does not wait for the permute; the edge is O(w) work and memory (an O(w) copy: no buffer
-  of the shard's K/V is assembled)."""
-  if impl not in HALO_IMPLS:
-    raise ValueError(f"impl={impl!r}: use one of {tuple(HALO_IMPLS)}")
-  attend = HALO_IMPLS[impl]
+  The halo: the previous rank's last window-1 keys, values and document ids (one ppermute);
+  rank 0 receives nothing, its edge's first half a document 0, which no query is in (ids
+  count from 1). O(w) work, memory and copy; no buffer of the shard's K/V."""
   b, n = q.shape[:2]
-  halo = window - 1
-  if halo > n:
-    raise ValueError(f"a window of {window} reaches {halo} positions back, beyond the previous rank's {n}: "
-                     "context parallelism sends one rank's halo (make model.window at most s / cp + 1)")
-  out = attend(q, k, v, window, segment_ids)
+  attend, halo = _checked(impl, window, n), window - 1
   cp = lax.axis_size(axis)
   if cp == 1 or halo == 0:
-    return out
-  # The previous rank's last window-1 keys, values and document ids. Rank 0 receives nothing
-  # (zeros): its edge's first half is a document 0, which no query is in (ids count from 1).
-  forward = [(r, r + 1) for r in range(cp - 1)]
-  k_halo = lax.ppermute(k[:, n - halo:], axis, forward)
-  v_halo = lax.ppermute(v[:, n - halo:], axis, forward)
-  own_segments = jnp.ones((b, n), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-  halo_segments = own_segments[:, n - halo:]           # one document a row: all ones
-  if segment_ids is not None:
-    halo_segments = lax.ppermute(halo_segments, axis, forward)
+    return attend(q, k, v, window, segment_ids)
+  forward = functools.partial(lax.ppermute, axis_name=axis, perm=[(r, r + 1) for r in range(cp - 1)])
+  tail = slice(n - halo, n)
+  halo_segments = _halo_segments(segment_ids, tail, (b, halo), forward)
   halo_segments = jnp.where(lax.axis_index(axis) > 0, halo_segments, 0)
-  edge = lambda before, after: jnp.concatenate([before, after[:, :halo]], axis=1)
-  # The edge's first half of queries are placeholders (their rows are dropped: no gradient).
-  edge_out = attend(edge(q[:, :halo], q), edge(k_halo, k), edge(v_halo, v), window,
-                    edge(halo_segments, own_segments))
-  return out.at[:, :halo].set(edge_out[:, halo:])
+  return _with_edge(attend, q, k, v, window, segment_ids, forward(k[:, tail]), forward(v[:, tail]), halo_segments)
+
+
+def dual_chunk_halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
+                              segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
+  """halo_attention for a shard in the ring's dual-chunk layout (dual_chunk_order: rank r holds
+  chunks A = r and B = 2cp-1-r, c positions each), so a model of local and global layers keeps
+  one layout. A's window-1 predecessors end rank r-1's A (one ppermute forward; rank 0: none);
+  B's end rank r+1's B (one ppermute backward), but for rank cp-1, whose B (chunk cp) follows its
+  own A (chunk cp-1). Two O(w) permutes; the window at most c + 1."""
+  b, two_c = q.shape[:2]
+  c = two_c // 2
+  attend, halo = _checked(impl, window, c), window - 1
+  cp = lax.axis_size(axis)
+  if cp == 1 or halo == 0:         # one rank: chunks 0 and 1, the row in order
+    return attend(q, k, v, window, segment_ids)
+  rank = lax.axis_index(axis)
+  forward = functools.partial(lax.ppermute, axis_name=axis, perm=[(r, r + 1) for r in range(cp - 1)])
+  backward = functools.partial(lax.ppermute, axis_name=axis, perm=[(r + 1, r) for r in range(cp - 1)])
+  a_tail, b_tail = slice(c - halo, c), slice(two_c - halo, two_c)
+  last = rank == cp - 1
+  b_halo = lambda x: jnp.where(last, x[:, a_tail], backward(x[:, b_tail]))
+  a_segments = jnp.where(rank > 0, _halo_segments(segment_ids, a_tail, (b, halo), forward), 0)
+  b_segments = jnp.where(last, _halo_segments(segment_ids, a_tail, (b, halo), lambda x: x),
+                         _halo_segments(segment_ids, b_tail, (b, halo), backward))
+  chunk = lambda x, part: None if x is None else x[:, :c] if part == 0 else x[:, c:]
+  out_a = _with_edge(attend, chunk(q, 0), chunk(k, 0), chunk(v, 0), window, chunk(segment_ids, 0),
+                     forward(k[:, a_tail]), forward(v[:, a_tail]), a_segments)
+  out_b = _with_edge(attend, chunk(q, 1), chunk(k, 1), chunk(v, 1), window, chunk(segment_ids, 1),
+                     b_halo(k), b_halo(v), b_segments)
+  return jnp.concatenate([out_a, out_b], axis=1)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,

@@ -12,7 +12,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from megajax.layers.attention import xla_attention
 from megajax.layers.kernels import pallas_attention_with_lse
 from megajax.observe.hlo import collective_counts
-from megajax.parallel.context_parallel import CP, dual_chunk_order, halo_attention, ring_attention
+from megajax.parallel.context_parallel import (CP, dual_chunk_halo_attention, dual_chunk_order, halo_attention,
+                                               ring_attention)
 
 SHARDED = P(None, CP)     # [b, s, ...]: the positions split over cp
 
@@ -66,6 +67,24 @@ def test_ring_attention_equals_the_single_device_causal_attention(cp, documents)
                lambda q, k, v: jnp.sum(xla_attention(q, k, v, None, segments) * cotangent), q, k, v)
 
 
+# (cp, window, packed): 9 at cp=4 and 17 at cp=2 reach a whole chunk (8 and 16 positions) back.
+DUAL_CASES = [(2, 5, True), (2, 17, False), (4, 9, True), (4, 1, False)]
+
+
+@pytest.mark.parametrize("cp,window,documents", DUAL_CASES, ids=[f"cp{c}-w{w}{'-packed' * d}" for c, w, d in DUAL_CASES])
+def test_halo_attention_in_the_dual_chunk_layout_equals_the_single_device_one(cp, window, documents):
+  """The ring's layout for local layers too (one layout for an LG model): chunk r's halo from
+  rank r-1, chunk 2cp-1-r's from rank r+1 (rank cp-1's from its own first chunk)."""
+  q, k, v, segments, cotangent = _inputs(documents=documents)
+  order = dual_chunk_order(q.shape[1], cp)
+  back = np.argsort(order)
+  sharded = jax.shard_map(lambda q, k, v, s: dual_chunk_halo_attention(q, k, v, window, segment_ids=s),
+                          mesh=_mesh(cp), in_specs=(SHARDED,) * 4, out_specs=SHARDED)
+  _assert_same(lambda q, k, v: jnp.sum(sharded(q[:, order], k[:, order], v[:, order], segments[:, order])[:, back]
+                                       * cotangent),
+               lambda q, k, v: jnp.sum(xla_attention(q, k, v, window, segments) * cotangent), q, k, v)
+
+
 def test_dual_chunk_order_gives_rank_r_chunks_r_and_its_mirror():
   np.testing.assert_array_equal(dual_chunk_order(8, 2).reshape(2, 4), [[0, 1, 6, 7], [2, 3, 4, 5]])
   with pytest.raises(ValueError, match="2 \\* cp = 8"):
@@ -102,6 +121,9 @@ def test_a_local_layers_halo_bytes_do_not_grow_with_the_sequence():
     sizes[s] = _permute_bytes(lambda q, k, v: halo_attention(q, k, v, window), shapes, cp)
   halo = (window - 1) * b * kv_heads * d * 4           # one of k, v: fp32
   assert sizes[2048] == sizes[8192] == 2 * 2 * halo, sizes
+  dual = {s: _permute_bytes(lambda q, k, v: dual_chunk_halo_attention(q, k, v, window),
+                            ((b, s, 2, d), (b, s, kv_heads, d), (b, s, kv_heads, d)), cp) for s in (2048, 8192)}
+  assert dual[2048] == dual[8192] == 2 * 2 * 2 * halo, dual     # two halos (forward and backward neighbours)
 
 
 def test_ring_bytes_are_the_other_ranks_keys_and_values():
