@@ -404,12 +404,8 @@ def to_config_dict(section_type: type) -> ml_collections.ConfigDict:
 def from_config_dict(section_type: type, node) -> object:
   """The frozen section of a (checked) ConfigDict node."""
   hints = typing.get_type_hints(section_type)
-  values = {}
-  for field in dataclasses.fields(section_type):
-    value = node[field.name]
-    values[field.name] = from_config_dict(hints[field.name], value) if dataclasses.is_dataclass(hints[field.name]) \
-        else value
-  return section_type(**values)
+  nested = lambda kind, value: from_config_dict(kind, value) if dataclasses.is_dataclass(kind) else value
+  return section_type(**{f.name: nested(hints[f.name], node[f.name]) for f in dataclasses.fields(section_type)})
 
 
 def section(config, name: str):

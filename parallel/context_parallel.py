@@ -41,8 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from megajax.layers.attention import xla_attention
-from megajax.layers.kernels import pallas_attention
+from megajax.layers import ATTENTION_IMPLS
 
 CP = "cp"   # the context-parallel mesh axis
 
@@ -97,19 +96,16 @@ def _same_document(q_segments, k_segments):
   return q_segments[:, :, None] == k_segments[:, None, :]
 
 
-# The sliding-window attention of a sequence with itself, by name: the reference and the kernel.
-HALO_IMPLS = {"xla": xla_attention, "pallas": pallas_attention}
-
-
 def _checked(impl: str, window: int, run: int):
-  """The attention of `impl`, after refusing a window that reaches beyond one run of `run` positions."""
-  if impl not in HALO_IMPLS:
-    raise ValueError(f"impl={impl!r}: use one of {tuple(HALO_IMPLS)}")
+  """The attention `impl` names (megajax.layers.ATTENTION_IMPLS: model.attention_impl's
+  registry), after refusing a window that reaches beyond one run of `run` positions."""
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"impl={impl!r}: use one of {tuple(ATTENTION_IMPLS)}")
   if window - 1 > run:
     raise ValueError(f"a window of {window} reaches {window - 1} positions back, beyond the previous rank's {run}: "
                      "context parallelism sends one rank's halo (make model.window at most the positions a rank "
                      "holds in one run + 1)")
-  return HALO_IMPLS[impl]
+  return ATTENTION_IMPLS[impl]
 
 
 def _with_edge(attend, q, k, v, window: int, segment_ids, k_halo, v_halo, halo_segments):
@@ -120,19 +116,21 @@ def _with_edge(attend, q, k, v, window: int, segment_ids, k_halo, v_halo, halo_s
   whose rows replace theirs. The run's own attention does not wait for the halo."""
   halo = window - 1
   out = attend(q, k, v, window, segment_ids)
-  own_segments = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   edge = lambda before, after: jnp.concatenate([before, after[:, :halo]], axis=1)
   # The edge's first half of queries are placeholders (their rows are dropped: no gradient).
   edge_out = attend(edge(q[:, :halo], q), edge(k_halo, k), edge(v_halo, v), window,
-                    edge(halo_segments, own_segments))
+                    edge(halo_segments, _document_ids(q, segment_ids)))
   return out.at[:, :halo].set(edge_out[:, halo:])
 
 
-def _halo_segments(segment_ids, tail: slice, shape, move):
-  """The document ids of the halo `move` brings (all ones for one document a row)."""
-  if segment_ids is None:
-    return jnp.ones(shape, jnp.int32)
-  return move(segment_ids[:, tail].astype(jnp.int32))
+def _document_ids(q, segment_ids):
+  """[b, n] int32: the packed documents' ids, or all ones for one document a row."""
+  return jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+
+
+def _moved(ids, tail: slice, move, segment_ids):
+  """The ids at `tail` as `move` delivers them; one document a row (all ones) needs no sending."""
+  return ids[:, tail] if segment_ids is None else move(ids[:, tail])
 
 
 def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
@@ -140,7 +138,8 @@ def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axi
   """Sliding-window causal attention (i - window < j <= i) of this rank's contiguous shard.
   q [b, n, h, d]; k, v [b, n, kv_h, d]; segment_ids [b, n] (the row's document numbers,
   shards of one row's). Returns [b, n, h, d] in v's dtype. impl: the attention both parts
-  run in, "xla" (the dense reference) or "pallas" (the sliding-window kernel, block-skip kept).
+  run in (model.attention_impl's names: "pallas" keeps the kernel's block-skip, "xla" is the
+  dense reference).
   The halo: the previous rank's last window-1 keys, values and document ids (one ppermute);
   rank 0 receives nothing, its edge's first half a document 0, which no query is in (ids
   count from 1). O(w) work, memory and copy; no buffer of the shard's K/V."""
@@ -151,9 +150,8 @@ def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axi
     return attend(q, k, v, window, segment_ids)
   forward = functools.partial(lax.ppermute, axis_name=axis, perm=[(r, r + 1) for r in range(cp - 1)])
   tail = slice(n - halo, n)
-  halo_segments = _halo_segments(segment_ids, tail, (b, halo), forward)
-  halo_segments = jnp.where(lax.axis_index(axis) > 0, halo_segments, 0)
-  return _with_edge(attend, q, k, v, window, segment_ids, forward(k[:, tail]), forward(v[:, tail]), halo_segments)
+  halo_ids = jnp.where(lax.axis_index(axis) > 0, _moved(_document_ids(q, segment_ids), tail, forward, segment_ids), 0)
+  return _with_edge(attend, q, k, v, window, segment_ids, forward(k[:, tail]), forward(v[:, tail]), halo_ids)
 
 
 def dual_chunk_halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
@@ -163,7 +161,7 @@ def dual_chunk_halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: 
   one layout. A's window-1 predecessors end rank r-1's A (one ppermute forward; rank 0: none);
   B's end rank r+1's B (one ppermute backward), but for rank cp-1, whose B (chunk cp) follows its
   own A (chunk cp-1). Two O(w) permutes; the window at most c + 1."""
-  b, two_c = q.shape[:2]
+  two_c = q.shape[1]
   c = two_c // 2
   attend, halo = _checked(impl, window, c), window - 1
   cp = lax.axis_size(axis)
@@ -175,14 +173,14 @@ def dual_chunk_halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: 
   a_tail, b_tail = slice(c - halo, c), slice(two_c - halo, two_c)
   last = rank == cp - 1
   b_halo = lambda x: jnp.where(last, x[:, a_tail], backward(x[:, b_tail]))
-  a_segments = jnp.where(rank > 0, _halo_segments(segment_ids, a_tail, (b, halo), forward), 0)
-  b_segments = jnp.where(last, _halo_segments(segment_ids, a_tail, (b, halo), lambda x: x),
-                         _halo_segments(segment_ids, b_tail, (b, halo), backward))
-  chunk = lambda x, part: None if x is None else x[:, :c] if part == 0 else x[:, c:]
-  out_a = _with_edge(attend, chunk(q, 0), chunk(k, 0), chunk(v, 0), window, chunk(segment_ids, 0),
-                     forward(k[:, a_tail]), forward(v[:, a_tail]), a_segments)
-  out_b = _with_edge(attend, chunk(q, 1), chunk(k, 1), chunk(v, 1), window, chunk(segment_ids, 1),
-                     b_halo(k), b_halo(v), b_segments)
+  ids = _document_ids(q, segment_ids)
+  a_ids = jnp.where(rank > 0, _moved(ids, a_tail, forward, segment_ids), 0)
+  b_ids = jnp.where(last, ids[:, a_tail], _moved(ids, b_tail, backward, segment_ids))
+  a, b = slice(0, c), slice(c, two_c)
+  a_segments, b_segments = (None, None) if segment_ids is None else (segment_ids[:, a], segment_ids[:, b])
+  out_a = _with_edge(attend, q[:, a], k[:, a], v[:, a], window, a_segments, forward(k[:, a_tail]),
+                     forward(v[:, a_tail]), a_ids)
+  out_b = _with_edge(attend, q[:, b], k[:, b], v[:, b], window, b_segments, b_halo(k), b_halo(v), b_ids)
   return jnp.concatenate([out_a, out_b], axis=1)
 
 
