@@ -17,7 +17,7 @@ and when that is compute, the largest loss beside it).
                  each backward reruns its chunk's forward, parallel.pipeline_recompute=True) or
                  paper (Megatron-LM with MegaScale's switches, the system the paper measured).
                  (--runtime, its earlier name, still works.)
-  --explain      dp,pp,tp,v,b: one plan's full accounting instead of the search (memory by part,
+  --explain      dp,pp,tp,v,b[,cp]: one plan's full accounting instead of the search (memory by part,
                  one layer's operation times, the step by part, model FLOPs per GPU).
   --fbd_forward  HARDWARE:COUNT: MegaFBD on a mixed cluster (megajax.parallel.planner.fbd): the forward on
                  COUNT GPUs of HARDWARE, the backward and optimizer on the --gpus --hardware ones; its best
@@ -61,7 +61,8 @@ _MEGATRON = flags.DEFINE_bool("megatron", False, "Model Megatron-LM: every MegaS
 _EXECUTOR = flags.DEFINE_enum("executor", "megajax", EXECUTORS, "Whose training system executes the plan.")
 flags.DEFINE_alias("runtime", "executor")     # its earlier name
 _REMAT = flags.DEFINE_enum("remat", "", ["", "none", "dots", "full"], "Activation recomputation ('': the config's).")
-_EXPLAIN = flags.DEFINE_string("explain", "", "dp,pp,tp,v,b: print this plan's full accounting instead of the search.")
+_EXPLAIN = flags.DEFINE_string("explain", "", "dp,pp,tp,v,b[,cp]: print this plan's full accounting instead of the "
+                               "search.")
 _FBD_FORWARD = flags.DEFINE_string("fbd_forward", "", "HARDWARE:COUNT: MegaFBD plans with the forward on COUNT GPUs of "
                                    "HARDWARE and the backward on the --gpus --hardware ones, against those alone.")
 _COMPILE = flags.DEFINE_bool("compile", False, "Compile the config's own plan for --hardware without a GPU and "
@@ -215,10 +216,10 @@ def _compile(config, gpus: int, hw) -> None:
     _flag_error("hardware", hw.name, "no deviceless target for it",
                 f"use --hardware={' or --hardware='.join(deviceless.GPU_TARGETS)} with --compile")
   parallel = section(config, "parallel")
-  dp, pp, tp = parallel.mesh_shape
-  if dp * pp * tp != gpus:
-    _flag_error("gpus", gpus, f"--compile compiles the config's own plan, dp x pp x tp = {dp * pp * tp}",
-                f"use --gpus={dp * pp * tp}, or set --config.parallel.dp/pp/tp to fill {gpus}")
+  dp, pp, cp, tp = parallel.mesh_shape
+  if parallel.device_count != gpus:
+    _flag_error("gpus", gpus, f"--compile compiles the config's own plan, dp x pp x cp x tp = {parallel.device_count}",
+                f"use --gpus={parallel.device_count}, or set --config.parallel.dp/pp/cp/tp to fill {gpus}")
   try:
     result = deviceless.compile_for_gpu(config, hw.name)
   except ConfigError as error:
@@ -233,7 +234,7 @@ def _compile(config, gpus: int, hw) -> None:
   c = config.model
   print(f"{PROGRAM} --compile: {ModelConfig.from_config(c).num_layers} layers, hidden {c.hidden_dim}, seq "
         f"{c.seq_len}, batch {config.train.batch_size} in {config.train.microbatches} microbatches, remat {c.remat}, "
-        f"attention {c.attention_impl}; dp={dp} pp={pp} tp={tp} v={config.parallel.virtual_stages} "
+        f"attention {c.attention_impl}; dp={dp} pp={pp} cp={cp} tp={tp} v={config.parallel.virtual_stages} "
         f"(tp_overlap {parallel.tp_overlap_on('cuda')}, pipeline_recompute {parallel.pipeline_recompute_on('cuda')}) "
         f"on {gpus} {hw.name}, compiled without a GPU in {result.compile_seconds:.1f} s")
   print(f"  XLA      {gib(xla)} a device: arguments {gib(memory.argument_size_in_bytes)} (donated, aliased "

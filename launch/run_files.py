@@ -79,7 +79,7 @@ def run_params(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, s
     raise CheckpointError(f"{workdir}: no trained parameters (neither params/ nor a checkpoint); "
                           f"megajax-train --workdir={workdir} writes them")
   one_device = config.copy_and_resolve_references()
-  for axis in ("dp", "pp", "tp", "virtual_stages"):
+  for axis in ("dp", "pp", "cp", "tp", "virtual_stages"):
     one_device.parallel[axis] = 1
   one_device.parallel.schedule = "1f1b"
   one_device.parallel.fbd.enabled = False     # a MegaFBD run's state is a pp = 1 state: one device reads it

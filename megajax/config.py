@@ -150,7 +150,8 @@ GRAD_SYNC_CHOICES = ("step", "microbatch")
 
 def _check_parallel(config) -> None:
   m, p, t = config.model, config.parallel, config.train
-  for field in ("parallel.dp", "parallel.pp", "parallel.tp", "parallel.tp_overlap_chunks", "parallel.virtual_stages"):
+  for field in ("parallel.dp", "parallel.pp", "parallel.cp", "parallel.tp", "parallel.tp_overlap_chunks",
+                "parallel.virtual_stages"):
     check.positive_int(config, field)
   if p.tp_overlap is not None:
     check.choice(config, "parallel.tp_overlap", TP_OVERLAP_CHOICES)
@@ -177,11 +178,12 @@ def _check_parallel(config) -> None:
                 "(extra ids are never seen)")
   check.require(m.seq_len % p.tp == 0, "model.seq_len", m.seq_len,
                 f"sequence parallelism splits it over parallel.tp={p.tp}", "use a multiple of parallel.tp")
+  _check_context_parallel(config)
+  shard = m.seq_len // (p.cp * p.tp)          # one device's tokens of a row
   if p.tp_overlap in (None, "collective_matmul"):     # unset: a GPU runs collective matmul
-    check.require(m.seq_len % (p.tp * p.tp_overlap_chunks) == 0, "parallel.tp_overlap_chunks", p.tp_overlap_chunks,
-                  f"each device's {m.seq_len // p.tp}-token sequence shard must split into this many chunks",
-                  f"use a divisor of {m.seq_len // p.tp}, "
-                  f"e.g. {check.nearest_divisor(m.seq_len // p.tp, p.tp_overlap_chunks)}")
+    check.require(m.seq_len % (p.cp * p.tp * p.tp_overlap_chunks) == 0, "parallel.tp_overlap_chunks",
+                  p.tp_overlap_chunks, f"each device's {shard}-token sequence shard must split into this many chunks",
+                  f"use a divisor of {shard}, e.g. {check.nearest_divisor(shard, p.tp_overlap_chunks)}")
 
   # Data parallelism: each microbatch's rows split over dp.
   check.require((t.batch_size // t.microbatches) % p.dp == 0, "train.batch_size", t.batch_size,
@@ -200,6 +202,26 @@ def _check_parallel(config) -> None:
                   f"interleaved 1F1B sends microbatches through the chunks in groups of parallel.pp={p.pp}",
                   f"use a multiple of {p.pp}, e.g. {-(-t.microbatches // p.pp) * p.pp}")
   _check_fbd(config)
+
+
+def _check_context_parallel(config) -> None:
+  """parallel.cp: a row cut into 2 * cp chunks (the dual-chunk layout), each split over tp; a
+  sliding window reaching at most one chunk back (the halo comes from one neighbour)."""
+  m, p, o = config.model, config.parallel, config.observe
+  if p.cp == 1:
+    return
+  unit = 2 * p.cp * p.tp
+  check.require(m.seq_len % unit == 0, "model.seq_len", m.seq_len,
+                f"context parallelism cuts a row into 2 * parallel.cp = {2 * p.cp} chunks, each split over "
+                f"parallel.tp={p.tp}", f"use a multiple of {unit}, e.g. {-(-m.seq_len // unit) * unit}")
+  chunk = m.seq_len // (2 * p.cp)
+  local = "L" in m.window_pattern and m.window > 0
+  check.require(not local or m.window <= chunk + 1, "model.window", m.window,
+                f"with parallel.cp={p.cp} a rank holds chunks of {chunk} positions and takes a sliding window's "
+                "halo from one neighbour chunk", f"use a window of at most {chunk + 1}, or a smaller parallel.cp")
+  for field, value, off in (("observe.capture", o.capture, "''"), ("observe.perturb", o.perturb, "''")):
+    check.require(not value, field, value, f"not with parallel.cp={p.cp}: the probes see whole rows",
+                  f"set {field}={off}, or parallel.cp=1")
 
 
 def _check_fbd(config) -> None:
@@ -225,6 +247,7 @@ def _check_fbd(config) -> None:
   # a single module for the trace's operations) has no place in it.
   for field, value, ok, why, off in (
       ("parallel.pp", p.pp, p.pp == 1, "MegaFBD's groups are dp x tp each (no pipeline)", "1"),
+      ("parallel.cp", p.cp, p.cp == 1, "MegaFBD's groups are dp x tp each (no context parallelism)", "1"),
       ("observe.capture", config.observe.capture, not config.observe.capture,
        "activation capture runs inside the 3D step's model", "''"),
       ("observe.perturb", config.observe.perturb, not config.observe.perturb,
@@ -427,10 +450,10 @@ def _check_debug(config) -> None:
   slow = config.debug.slow_rank
   if slow:
     parts = slow.split(",")
-    sizes = (p.dp, p.pp, p.tp)
-    check.require(len(parts) == 3 and all(x.strip().isdigit() and int(x) < n for x, n in zip(parts, sizes)),
-                  "debug.slow_rank", slow, "must be 'dp,pp,tp' coordinates of a rank in the mesh",
-                  f"e.g. '0,0,0' (mesh dp={p.dp} pp={p.pp} tp={p.tp})")
+    sizes = (p.dp, p.pp, p.tp) if len(parts) == 3 else (p.dp, p.pp, p.cp, p.tp)   # "dp,pp,tp": cp 0
+    check.require(len(parts) in (3, 4) and all(x.strip().isdigit() and int(x) < n for x, n in zip(parts, sizes)),
+                  "debug.slow_rank", slow, "must be 'dp,pp,cp,tp' (or 'dp,pp,tp') coordinates of a rank in the mesh",
+                  f"e.g. '0,0,0,0' (mesh dp={p.dp} pp={p.pp} cp={p.cp} tp={p.tp})")
   check.positive_int(config, "debug.slow_rank_work")
   check.non_negative_int(config, "debug.slow_rank_from_step")
 

@@ -153,6 +153,12 @@ class FbdSection:
 class ParallelSection:
   dp: int = 1
   pp: int = 1
+  # Context parallelism: each row's positions split over cp devices (the ring's dual-chunk
+  # layout: rank r holds chunks r and 2cp-1-r of 2cp), parameters replicated like dp, gradients
+  # reduced over dp x cp. Sliding-window layers exchange a halo of window-1 keys, global layers
+  # pass K/V round a ring (megajax.parallel.context_parallel). For sequences one device's
+  # activations cannot hold.
+  cp: int = 1
   tp: int = 1
   # How tensor-parallel collectives meet the matmuls: "none" (all-gather, then matmul),
   # "collective_matmul" (ppermute rings fused with the matmul chunks, MegaScale Fig. 3c) or
@@ -190,15 +196,15 @@ class ParallelSection:
   fbd: FbdSection = dataclasses.field(default_factory=FbdSection)
 
   @property
-  def mesh_shape(self) -> tuple[int, int, int]:
-    """The (dp, pp, tp) sizes of the mesh."""
-    return (self.dp, self.pp, self.tp)
+  def mesh_shape(self) -> tuple[int, int, int, int]:
+    """The (dp, pp, cp, tp) sizes of the mesh (megajax.parallel.mesh.MESH_AXES' order)."""
+    return (self.dp, self.pp, self.cp, self.tp)
 
   @property
   def device_count(self) -> int:
-    """The devices the job runs on: dp * pp * tp, plus MegaFBD's forward group."""
+    """The devices the job runs on: dp * pp * cp * tp, plus MegaFBD's forward group."""
     forward = self.fbd.forward_dp * self.fbd.forward_tp if self.fbd.enabled else 0
-    return self.dp * self.pp * self.tp + forward
+    return self.dp * self.pp * self.cp * self.tp + forward
 
   @property
   def dp_bucket_bytes(self) -> int:

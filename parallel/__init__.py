@@ -17,10 +17,10 @@
 
 from megajax.parallel.collective_matmul import (all_gather_matmul, column_parallel_linear, matmul_reduce_scatter,
                                                 row_parallel_linear)
-from megajax.parallel.context_parallel import (CP, dual_chunk_halo_attention, dual_chunk_order, halo_attention,
+from megajax.parallel.context_parallel import (dual_chunk_halo_attention, dual_chunk_order, halo_attention,
                                                ring_attention)
 from megajax.parallel.fbd import FbdStep
-from megajax.parallel.mesh import (DP, MESH_AXES, PP, TP, batch_sharding, local_batch_slice,
+from megajax.parallel.mesh import (CP, DP, MESH_AXES, PP, TP, batch_sharding, local_batch_slice,
                                    local_device_coordinates, make_mesh)
 from megajax.parallel.pipeline import Tables, pipeline_gradients, simulate, to_model_params, to_pipeline_params
 from megajax.parallel.sharding import Layout, param_layouts

@@ -42,8 +42,8 @@ from jax import lax
 import numpy as np
 
 from megajax.layers import ATTENTION_IMPLS
-
-CP = "cp"   # the context-parallel mesh axis
+from megajax.parallel import collectives
+from megajax.parallel.mesh import CP
 
 
 def dual_chunk_order(seq_len: int, cp: int) -> np.ndarray:
@@ -55,6 +55,25 @@ def dual_chunk_order(seq_len: int, cp: int) -> np.ndarray:
   c = seq_len // (2 * cp)
   chunks = [chunk for r in range(cp) for chunk in (r, 2 * cp - 1 - r)]
   return np.concatenate([np.arange(chunk * c, (chunk + 1) * c) for chunk in chunks])
+
+
+def shard_positions(rows: int, two_c: int, axis: str = CP) -> jax.Array:
+  """int32 [rows, 2c]: the row positions this rank's dual-chunk shard holds (dual_chunk_order's
+  slice for this rank): the rotary positions of a batch without its own (one document a row)."""
+  cp, rank = lax.axis_size(axis), collectives.axis_index(axis)
+  c = two_c // 2
+  columns = jnp.arange(two_c)
+  positions = jnp.where(columns < c, rank * c + columns, (2 * cp - 1 - rank) * c + columns - c)
+  return jnp.broadcast_to(positions.astype(jnp.int32), (rows, two_c))
+
+
+def attention(q, k, v, window: int | None, segment_ids, impl: str, ring: bool = True, axis: str = CP) -> jax.Array:
+  """One layer's attention over the dual-chunk layout: ring_attention for a global layer
+  (window None), dual_chunk_halo_attention with `impl` for a sliding-window one. ring=False:
+  no ppermute (inside a pipeline stage's branch: _from_rank)."""
+  if window is None:
+    return ring_attention(q, k, v, axis=axis, segment_ids=segment_ids, ring=ring)
+  return dual_chunk_halo_attention(q, k, v, window, axis=axis, segment_ids=segment_ids, impl=impl, ring=ring)
 
 
 @jax.checkpoint     # the backward recomputes a block's scores: one block's live at a time, not every step's
@@ -90,6 +109,24 @@ def _merge(parts: list) -> jax.Array:
   total = functools.reduce(jnp.add, shares)
   out = functools.reduce(jnp.add, [share * part for share, (part, _) in zip(shares, parts)])
   return out / jnp.where(total > 0, total, 1.0)
+
+
+def _from_rank(axis: str, shift: int, ring: bool):
+  """x -> rank r - shift's x, on every rank r. ring=True: one ppermute (a rank with none there
+  receives zeros). ring=False, inside a pipeline stage's branch, where a ppermute (one
+  rendezvous of every device of the mesh) would wait for the stages that do not run it: an
+  all-gather over cp (each cp group its own collective) and this rank's pick of it (a rank with
+  none there gets the other end's: the callers mask it by its document ids, as the zeros).
+  cp - 1 tails received instead of one: O(w) still."""
+  cp = lax.axis_size(axis)
+  if ring:
+    pairs = [(r, r + shift) for r in range(cp) if 0 <= r + shift < cp]
+    return functools.partial(lax.ppermute, axis_name=axis, perm=pairs)
+
+  def picked(x):
+    gathered = lax.all_gather(x, axis)                        # [cp, ...]
+    return lax.dynamic_index_in_dim(gathered, (lax.axis_index(axis) - shift) % cp, keepdims=False)
+  return picked
 
 
 def _same_document(q_segments, k_segments):
@@ -134,7 +171,7 @@ def _moved(ids, tail: slice, move, segment_ids):
 
 
 def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
-                   segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
+                   segment_ids: jax.Array | None = None, impl: str = "xla", ring: bool = True) -> jax.Array:
   """Sliding-window causal attention (i - window < j <= i) of this rank's contiguous shard.
   q [b, n, h, d]; k, v [b, n, kv_h, d]; segment_ids [b, n] (the row's document numbers,
   shards of one row's). Returns [b, n, h, d] in v's dtype. impl: the attention both parts
@@ -142,25 +179,27 @@ def halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axi
   dense reference).
   The halo: the previous rank's last window-1 keys, values and document ids (one ppermute);
   rank 0 receives nothing, its edge's first half a document 0, which no query is in (ids
-  count from 1). O(w) work, memory and copy; no buffer of the shard's K/V."""
+  count from 1). O(w) work, memory and copy; no buffer of the shard's K/V. ring=False: the
+  halo by an all-gather of the tails (_from_rank: inside a pipeline stage's branch)."""
   b, n = q.shape[:2]
   attend, halo = _checked(impl, window, n), window - 1
   cp = lax.axis_size(axis)
   if cp == 1 or halo == 0:
     return attend(q, k, v, window, segment_ids)
-  forward = functools.partial(lax.ppermute, axis_name=axis, perm=[(r, r + 1) for r in range(cp - 1)])
+  forward = _from_rank(axis, 1, ring)
   tail = slice(n - halo, n)
   halo_ids = jnp.where(lax.axis_index(axis) > 0, _moved(_document_ids(q, segment_ids), tail, forward, segment_ids), 0)
   return _with_edge(attend, q, k, v, window, segment_ids, forward(k[:, tail]), forward(v[:, tail]), halo_ids)
 
 
 def dual_chunk_halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, *, axis: str = CP,
-                              segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
+                              segment_ids: jax.Array | None = None, impl: str = "xla", ring: bool = True) -> jax.Array:
   """halo_attention for a shard in the ring's dual-chunk layout (dual_chunk_order: rank r holds
   chunks A = r and B = 2cp-1-r, c positions each), so a model of local and global layers keeps
   one layout. A's window-1 predecessors end rank r-1's A (one ppermute forward; rank 0: none);
   B's end rank r+1's B (one ppermute backward), but for rank cp-1, whose B (chunk cp) follows its
-  own A (chunk cp-1). Two O(w) permutes; the window at most c + 1."""
+  own A (chunk cp-1). Two O(w) permutes (ring=False: all-gathers of the tails, _from_rank);
+  the window at most c + 1."""
   two_c = q.shape[1]
   c = two_c // 2
   attend, halo = _checked(impl, window, c), window - 1
@@ -168,8 +207,7 @@ def dual_chunk_halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: 
   if cp == 1 or halo == 0:         # one rank: chunks 0 and 1, the row in order
     return attend(q, k, v, window, segment_ids)
   rank = lax.axis_index(axis)
-  forward = functools.partial(lax.ppermute, axis_name=axis, perm=[(r, r + 1) for r in range(cp - 1)])
-  backward = functools.partial(lax.ppermute, axis_name=axis, perm=[(r + 1, r) for r in range(cp - 1)])
+  forward, backward = _from_rank(axis, 1, ring), _from_rank(axis, -1, ring)
   a_tail, b_tail = slice(c - halo, c), slice(two_c - halo, two_c)
   last = rank == cp - 1
   b_halo = lambda x: jnp.where(last, x[:, a_tail], backward(x[:, b_tail]))
@@ -185,7 +223,7 @@ def dual_chunk_halo_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: 
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
-                   segment_ids: jax.Array | None = None) -> jax.Array:
+                   segment_ids: jax.Array | None = None, ring: bool = True) -> jax.Array:
   """Full causal attention of this rank's dual-chunk shard (dual_chunk_order). q [b, 2c, h, d];
   k, v [b, 2c, kv_h, d]; segment_ids [b, 2c]. Returns [b, 2c, h, d] in v's dtype.
 
@@ -193,7 +231,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
   the causal mask. A visiting rank j's chunks A' = j and B' = 2cp-1-j are all before B, all
   after A when j > r, all before A when j < r; and B' is after A always. So from j < r every
   query sees A' (and nothing of B'), from j > r only B's queries see anything, all of A' and
-  B': c x 2c visible pairs either way, computed without the masked half (lax.cond per rank)."""
+  B': c x 2c visible pairs either way, computed without the masked half (lax.cond per rank).
+  ring=False (inside a pipeline stage's branch, where a ppermute cannot run: _from_rank): the
+  shards' K/V all-gathered over cp once, the same bytes, every step's block read from it."""
   cp = lax.axis_size(axis)
   b, two_c = q.shape[:2]
   c = two_c // 2
@@ -218,12 +258,21 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
     return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
             jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
 
-  onward = [(r, (r + 1) % cp) for r in range(cp)]
-  k_segments = segment_ids
-  for step in range(1, cp):
-    k, v = lax.ppermute(k, axis, onward), lax.ppermute(v, axis, onward)
-    if segment_ids is not None:
-      k_segments = lax.ppermute(k_segments, axis, onward)
+  def visitors():
+    """(k, v, document ids) of rank r - step, for step = 1 .. cp-1."""
+    held = (k, v, segment_ids)
+    each = lambda fn, xs: tuple(None if x is None else fn(x) for x in xs)
+    if ring:                      # passed one rank on at each step
+      onward = [(r, (r + 1) % cp) for r in range(cp)]
+      for _ in range(1, cp):
+        held = each(lambda x: lax.ppermute(x, axis, onward), held)
+        yield held
+    else:                         # one all-gather, each step's block read from it
+      every = each(lambda x: lax.all_gather(x, axis), held)
+      for step in range(1, cp):
+        yield each(lambda x: lax.dynamic_index_in_dim(x, (rank - step) % cp, keepdims=False), every)
+
+  for step, (k_visiting, v_visiting, k_segments) in enumerate(visitors(), start=1):
     source = (rank - step) % cp                 # whose keys are here now
-    parts.append(lax.cond(source < rank, earlier, later, k, v, k_segments))
+    parts.append(lax.cond(source < rank, earlier, later, k_visiting, v_visiting, k_segments))
   return _merge(parts).astype(v.dtype)

@@ -215,15 +215,15 @@ def bytes_per_device(compiled) -> int:
 
 def parallel_step_for_gpu(config: ml_collections.ConfigDict, target: str = "h100-80g") -> ParallelStep:
   """The config's 3D step on a mesh of described GPUs (kernels lowered for CUDA)."""
-  dp, pp, tp = config.parallel.dp, config.parallel.pp, config.parallel.tp
-  mesh = make_mesh(config.parallel, gpu_devices(target, dp * pp * tp))
+  p = config.parallel
+  mesh = make_mesh(p, gpu_devices(target, p.dp * p.pp * p.cp * p.tp))
   return ParallelStep.build(config, GPT(ModelConfig.from_config(config.model)), mesh, platform="cuda")
 
 
 def compile_for_gpu(config: ml_collections.ConfigDict, target: str = "h100-80g",
                     program: str = "train") -> CompiledForGpu:
   """The config's training step (program="train") or held-out eval step ("eval") compiled for
-  dp * pp * tp described GPUs of `target`."""
+  dp * pp * cp * tp described GPUs of `target`."""
   if program not in ("train", "eval"):
     raise ValueError(f"program={program!r}: 'train' or 'eval'")
   with cudnn_as(target) if config.model.attention_impl == "cudnn" else contextlib.nullcontext():

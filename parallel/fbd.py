@@ -54,10 +54,10 @@ from megajax.sections import TrainSection
 
 
 def group_mesh(devices, dp: int, tp: int) -> Mesh:
-  """A device group's mesh: (dp, 1, tp) over `devices` (dp * tp of them)."""
+  """A device group's mesh: (dp, 1, 1, tp) over `devices` (dp * tp of them): no pipeline, no cp."""
   if len(devices) != dp * tp:
     raise ValueError(f"a group of {len(devices)} device(s) cannot be dp={dp} x tp={tp}")
-  return Mesh(np.asarray(devices).reshape(dp, 1, tp), MESH_AXES, axis_types=AXIS_TYPES)
+  return Mesh(np.asarray(devices).reshape(dp, 1, 1, tp), MESH_AXES, axis_types=AXIS_TYPES)
 
 
 def _on(mesh: Mesh, array) -> NamedSharding:

@@ -45,7 +45,9 @@ from megajax.model import GPT, count_params, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding, zero
 from megajax.parallel import collectives
-from megajax.parallel.mesh import DP, MESH_AXES, PP, TP, after, batch_sharding, batch_spec, picked, varying_axes
+from megajax.parallel.context_parallel import dual_chunk_order, shard_positions
+from megajax.parallel.mesh import (CP, DP, MESH_AXES, PP, TP, after, batch_sharding, batch_spec, picked, to_varying,
+                                   varying_axes)
 from megajax.parallel.pipeline import simulate
 from megajax.parallel.pipeline.schedule import ascii_paired_timeline, ascii_timeline
 from megajax.parallel.pipeline.forward import pipeline_loss_sums
@@ -167,9 +169,9 @@ class ParallelStep:
   def describe(self) -> list[str]:
     """The start-up log's records: the model and the mesh, and with pp > 1 the pipeline's
     schedule (its bubble, stash and backward) with its timelines."""
-    m, (dp, pp, tp) = self.model.config, self.mesh.devices.shape
+    m, (dp, pp, cp, tp) = self.model.config, self.mesh.devices.shape
     lines = [f"model: {m.block} block, {m.num_layers} layers, {count_params(self._abstract_state.params) / 1e6:.2f}M "
-             f"parameters; mesh dp={dp} pp={pp} tp={tp}, tp_overlap={self.overlap.mode}"]
+             f"parameters; mesh dp={dp} pp={pp} cp={cp} tp={tp}, tp_overlap={self.overlap.mode}"]
     if self.pipeline is not None:
       tables, schedule = self.pipeline, self.pipeline.schedule
       backward = ("each chunk's forward rerun in its backward (parallel.pipeline_recompute)" if tables.recompute else
@@ -216,7 +218,8 @@ class ParallelStep:
     return self._abstract_state, self.abstract_batch()
 
   def abstract_batch(self) -> dict:
-    """abstract_inputs' batch alone: a global batch's ShapeDtypeStructs, rows split over dp."""
+    """abstract_inputs' batch alone: a global batch's ShapeDtypeStructs, rows split over dp
+    (positions over cp, in the dual-chunk order: put_batch)."""
     shape, rows = (self.train.batch_size, self.model.config.seq_len), batch_sharding(self.mesh)
     batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
              "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
@@ -234,22 +237,46 @@ class ParallelStep:
                         self.state_shardings)
 
   def put_batch(self, local_batch: dict) -> dict:
-    """This process's rows of a global batch (numpy) -> global arrays split over dp."""
+    """This process's rows of a global batch (numpy) -> global arrays split over dp; with
+    cp > 1 each row's positions first put in the dual-chunk order (context_parallel.
+    dual_chunk_order), so that an even split over cp gives rank r chunks r and 2cp-1-r."""
     batch_size = self.train.batch_size
     placement = batch_sharding(self.mesh)
-    return {k: jax.make_array_from_process_local_data(placement, np.asarray(v), (batch_size, *v.shape[1:]))
+    cp = self.mesh.shape[CP]
+    order = dual_chunk_order(self.model.config.seq_len, cp) if cp > 1 else None
+    return {k: jax.make_array_from_process_local_data(
+                placement, np.asarray(v) if order is None else np.asarray(v)[:, order], (batch_size, *v.shape[1:]))
             for k, v in local_batch.items()}
+
+  def _in_context_shards(self, batch: dict) -> dict:
+    """With cp > 1: the batch's rotary positions, where it has none (one document a row), the
+    row positions of this rank's dual-chunk shard (a packed batch brings its own, laid out
+    like its tokens by put_batch)."""
+    if self.mesh.shape[CP] == 1 or "positions" in batch:
+      return batch
+    return {**batch, "positions": shard_positions(*batch["inputs"].shape)}
 
   # --- Inside the shard_map.
 
   def _summed_gradients(self, params, batch, step=None):
     """ZeRO gather -> forward/backward of every microbatch -> ZeRO reduce-scatter, per device:
     (gradient shards summed over the batch, loss stats summed over the batch)."""
-    p, t = self.parallel, self.train
     probes = self.probes
     if probes is not None:    # observe.capture / perturb; keyed by the step and the global rows
       probes = probes.bind(step)
       batch = {**batch, "rows": probes.rows(batch)}
+    batch = self._in_context_shards(batch)
+    # cp replicates the parameters as dp does: each cp rank's gradients are its positions' share,
+    # kept per device (the shards typed varying over cp) and summed over cp once, after the
+    # reduce-scatter over dp (1/dp of the bytes an all-reduce of the full gradients would move).
+    params = jax.tree.map(lambda leaf: to_varying(leaf, (CP,)), params)
+    grads, stats = self._sums_over_positions(params, batch, probes)
+    return collectives.psum(grads, CP), stats
+
+  def _sums_over_positions(self, params, batch, probes):
+    """_summed_gradients on this device's positions of its rows: gradient shards summed over
+    its share of the batch, loss stats over the whole batch."""
+    p, t = self.parallel, self.train
     if self.pipeline is not None:
       return pipeline.pipeline_gradients(params, batch, self.layouts, self.pipeline, self.model.config,
                                          self.overlap, t.z_loss, probes, p.grad_sync,
@@ -287,7 +314,7 @@ class ParallelStep:
           probes=probes, reduce_sum=lambda g: reduce_scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g)),
           in_order=_after_the_others)
     # Captured statistics are global already (reduced over dp and tp where they were taken).
-    return grads, {k: v if k == "capture" else collectives.psum(v, DP) for k, v in stats.items()}
+    return grads, {k: v if k == "capture" else collectives.psum(v, (DP, CP)) for k, v in stats.items()}
 
   def _gradients(self, params, batch, step=None):
     """The step's gradients (mean over the global batch's tokens) and loss metrics."""
@@ -304,7 +331,7 @@ class ParallelStep:
     grads, metrics = self._gradients(state.params, batch, state.step)
     if self.extra_work is not None:    # its scalar joins the loss times 0: XLA must compute it
       extra = self.extra_work(batch, state.step + 1)
-      metrics["loss"] = metrics["loss"] + collectives.psum(0.0 * extra, (DP, PP, TP))
+      metrics["loss"] = metrics["loss"] + collectives.psum(0.0 * extra, MESH_AXES)
     metrics["learning_rate"] = self.learning_rate(state.step)
     # A non-finite loss, gradient norm or learning rate skips the update: the state passes
     # through unchanged (all three are global, so every device decides alike; the trainer
@@ -375,6 +402,7 @@ class ParallelStep:
     over dp (and pp) so every device holds the batch's global sums. No gradients, no z-loss:
     the held-out loss is the cross-entropy alone."""
     p, microbatch_count = self.parallel, self.train.microbatches
+    batch = self._in_context_shards(batch)
     if self.pipeline is not None:
       stats = pipeline_loss_sums(params, batch, self.layouts, p.pp, p.virtual_stages, microbatch_count,
                                  self.model.config, self.overlap, bucket_bytes=p.dp_bucket_bytes)
@@ -391,7 +419,7 @@ class ParallelStep:
         return {k: sums[k] + stats[k] for k in sums}, None
 
       stats, _ = lax.scan(one_microbatch, {"nll_sum": start, "tokens": start}, microbatches)
-      stats = {k: collectives.psum(v, DP) for k, v in stats.items()}
+      stats = {k: collectives.psum(v, (DP, CP)) for k, v in stats.items()}
     return {"eval_loss_sum": stats["nll_sum"], "eval_tokens": stats["tokens"]}
 
   def eval_step(self):

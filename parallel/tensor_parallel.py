@@ -32,8 +32,8 @@ from jax import lax
 from megajax.layers import ATTENTION_IMPLS, MLP_ACTIVATIONS, rotary_embedding
 from megajax.model import REMAT_POLICIES, ModelConfig, norm
 from megajax.parallel.collective_matmul import column_parallel_apply, column_parallel_linear, row_parallel_linear
-from megajax.parallel import collectives, fused
-from megajax.parallel.mesh import TP
+from megajax.parallel import collectives, context_parallel, fused
+from megajax.parallel.mesh import CP, TP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +92,11 @@ def _row_matmul(p, name: str, parts: list, c: ModelConfig, overlap: Overlap):
   return overlap.row(activations, kernel.reshape(-1, kernel.shape[-1]).astype(c.compute_dtype))
 
 
-def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=None, segment_ids=None):
-  """Local heads: q [b, s, h/n * d], k, v [b, s, kv/n * d] -> [b, s, h/n * d]. Every rank
-  sees the whole sequence here, so positions and segment_ids are the full [b, s]."""
+def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=None, segment_ids=None, ring=True):
+  """Local heads: q [b, s, h/n * d], k, v [b, s, kv/n * d] -> [b, s, h/n * d]. Every rank of
+  the tp group sees its cp shard's whole sequence here (the row, or with cp > 1 its dual-chunk
+  shard), so positions and segment_ids are that [b, s]. ring: Overlap.ring (False inside a
+  pipeline stage's branch: no ppermute there, cp's exchanges all-gathered)."""
   b, s, _ = q.shape
   d = c.head_dim
   q, k = q.reshape(b, s, -1, d), k.reshape(b, s, -1, d)
@@ -102,7 +104,11 @@ def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=
     q, k = rotary_embedding(q, positions, c.rope_theta), rotary_embedding(k, positions, c.rope_theta)
   if probe is not None and probe.wants("attn_probs"):   # recomputed: fused kernels never hold them
     captured["attn_probs"] = probe.capture_probs(q, k, window, segment_ids)
-  out = ATTENTION_IMPLS[c.attention_impl](q, k, v.reshape(b, s, -1, d), window, segment_ids)
+  v = v.reshape(b, s, -1, d)
+  if collectives.live_axes(CP):       # the row's positions split over cp (megajax.parallel.context_parallel)
+    out = context_parallel.attention(q, k, v, window, segment_ids, c.attention_impl, ring)
+  else:
+    out = ATTENTION_IMPLS[c.attention_impl](q, k, v, window, segment_ids)
   return out.reshape(b, s, -1)
 
 
@@ -130,7 +136,7 @@ def _parallel_branches(p, x, projected, widths, positions, window, c: ModelConfi
   attention, mlp = p["attention"], p["mlp"]
   captured = {}
   q, k, v, *mlp_columns = _split(projected, widths)
-  attended = _attention(q, k, v, positions, window, c, probe, captured, segment_ids)
+  attended = _attention(q, k, v, positions, window, c, probe, captured, segment_ids, overlap.ring)
   parts = [_observe(probe, captured, "attn_out", attended),
            _observe(probe, captured, "mlp_out", _mlp_activation(mlp_columns, c))]
   out = _row_matmul(p, "w_out", parts, c, overlap)                        # [b, s/n, hidden]
@@ -181,7 +187,7 @@ def serial_block(p, x, positions, window, c: ModelConfig, overlap: Overlap, prob
     qkv = qkv + bias
   q, k, v = _split(qkv, widths)
   attended = _observe(probe, captured, "attn_out",
-                      _attention(q, k, v, positions, window, c, probe, captured, segment_ids))
+                      _attention(q, k, v, positions, window, c, probe, captured, segment_ids, overlap.ring))
   z = x + _row_matmul(p, "w_attention_out", [attended], c, overlap) + _bias_sum([attention["out"].get("bias")], c)
   kernel, bias, widths = _column_operand(p, "w_mlp_in", c)
   hidden = overlap.column(_norm(p["mlp_norm"], z, c), kernel)             # [b, s, (mlp inputs)/n]

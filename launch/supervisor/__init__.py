@@ -4,7 +4,7 @@
                   heartbeats and hangs, stop, diagnose, restart (elastic continue, spares)
   jobs.py         what it starts and stops: LocalJob (processes on this machine) and
                   CommandJob (supervisor.command: srun, kubectl, mpirun)
-  hang_view.py    the 3D hang view: suspects and victims on the (dp, pp, tp) grid
+  hang_view.py    the 3D hang view: suspects and victims on the (dp, pp, cp, tp) grid
   diagnostics.py  the diagnostic tests: per-device matmul and transfers, collectives, outliers
 
 The commands are megajax-supervise, megajax-local and megajax-diagnose (megajax.launch).

@@ -3,7 +3,7 @@ r"""Diagnostic tests (MegaScale section 4): find the slow host or device of a jo
 Every process of the job calls `diagnose(config)` on the training config's mesh, which measures:
   per device     matmul TFLOP/s, host->device and device->host bandwidth (GB/s);
   collectives    all-reduce, all-gather and ppermute bus bandwidth (nccl-tests convention)
-                 over each (dp, pp, tp) axis larger than 1, and over "processes" (one device
+                 over each mesh axis (dp, pp, cp, tp) larger than 1, and over "processes" (one device
                  per process in each group) when the job has several processes; every process
                  times the same collective, so one waiting on a slow peer is visible.
 Each figure is the median of `repeats` timed runs after a warm-up (on CPU the best run: there
@@ -52,6 +52,7 @@ import numpy as np
 from megajax.observe.records import write_atomically
 from megajax.parallel import make_mesh
 from megajax.parallel.fbd import group_mesh
+from megajax.sections import section
 from megajax.trainer.drills import diagnose_slowed
 
 # Sizes that keep an accelerator busy long enough to time, and a CPU run to a few seconds.
@@ -230,7 +231,8 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
   job's findings (see the module docstring) on every process."""
   start = time.perf_counter()
   # MegaFBD's job is two groups, not one mesh: every device measured as one dp line of them.
-  mesh = group_mesh(jax.devices(), len(jax.devices()), 1) if config.parallel.fbd.enabled else make_mesh(config.parallel)
+  parallel = section(config, "parallel")
+  mesh = group_mesh(jax.devices(), len(jax.devices()), 1) if parallel.fbd.enabled else make_mesh(parallel)
   platform = jax.devices()[0].platform
   sizes = CPU_SIZES if platform == "cpu" else ACCELERATOR_SIZES
   matmul_size = matmul_size or sizes["matmul_size"]
@@ -238,7 +240,7 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
   collective_bytes = max(4, int((collective_mib or sizes["collective_mib"]) * 2**20))
   repeats = repeats or sizes["repeats"]
 
-  def coords_of(device):
+  def coords_of(device):       # {axis: index} over the mesh's axes (megajax.parallel.mesh.MESH_AXES)
     index = np.argwhere(mesh.devices == device)[0]
     return {axis: int(i) for axis, i in zip(mesh.axis_names, index)}
 
@@ -268,7 +270,8 @@ def diagnose(config, *, matmul_size=None, transfer_mib=None, collective_mib=None
 
 
 def format_findings(findings: dict) -> str:
-  """The findings as tables: devices, collectives, outliers, then the bad processes."""
+  """The findings as tables: devices (with their coordinates on each mesh axis the findings
+  name), collectives, outliers, then the bad processes."""
   axes = list(findings["devices"][0]["coords"]) if findings["devices"] else []
   lines = [f"megajax-diagnose: {findings['platform']}, {findings['process_count']} process(es), "
            f"{len(findings['devices'])} devices, {findings['seconds']:.1f} s",

@@ -68,14 +68,15 @@ def fill_template(template: str, command: list[str], processes: int, exclude: li
 
 def elastic_layout(config: ml_collections.ConfigDict, processes: int, devices_per_process: int,
                    usable: int) -> dict | None:
-  """The largest job on at most `usable` processes that keeps pp, tp and the global batch:
+  """The largest job on at most `usable` processes that keeps pp, cp, tp and the global batch:
   {"processes", "parallel.dp", "train.microbatches"}, or None if there is none."""
   p, t = config.parallel, config.train
+  replica = p.pp * p.cp * p.tp                # one dp replica's devices
   for count in range(usable, 0, -1):
     devices = count * devices_per_process
-    if devices % (p.pp * p.tp):
+    if devices % replica:
       continue
-    dp = devices // (p.pp * p.tp)
+    dp = devices // replica
     if dp < 1 or p.dp % dp:
       continue
     return {"processes": count, "parallel.dp": dp, "train.microbatches": t.microbatches * (p.dp // dp)}
@@ -282,7 +283,7 @@ class Supervisor:
 
   def _print_hang_view(self, beats, suspects, victims) -> None:
     c = self.config.parallel
-    mesh = (int(self.overrides.get("parallel.dp", c.dp)), c.pp, c.tp)
+    mesh = (int(self.overrides.get("parallel.dp", c.dp)), c.pp, c.cp, c.tp)
     view = format_hang_view(beats, mesh, suspects, victims)
     logging.error("%s", view)
     with open(os.path.join(self.workdir, "hang_views.txt"), "a") as f:
@@ -317,18 +318,19 @@ class Supervisor:
     layout = elastic_layout(self._current_config(), self.processes, self.devices_per_process,
                             self.processes - len(bad))
     if layout is None:
-      logging.error("no smaller mesh keeps pp=%d and tp=%d on the %d good process(es): restarting as before",
-                    self.config.parallel.pp, self.config.parallel.tp, self.processes - len(bad))
+      logging.error("no smaller mesh keeps pp=%d, cp=%d and tp=%d on the %d good process(es): restarting as before",
+                    self.config.parallel.pp, self.config.parallel.cp, self.config.parallel.tp,
+                    self.processes - len(bad))
       return action
     self.processes = layout.pop("processes")
     self.overrides.update(layout)
     self.excluded_hosts += hosts
     c = self.config.parallel
-    logging.warning("elastic continue without process(es) %s: %d process(es), mesh dp=%d pp=%d tp=%d, "
+    logging.warning("elastic continue without process(es) %s: %d process(es), mesh dp=%d pp=%d cp=%d tp=%d, "
                     "train.microbatches=%d (the global batch stays %d)", bad, self.processes, layout["parallel.dp"],
-                    c.pp, c.tp, layout["train.microbatches"], self.config.train.batch_size)
+                    c.pp, c.cp, c.tp, layout["train.microbatches"], self.config.train.batch_size)
     return {**action, "action": "elastic", "excluded_hosts": hosts, "processes_after": self.processes,
-            "mesh_after": [layout["parallel.dp"], c.pp, c.tp]}
+            "mesh_after": [layout["parallel.dp"], c.pp, c.cp, c.tp]}
 
   def _current_config(self) -> ml_collections.ConfigDict:
     return apply_overrides(ml_collections.ConfigDict(self.config.to_dict()), self.overrides)

@@ -1,4 +1,4 @@
-"""The 3D hang view (MegaScale 5.2): every device's (dp, pp, tp) cell with its process's last
+"""The 3D hang view (MegaScale 5.2): every device's (dp, pp, cp, tp) cell with its process's last
 phase, the processes that went silent first named as suspects, the live ones stuck behind
 them (waiting in a collective) as victims.
 """
@@ -27,25 +27,29 @@ def classify_hang(last_seen: dict[int, float], last_progress: dict[int, float], 
   return suspects, sorted(p for p in last_progress if p not in suspects)
 
 
-def format_hang_view(beats: dict[int, dict], mesh_shape: tuple[int, int, int], suspects: list[int],
+def format_hang_view(beats: dict[int, dict], mesh_shape: tuple[int, int, int, int], suspects: list[int],
                      victims: list[int]) -> str:
-  """One block per dp replica: rows are pipeline stages, columns tensor-parallel ranks."""
-  dp, pp, tp = mesh_shape
+  """One block per dp replica: rows are pipeline stages (with cp > 1, a row per stage and cp
+  rank), columns tensor-parallel ranks. `mesh_shape`: (dp, pp, cp, tp), MESH_AXES' order."""
+  dp, pp, cp, tp = mesh_shape
   cells = np.full(mesh_shape, "?", dtype=object)       # a device no beat describes stays "?"
   for process, beat in beats.items():
     mark = "S" if process in suspects else "V" if process in victims else " "
     for device in beat.get("devices", ()):
       coords = tuple(device["coords"])
-      if len(coords) == 3 and all(0 <= c < n for c, n in zip(coords, mesh_shape)):
+      if len(coords) == len(mesh_shape) and all(0 <= c < n for c, n in zip(coords, mesh_shape)):
         cells[coords] = f"{mark} p{process} {beat.get('phase', '?')}"
   width = max(len(str(c)) for c in cells.flat)
-  lines = [f"3D hang view: dp={dp} x pp={pp} x tp={tp}; S = suspect (silent or stopped first), "
+  rows = [(s, c, f"  pp {s}" + (f" cp {c}" if cp > 1 else "") + ": ") for s in range(pp) for c in range(cp)]
+  indent = max(len(label) for *_, label in rows)
+  shape = f"dp={dp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "") + f" x tp={tp}"
+  lines = [f"{'3D' if cp == 1 else '4D'} hang view: {shape}; S = suspect (silent or stopped first), "
            "V = victim (alive, waiting on a collective)"]
   for d in range(dp):
     lines.append(f"dp {d}:")
-    lines.append("        " + " | ".join(f"tp {t}".ljust(width) for t in range(tp)))
-    for s in range(pp):
-      lines.append(f"  pp {s}: " + " | ".join(str(cells[d, s, t]).ljust(width) for t in range(tp)))
+    lines.append(" " * indent + " | ".join(f"tp {t}".ljust(width) for t in range(tp)))
+    for s, c, label in rows:
+      lines.append(label.ljust(indent) + " | ".join(str(cells[d, s, c, t]).ljust(width) for t in range(tp)))
   hosts = lambda ps: ", ".join(f"process {p} ({beats[p].get('host', '?')}, step {beats[p].get('step')})"  # noqa: E731
                                if p in beats else f"process {p} (no heartbeat)" for p in ps)
   lines.append(f"suspects: {hosts(suspects) or 'none'}")

@@ -337,8 +337,10 @@ def incidents_section(workdir: str) -> str:
 
 
 def _ranks_table(entries: list[dict]) -> str:
-  return _table(("rank", "dp", "pp", "tp", "evidence"),
-                [(e.get("rank"), e.get("dp"), e.get("pp"), e.get("tp"), e.get("evidence")) for e in entries])
+  """megajax-trace's stragglers or victims, one row each (an analysis from before the cp axis: cp 0)."""
+  return _table(("rank", "dp", "pp", "cp", "tp", "evidence"),
+                [(e.get("rank"), e.get("dp"), e.get("pp"), e.get("cp", 0), e.get("tp"), e.get("evidence"))
+                 for e in entries])
 
 
 def read_verdict(path: str) -> dict | str:

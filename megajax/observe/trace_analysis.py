@@ -2,17 +2,19 @@
 
 MegaScale 5 and MegaScan (../shared/reference): each process traced the same step on its own
 clock (megajax.observe.traces). Here:
-  1. `load_ranks`: every device's operations of the step, named by their (dp, pp, tp) rank
+  1. `load_ranks`: every device's operations of the step, named by their (dp, pp, cp, tp) rank
      and classified (forward / backward / optimizer / communication with its mesh axis).
   2. `align`: the participants of one collective finish together, so every collective
      instance that spans two processes is an anchor; each process is shifted onto the
      reference process's clock, piecewise linearly from anchor to anchor (clock drift stays
      bounded by the gap between two anchors).
-  3. `merged_trace`: one Chrome/Perfetto trace, one track per rank `DP{d}-PP{p}-TP{t}`.
+  3. `merged_trace`: one Chrome/Perfetto trace, one track per rank `DP{d}-PP{p}-TP{t}`
+     (`DP{d}-PP{p}-CP{c}-TP{t}` in a job with parallel.cp > 1).
   4. `heat_map` and `find_stragglers`: per-rank forward / backward / communication time;
-     a straggler is slow in every group it joins (its data-parallel peers, which run the
-     same operations, and its tensor-parallel group), and arrives last at their collectives;
-     ranks that merely wait for it (long communication, normal compute) are its victims.
+     a straggler is slow in every group it joins (its data- and context-parallel peers,
+     which run the same operations, and its tensor-parallel group), and arrives last at
+     their collectives; ranks that merely wait for it (long communication, normal compute)
+     are its victims.
   5. `analyse(workdir)`: all of it for a run's traced steps, written to
      WORKDIR/traces/analysis/ (merged_trace.json.gz, heatmap.csv / .png, stragglers.json),
      which megajax-report reads.
@@ -32,6 +34,7 @@ import re
 import numpy as np
 
 from megajax.observe.traces import META, TRACES
+from megajax.parallel.mesh import MESH_AXES
 
 CONTAINERS = ("while", "conditional", "call")   # their bodies' operations are traced themselves
 CATEGORIES = ("forward", "backward", "optimizer", "communication")
@@ -48,17 +51,28 @@ class TracedOp:
 
 @dataclasses.dataclass
 class Rank:
-  coords: tuple[int, int, int]
+  coords: tuple[int, int, int, int]   # (dp, pp, cp, tp): MESH_AXES' order
   process: int
   ops: list[TracedOp]
+  with_cp: bool = False               # the job's mesh has cp > 1: the label names the cp rank
 
   @property
   def label(self) -> str:
-    return rank_label(self.coords)
+    return rank_label(self.coords, self.with_cp)
 
 
-def rank_label(coords) -> str:
-  return "DP{}-PP{}-TP{}".format(*coords)
+def mesh_coords(coords) -> tuple[int, int, int, int]:
+  """(dp, pp, cp, tp) of a device's recorded coordinates; a trace from before the cp axis
+  recorded (dp, pp, tp): cp 0."""
+  coords = tuple(int(c) for c in coords)
+  return (*coords[:2], 0, coords[2]) if len(coords) == 3 else coords
+
+
+def rank_label(coords, with_cp: bool = False) -> str:
+  """A rank's name: "DP{d}-PP{p}-TP{t}", or "DP{d}-PP{p}-CP{c}-TP{t}" in a job whose mesh has
+  cp > 1 (`with_cp`; a cp rank above 0 is always named). (dp, pp, cp, tp) or (dp, pp, tp) coords."""
+  dp, pp, cp, tp = mesh_coords(coords)
+  return f"DP{dp}-PP{pp}-CP{cp}-TP{tp}" if with_cp or cp else f"DP{dp}-PP{pp}-TP{tp}"
 
 
 def latest_step_dir(traces_dir: str) -> str:
@@ -95,7 +109,7 @@ def load_process(process_dir: str) -> list[Rank]:
   process_names = {e["pid"]: e["args"]["name"] for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"}
   # CPU events name the device by its id, GPU tracks by the local ordinal.
-  ranks = [Rank(tuple(d["coords"]), meta["process"], []) for d in meta["devices"]]
+  ranks = [Rank(mesh_coords(d["coords"]), meta["process"], []) for d in meta["devices"]]
   by_ordinal = {d["ordinal"]: rank for d, rank in zip(meta["devices"], ranks)}
   by_ordinal.update({d["id"]: rank for d, rank in zip(meta["devices"], ranks)})
   ops = meta["ops"]
@@ -121,6 +135,9 @@ def load_ranks(step_dir: str) -> list[Rank]:
   if not processes:
     raise FileNotFoundError(f"no process_* traces in {step_dir}")
   ranks = [rank for p in processes for rank in load_process(p)]
+  with_cp = any(r.coords[2] for r in ranks)       # the job's cp > 1: every label names the cp rank
+  for rank in ranks:
+    rank.with_cp = with_cp
   empty = [r.label for r in ranks if not r.ops]
   if empty:
     raise ValueError(f"no operations of the traced step for {', '.join(empty)} in {step_dir}")
@@ -132,8 +149,9 @@ def load_ranks(step_dir: str) -> list[Rank]:
 def _group(coords, kind: str):
   """Who takes part in a collective on this axis with the rank at `coords`."""
   axis = kind.split()[0] if " " in kind else None
-  dp, pp, tp = coords
-  return {"dp": ("dp", pp, tp), "pp": ("pp", dp, tp), "tp": ("tp", dp, pp)}.get(axis, ("all",))
+  if axis not in MESH_AXES:
+    return ("all",)
+  return (axis, *(c for a, c in zip(MESH_AXES, coords) if a != axis))
 
 
 def collective_instances(ranks: list[Rank]) -> dict[tuple, list[tuple[Rank, TracedOp]]]:
@@ -211,8 +229,8 @@ def collective_end_spreads(ranks: list[Rank]) -> np.ndarray:
 # --- Outputs.
 
 def merged_trace(ranks: list[Rank]) -> dict:
-  """A Chrome/Perfetto trace: one process per rank named DP{d}-PP{p}-TP{t}, a compute and a
-  communication thread in each."""
+  """A Chrome/Perfetto trace: one process per rank named by its label (DP{d}-PP{p}-TP{t}), a
+  compute and a communication thread in each."""
   events = []
   for pid, rank in enumerate(ranks):
     events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": rank.label}})
@@ -233,8 +251,7 @@ def heat_map(ranks: list[Rank]) -> list[dict]:
     totals = collections.Counter()
     for op in rank.ops:
       totals[op.category] += (op.end - op.start) / 1e3
-    dp, pp, tp = rank.coords
-    rows.append({"rank": rank.label, "dp": dp, "pp": pp, "tp": tp, "process": rank.process,
+    rows.append({"rank": rank.label, **dict(zip(MESH_AXES, rank.coords)), "process": rank.process,
                  **{f"{c}_ms": round(totals[c], 3) for c in CATEGORIES}})
   return rows
 
@@ -262,19 +279,26 @@ def _last_to_start(ranks: list[Rank]) -> dict[str, dict[str, float]]:
           for label, c in counts.items()}
 
 
+# The groups whose members run the same operations, so that one's compute is compared with the
+# others': dp peers (other rows), cp peers (other positions of the same rows: the dual-chunk
+# layout balances the causal attention's work) and the tp group (other slices of the weights).
+# Pipeline stages run other layers.
+PEER_AXES = ("dp", "cp", "tp")
+
+
 def find_stragglers(ranks: list[Rank], threshold: float = 1.5, rows: list[dict] | None = None) -> dict:
   """Root causes and victims (MegaScan's heuristic, on per-rank totals of the traced step).
 
-  A rank is a straggler when, in every group it joins that has other members — its dp peers
-  (same pp, tp: the same operations on other data) and its tp group — its compute time is
-  the group's largest and at least `threshold` x the others' median. Its victims are the
-  other members of those groups, whose extra communication time is the wait for it.
+  A rank is a straggler when, in every group it joins that has other members (PEER_AXES: its
+  dp peers, its cp peers and its tp group), its compute time is the group's largest and at
+  least `threshold` x the others' median. Its victims are the other members of those groups,
+  whose extra communication time is the wait for it.
   """
   rows = {row["rank"]: row for row in rows or heat_map(ranks)}
   groups = collections.defaultdict(list)
   for row in rows.values():
-    groups[("dp", row["pp"], row["tp"])].append(row["rank"])
-    groups[("tp", row["dp"], row["pp"])].append(row["rank"])
+    for axis in PEER_AXES:
+      groups[(axis, *(row[a] for a in MESH_AXES if a != axis))].append(row["rank"])
   lateness = _last_to_start(ranks)
   stragglers, victims = [], {}
   for label, row in rows.items():
@@ -289,13 +313,12 @@ def find_stragglers(ranks: list[Rank], threshold: float = 1.5, rows: list[dict] 
       slow_everywhere &= ratio >= threshold and compute_ms(row) >= max(others)
     evidence["last_to_start_fraction"] = {k: round(v, 3) for k, v in lateness.get(label, {}).items()}
     if slow_everywhere:
-      stragglers.append({"rank": label, "dp": row["dp"], "pp": row["pp"], "tp": row["tp"],
-                         "process": row["process"], "evidence": evidence})
+      stragglers.append({"rank": label, **{a: row[a] for a in MESH_AXES}, "process": row["process"],
+                         "evidence": evidence})
       for _, members in joined:
         for m in members:
           if m != label and rows[m]["communication_ms"] > row["communication_ms"]:
-            victims[m] = {"rank": m, "dp": rows[m]["dp"], "pp": rows[m]["pp"], "tp": rows[m]["tp"],
-                          "process": rows[m]["process"],
+            victims[m] = {"rank": m, **{a: rows[m][a] for a in MESH_AXES}, "process": rows[m]["process"],
                           "evidence": {"waits_for": label, "compute_ms": round(compute_ms(rows[m]), 3),
                                        "communication_ms": rows[m]["communication_ms"],
                                        "extra_communication_ms": round(rows[m]["communication_ms"]
@@ -317,24 +340,26 @@ def analysis_dir(workdir: str) -> str:
 
 
 def plot_heat_map(rows: list[dict], path: str) -> None:
-  """One panel per quantity; rows of each panel are (dp, pp) pairs, columns tp ranks."""
+  """One panel per quantity; rows of each panel are (dp, pp) pairs ((dp, pp, cp) with cp > 1),
+  columns tp ranks."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  dp, pp, tp = (max(r[k] for r in rows) + 1 for k in ("dp", "pp", "tp"))
-  fig, axes = plt.subplots(1, len(HEATMAP_PANELS), figsize=(4 + 1.2 * tp * len(HEATMAP_PANELS), 1.5 + 0.5 * dp * pp),
+  dp, pp, cp, tp = (max(r[k] for r in rows) + 1 for k in MESH_AXES)
+  lines = [f"DP{d}-PP{p}" + (f"-CP{c}" if cp > 1 else "") for d in range(dp) for p in range(pp) for c in range(cp)]
+  fig, axes = plt.subplots(1, len(HEATMAP_PANELS), figsize=(4 + 1.2 * tp * len(HEATMAP_PANELS), 1.5 + 0.5 * len(lines)),
                            squeeze=False)
   for ax, quantity in zip(axes[0], HEATMAP_PANELS):
-    grid = np.zeros((dp * pp, tp))
+    grid = np.zeros((len(lines), tp))
     for r in rows:
-      grid[r["dp"] * pp + r["pp"], r["tp"]] = r[quantity]
+      grid[(r["dp"] * pp + r["pp"]) * cp + r["cp"], r["tp"]] = r[quantity]
     image = ax.imshow(grid, cmap="magma", aspect="auto")
     for (i, j), value in np.ndenumerate(grid):
       ax.text(j, i, f"{value:.1f}", ha="center", va="center", color="white" if value < grid.max() / 2 else "black",
               fontsize=8)
     ax.set_title(quantity.replace("_ms", " (ms)"))
     ax.set_xticks(range(tp), [f"TP{t}" for t in range(tp)])
-    ax.set_yticks(range(dp * pp), [f"DP{d}-PP{p}" for d in range(dp) for p in range(pp)])
+    ax.set_yticks(range(len(lines)), lines)
     fig.colorbar(image, ax=ax, fraction=0.046)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -2,7 +2,7 @@
 records one step with jax.profiler into WORKDIR/traces/step_<n>/process_<i>/.
 
 Beside the profiler's Chrome-format trace each process writes `trace_meta.json`: its devices'
-(dp, pp, tp) coordinates and, for every operation of the compiled step, what it is (forward,
+(dp, pp, cp, tp) coordinates and, for every operation of the compiled step, what it is (forward,
 backward, optimizer, or a collective with its mesh axis), read from the named scopes the
 step's code runs under ("forward", "optimizer", "dp all-gather", "tp reduce-scatter",
 "pp send-recv", ...; the backward is the forward's transpose). `megajax-trace` merges the

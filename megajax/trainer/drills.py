@@ -10,9 +10,9 @@ the tests (and an operator rehearsing) can check that what should notice it does
                                   with debug.fail_mode=hang SIGSTOP instead, as a host that
                                   stops answering would: its heartbeat goes silent while the
                                   others wait in the next step's collectives (hang detection)
-  debug.slow_rank="dp,pp,tp"      that rank runs debug.slow_rank_work extra matmuls per step
+  debug.slow_rank="dp,pp,cp,tp"   that rank runs debug.slow_rank_work extra matmuls per step
                                   (from debug.slow_rank_from_step), as a slow GPU would:
-                                  megajax-trace's straggler detection
+                                  megajax-trace's straggler detection ("dp,pp,tp": cp 0)
   debug.diagnose_slow_process=i   megajax-diagnose measures process i at a quarter of its
                                   speed, as a bad host would: the supervisor's elastic continue
 """
@@ -28,7 +28,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from megajax.parallel import collectives
-from megajax.parallel.mesh import DP, PP, TP, to_varying
+from megajax.parallel.mesh import MESH_AXES, to_varying
 from megajax.trainer.callbacks import Callback, Loop
 from megajax.trainer.heartbeat import supervisor_attempt
 
@@ -75,6 +75,12 @@ class FailAtStep(Callback):
       os.kill(os.getpid(), self.signal)
 
 
+def slow_rank_coords(slow_rank: str) -> tuple[int, int, int, int]:
+  """debug.slow_rank's (dp, pp, cp, tp): "dp,pp,cp,tp" (MESH_AXES' order), or "dp,pp,tp" at cp 0."""
+  coords = tuple(int(x) for x in slow_rank.split(","))
+  return (*coords[:2], 0, coords[2]) if len(coords) == 3 else coords
+
+
 def straggler_work(debug, model) -> Callable | None:
   """debug.slow_rank as the 3D step's `extra_work` (ParallelStep.build), or None when off.
 
@@ -84,17 +90,17 @@ def straggler_work(debug, model) -> Callable | None:
   elsewhere. One compiled program before and after the step it starts at."""
   if not debug.slow_rank:
     return None
-  coords = [int(x) for x in debug.slow_rank.split(",")]
+  coords = slow_rank_coords(debug.slow_rank)
   hidden, vocab = model.hidden_dim, model.vocab_size
   rounds, from_step = debug.slow_rank_work, debug.slow_rank_from_step
 
   @jax.named_scope("forward")
   def extra_work(batch, step):
-    here = ((collectives.axis_index(DP) == coords[0]) & (collectives.axis_index(PP) == coords[1])
-            & (collectives.axis_index(TP) == coords[2]))
-    here = here & (step >= from_step)
+    here = step >= from_step
+    for axis, index in zip(MESH_AXES, coords):
+      here = here & (collectives.axis_index(axis) == index)
     weight = jnp.full((hidden, hidden), 1.0 / hidden, jnp.float32)
-    tokens = to_varying(batch["inputs"], (DP, PP, TP))     # the branches' results vary like `here`
+    tokens = to_varying(batch["inputs"], MESH_AXES)     # the branches' results vary like `here`
 
     def work(tokens):
       x = jnp.broadcast_to(tokens[..., None].astype(jnp.float32) / vocab, (*tokens.shape, hidden))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel import zero
-from megajax.parallel.mesh import DP, PP, TP, to_varying
+from megajax.parallel.mesh import CP, DP, PP, TP, to_varying
 from megajax.parallel.pipeline.executor import STAT_NAMES, stage_params, sum_over_stages
 from megajax.parallel.pipeline.slots import row_at
 from megajax.parallel.pipeline.stacking import LAYERS, compute_rows
@@ -59,8 +59,8 @@ def gpipe_autodiff_gradients(params, batch, layouts, stages: int, virtual_stages
       return (sent, stats), None
 
     b, seq = split["inputs"].shape[1:]
-    received = to_varying(jnp.zeros((b, seq // lax.axis_size(TP), c.hidden_dim), c.compute_dtype), (DP, PP, TP))
-    zero = to_varying(jnp.zeros((), jnp.float32), (DP, PP))
+    received = to_varying(jnp.zeros((b, seq // lax.axis_size(TP), c.hidden_dim), c.compute_dtype), (DP, PP, CP, TP))
+    zero = to_varying(jnp.zeros((), jnp.float32), (DP, PP, CP))
     (_, stats), _ = lax.scan(tick, (received, {k: zero for k in STAT_NAMES}), jnp.arange(m + p - 1))
     return stats["nll_sum"] + z_loss * stats["z_sum"], stats
 

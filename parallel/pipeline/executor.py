@@ -80,7 +80,7 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel import collectives, zero
-from megajax.parallel.mesh import DP, PP, TP, after, after_by_one_element, to_varying, varying_axes
+from megajax.parallel.mesh import CP, DP, PP, TP, after, after_by_one_element, to_varying, varying_axes
 from megajax.parallel.pipeline.slots import Slots, row_at, rows_at, with_row_at, with_rows_at
 from megajax.parallel.pipeline.stacking import LAYERS, compute_rows
 from megajax.parallel.pipeline.tables import Tables, dp_pieces
@@ -138,7 +138,7 @@ def sum_over_stages(grads: dict, stats: dict):
   """Gradient shards of the non-block leaves (used by the first / last stage only) and the
   loss statistics, summed over pp (and the statistics over dp)."""
   grads = {name: g if name == LAYERS else jax.tree.map(lambda x: lax.psum(x, PP), g) for name, g in grads.items()}
-  return grads, {name: collectives.psum(value, (DP, PP)) for name, value in stats.items()}
+  return grads, {name: collectives.psum(value, (DP, PP, CP)) for name, value in stats.items()}
 
 
 def dp_edge_pieces(tables: Tables, dp: int, grad_sync: str) -> tuple:
@@ -206,9 +206,9 @@ def _start(params, full, microbatches, layouts, tables: Tables, c: ModelConfig, 
 
   def activation_buffer(slots):
     shape = (slots, b, seq // lax.axis_size(TP), c.hidden_dim)
-    return to_varying(jnp.zeros(shape, c.compute_dtype), (DP, PP, TP))
+    return to_varying(jnp.zeros(shape, c.compute_dtype), (DP, PP, CP, TP))
 
-  zero_stat = to_varying(jnp.zeros((), jnp.float32), (DP, PP))
+  zero_stat = to_varying(jnp.zeros((), jnp.float32), (DP, PP, CP))
   # "step": full local fp32 sums, typed like the gathered stage parameters; "microbatch": the
   # 1/dp shards, typed like the master shards (varying over pp as a stage computes).
   # The layers' gradients are taken w.r.t. their compute form and accumulated in it ("step"),

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel import collectives
-from megajax.parallel.mesh import DP, PP, TP, to_varying
+from megajax.parallel.mesh import CP, DP, PP, TP, to_varying
 from megajax.parallel.pipeline.executor import STAT_NAMES, stage_params
 from megajax.parallel.pipeline.slots import chunk_forward, matching, row_at, rows_at, with_row_at
 from megajax.parallel.pipeline.stacking import LAYERS, compute_rows, stacked_layer_order
@@ -61,8 +61,8 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
   stage = lax.axis_index(PP)
   split = split_microbatches(batch, m)                  # [m, b, S]
   b, seq = split["inputs"].shape[1:]
-  message = to_varying(jnp.zeros((b, seq // lax.axis_size(TP), c.hidden_dim), c.compute_dtype), (DP, PP, TP))
-  zero_stats = {name: to_varying(jnp.zeros((), jnp.float32), (DP, PP)) for name in STAT_NAMES}
+  message = to_varying(jnp.zeros((b, seq // lax.axis_size(TP), c.hidden_dim), c.compute_dtype), (DP, PP, CP, TP))
+  zero_stats = {name: to_varying(jnp.zeros((), jnp.float32), (DP, PP, CP)) for name in STAT_NAMES}
 
   def branch(program: Program):
     shared_names = (("embedding",) if program.first else ()) + (
@@ -103,4 +103,4 @@ def pipeline_loss_sums(params, batch, layouts, stages: int, virtual_stages: int,
 
   arrivals = jnp.broadcast_to(message, (m, *message.shape))
   (_, _, stats), _ = lax.scan(tick, (message, arrivals, zero_stats), jnp.arange(v * span))
-  return {name: collectives.psum(value, (DP, PP)) for name, value in stats.items()}
+  return {name: collectives.psum(value, (DP, PP, CP)) for name, value in stats.items()}

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from megajax.model import ModelConfig
 from megajax.parallel import zero
-from megajax.parallel.mesh import to_varying, varying_axes
+from megajax.parallel.mesh import PP, to_varying, varying_axes
 from megajax.parallel.pipeline.residuals import SplitChunk, group_dtype
 from megajax.parallel.pipeline.stacking import LAYERS, compute_rows, parameter_rows
 from megajax.parallel.pipeline.tables import Program, Tables
@@ -142,9 +142,11 @@ class Slots:
     return parameter_rows(rows, self.layer_like, self.c)
 
   def residual_buffers(self) -> dict:
-    """The carry's residual buffers: per group of mesh axes, [slots + 1, words]."""
+    """The carry's residual buffers: per group of mesh axes, [slots + 1, words]; varying over pp
+    too, whatever the group's axes (the tick's slots are switched by stage: what they write
+    varies over pp, a residual the chunk traced as pp-invariant (a mask of the layout's) too)."""
     return {group_key(group): to_varying(jnp.zeros((self.tables.residual_slots + 1, words), group_dtype(group)),
-                                         group[0])
+                                         (*group[0], PP))
             for group, words in self.residual_words.items()}
 
   # What an idle slot returns is made inside its branch, not closed over: a switch returning a

@@ -136,10 +136,12 @@ class Plan:
   tp_backward_overlap: bool = True
   allreduce_grad_bytes: int = 4   # without the distributed optimizer: the all-reduced gradients' bytes
                                   # (Megatron-LM's fp32 main_grad; fp16 gradients: 2)
+  # megajax's parallel.cp: each row's positions split over cp devices (megajax.parallel.context_parallel).
+  cp: int = 1
 
   @property
   def gpus(self) -> int:
-    return self.dp * self.pp * self.tp
+    return self.dp * self.pp * self.cp * self.tp
 
   @property
   def splits_sequence(self) -> bool:
@@ -155,6 +157,13 @@ class Plan:
   def bubble_fraction(self) -> float:
     """Idle over busy time per stage, (p-1)/(v m) (pipeline/schedule.py's simulated value)."""
     return (self.pp - 1) / (self.virtual_stages * self.microbatches)
+
+
+def per_device_rows(c: ModelConfig, plan: Plan) -> ModelConfig:
+  """The model as one device of the plan's cp group runs it: rows of seq_len / cp positions
+  (what its matmuls, norms, tp and pp messages and activations scale with; a global layer's
+  attention is cp of these rows' causal attention: mean_layer)."""
+  return c if plan.cp == 1 else dataclasses.replace(c, seq_len=c.seq_len // plan.cp)
 
 
 def apply_switches(c: ModelConfig, opts: Optimizations) -> ModelConfig:
@@ -256,17 +265,18 @@ class StepTime:
   mfu: float            # model FLOPs / (total x GPUs x peak)
   recompute_matmul: float # of `recompute`, the GEMMs' and attention's
   straggler: float = 0.0  # the expected wait for a slow machine (the rest x slowdown x its chance)
+  cp_comm: float = 0.0    # exposed context-parallel sends (halos, ring steps)
 
   @property
   def total(self) -> float:
-    return (self.gemm + self.attention + self.memory_bound + self.tp_comm + self.pp_comm + self.bubble
-            + self.dp_comm + self.optimizer + self.data + self.straggler)
+    return (self.gemm + self.attention + self.memory_bound + self.tp_comm + self.cp_comm + self.pp_comm
+            + self.bubble + self.dp_comm + self.optimizer + self.data + self.straggler)
 
   def parts(self) -> dict:
     """The step's parts by kind (seconds); compute is the model's matmul and attention work."""
     return {"compute": self.gemm + self.attention - self.recompute_matmul, "recompute": self.recompute,
             "memory-bound": self.memory_bound - (self.recompute - self.recompute_matmul) + self.optimizer,
-            "tp-comm": self.tp_comm, "pp-comm": self.pp_comm, "bubble": self.bubble, "dp-comm": self.dp_comm,
+            "tp-comm": self.tp_comm, "cp-comm": self.cp_comm, "pp-comm": self.pp_comm, "bubble": self.bubble, "dp-comm": self.dp_comm,
             "data": self.data, "stragglers": self.straggler}
 
   @property
@@ -288,10 +298,15 @@ def pipelined(pieces: int, piece_seconds: float, window: float) -> float:
 
 
 def mean_layer(c: ModelConfig, plan: Plan, hw: Hardware, k: Calibration) -> operations.LayerTimes:
-  """The layer times averaged over the model's window pattern (local and global layers)."""
+  """The layer times averaged over the model's window pattern (local and global layers); `c`
+  one device's rows (per_device_rows). With cp > 1 a global layer's attention is its ring's cp
+  steps, each the work of a causal attention over the device's rows (c x 2c visible pairs)."""
   windows = [c.layer_window(i) for i in range(c.num_layers)]
   times = {w: operations.layer_times(c, plan.micro_batch, plan.tp, plan.opts.fused_ops, plan.splits_sequence, hw, k, w)
            for w in set(windows)}
+  if plan.cp > 1 and None in times:
+    times[None] = dataclasses.replace(times[None], attention_forward=plan.cp * times[None].attention_forward,
+                                      attention_backward=plan.cp * times[None].attention_backward)
   fields = [f.name for f in dataclasses.fields(operations.LayerTimes)]
   return operations.LayerTimes(*(sum(getattr(times[w], f) for w in windows) / len(windows) for f in fields))
 
@@ -317,12 +332,39 @@ def tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware):
   return forward, backward, head
 
 
+def cp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, layer_attention: dict) -> tuple[float, float]:
+  """(forward, backward) exposed seconds of one microbatch's context-parallel sends on a stage,
+  `c` one device's rows, `layer_attention` {window: (forward, backward) attention seconds of
+  such a layer}. A local layer sends two halos (its chunks') of w-1 keys and values, under the
+  attention over its own keys; a global one cp-1 ring steps of the rows' K/V, each under a
+  step's attention; the backward sends as much back. Over NVLink when the tp x cp group sits in
+  one node, else the NICs."""
+  if plan.cp == 1:
+    return 0.0, 0.0
+  kv_bytes = plan.micro_batch * c.num_kv_heads * c.head_dim / plan.tp * c.compute_dtype.itemsize * 2   # K and V
+  bandwidth = hardware.link_busbw(plan.tp * plan.cp, hw) * GB
+  send = lambda positions: hardware.COLLECTIVE_LATENCY_S + positions * kv_bytes / bandwidth
+  totals = [0.0, 0.0]
+  for layer in range(c.num_layers // plan.pp):
+    window = c.layer_window(layer)
+    attention = layer_attention[window]
+    for phase in (0, 1):
+      if window is None:       # each step's send under the step before's attention
+        step = attention[phase] / plan.cp
+        totals[phase] += (plan.cp - 1) * max(0.0, send(c.seq_len) - step)
+      else:
+        totals[phase] += max(0.0, 2 * send(window - 1) - attention[phase])
+  return totals[0], totals[1]
+
+
 def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
               calibration: Calibration = CALIBRATION) -> StepTime:
   """The predicted step of `plan` on `hw` for the model `c` (the switches applied here), with
-  the step-time constants of `calibration`."""
+  the step-time constants of `calibration`. With cp > 1 one device runs rows of seq_len / cp
+  (per_device_rows) and the model FLOPs are the whole rows'."""
   k = calibration
-  c = apply_switches(c, plan.opts)
+  whole = apply_switches(c, plan.opts)
+  c = per_device_rows(whole, plan)
   remat = remat or c.remat
   o, p, v, m, n = plan.opts, plan.pp, plan.virtual_stages, plan.microbatches, plan.tp
   megajax = plan.executor == "megajax"
@@ -354,6 +396,12 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   t_tp = forward_comm + backward_comm
   if o.tp_overlap:
     t_tp = hardware.overlapped_seconds(t_tp, t_tp * (1 - k.tp_overlap_hidden))
+  windows = {c.layer_window(i) for i in range(c.num_layers)}
+  attention_of = {w: operations.attention_times(c, plan.micro_batch, n, w, o.fused_ops, hw, k) for w in windows}
+  if None in attention_of:      # the ring's cp steps (mean_layer)
+    attention_of[None] = tuple(plan.cp * t for t in attention_of[None])
+  cp_forward, cp_backward = cp_seconds(c, plan, hw, attention_of)
+  t_cp = cp_forward * (1 + again) + cp_backward
 
   # Pipeline: per microbatch a stage sends v activations and v gradients (receiving as many the
   # other way), sequence-sharded over tp (Megatron-LM's scatter / gather), over its NIC; blocking
@@ -366,11 +414,14 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
       # what one chunk's op cannot hide
       t_pp = hardware.overlapped_seconds(t_pp, max(0.0, t_pp - (t_gemm + t_attention) / (2 * v)))
 
-  per_microbatch = t_gemm + t_attention + t_memory + t_tp + t_pp
+  per_microbatch = t_gemm + t_attention + t_memory + t_tp + t_cp + t_pp
   bubble = plan.bubble_fraction * m * per_microbatch
   compute = m * (t_gemm + t_attention + t_memory)
   counts = param_counts(c, plan)
   t_dp = _dp_seconds(c, plan, hw, counts, compute, layer)
+  if plan.cp > 1:   # the gradient shards summed over cp, once, after the backward: exposed
+    t_dp += hardware.collective_seconds(counts.shard * 4, plan.cp, hardware.link_busbw(plan.tp * plan.cp, hw),
+                                        "all_reduce")
 
   # Optimizer: a streaming pass over the shard it updates (read param, grad, 2 moments; write
   # 3), LAMB a second pass for its norms; Megatron-LM also writes the bf16 copy. Without the
@@ -382,12 +433,12 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
 
   # Stragglers: the step waits for its slowest machine; with the chance that the job holds a slow
   # one, the whole step is that much longer (hardware.SLOW_MACHINE_FRACTION).
-  rest = compute + m * (t_tp + t_pp) + bubble + t_dp + t_optimizer + data
+  rest = compute + m * (t_tp + t_cp + t_pp) + bubble + t_dp + t_optimizer + data
   straggler = rest * k.straggler_slowdown * hardware.slow_machine_chance(plan.gpus, hw)
-  model_flops = flops.training_flops_per_token(c) * plan.batch * c.seq_len
+  model_flops = flops.training_flops_per_token(whole) * plan.batch * whole.seq_len
   mfu = model_flops / ((rest + straggler) * plan.gpus * hw.peak_tflops * 1e12)
   return StepTime(m * t_gemm, m * t_attention, m * t_memory, m * t_tp, m * t_pp, bubble, t_dp, t_optimizer, data,
-                  m * recompute, mfu, m * recompute_matmul, straggler)
+                  m * recompute, mfu, m * recompute_matmul, straggler, m * t_cp)
 
 
 def _dp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, counts: ParamCounts, compute: float,

@@ -132,6 +132,7 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
   parts = [("gemm", t.gemm, "matmuls, recomputation included"), ("attention", t.attention, "attention core"),
            ("memory-bound", t.memory_bound, "norms, activations, dropout, residuals"),
            ("tp-comm", t.tp_comm, "exposed tensor-parallel collectives"),
+           ("cp-comm", t.cp_comm, "exposed context-parallel sends (halos, ring steps)"),
            ("pp-comm", t.pp_comm, "exposed pipeline transfers"),
            ("bubble", t.bubble, f"(pp - 1) / v = {(plan.pp - 1) / plan.virtual_stages:.2f} microbatches' time"),
            ("dp-comm", t.dp_comm, "exposed gradient and parameter collectives"),
@@ -149,11 +150,11 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
 
 
 def parse_explain(value: str, batch: int, opts, executor: str) -> Plan:
-  """`dp,pp,tp,v,b` -> a Plan (ValueError naming what is wrong)."""
+  """`dp,pp,tp,v,b` or `dp,pp,tp,v,b,cp` -> a Plan (ValueError naming what is wrong)."""
   parts = value.split(",")
-  if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-    raise ValueError("want five positive integers dp,pp,tp,v,b, e.g. --explain=128,12,8,8,2")
-  dp, pp, tp, v, b = map(int, parts)
+  if len(parts) not in (5, 6) or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    raise ValueError("want five positive integers dp,pp,tp,v,b (and cp), e.g. --explain=128,12,8,8,2")
+  dp, pp, tp, v, b, *cp = map(int, parts)
   if batch % (dp * b):
     raise ValueError(f"dp x b = {dp * b} does not divide the batch {batch}")
-  return Plan(dp, pp, tp, v, b, batch, opts, executor)
+  return Plan(dp, pp, tp, v, b, batch, opts, executor, cp=cp[0] if cp else 1)

@@ -46,7 +46,7 @@ def plan_of(config, platform: str = "gpu") -> Plan:
                                       fused_ops=ATTENTION_FUSED[c.attention_impl],
                                   lamb=config.optimizer.name == "lamb")
   return Plan(p.dp, p.pp, p.tp, p.virtual_stages, t.batch_size // (p.dp * t.microbatches), t.batch_size, opts,
-              "megajax", p.grad_sync, p.pipeline_recompute_on(platform), p.schedule, p.traversal)
+              "megajax", p.grad_sync, p.pipeline_recompute_on(platform), p.schedule, p.traversal, cp=p.cp)
 
 
 def estimate(config, platform: str) -> Memory:

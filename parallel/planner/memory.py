@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from megajax.layers import BLOCK_FAMILIES, MLP_FAMILIES
 from megajax.model import ModelConfig
-from megajax.parallel.planner.cost_model import ParamCounts, Plan, apply_switches, param_counts
+from megajax.parallel.planner.cost_model import ParamCounts, Plan, apply_switches, param_counts, per_device_rows
 from megajax.parallel.planner.operations import norms_per_layer
 
 # What one layer keeps for its backward under remat none, per token, in units of each tensor's
@@ -271,23 +271,45 @@ class Weighed:
   terms: dict[str, float]     # each term's unweighted bytes
   weights: dict[str, float]   # the platform's fitted weights (XLA_CPU, XLA_GPU, XLA_PIPELINE, XLA_GPU_PIPELINE)
   part_of: dict[str, str]     # the Memory part each term belongs to
+  context: float = 0.0        # activations no weight scales: cp's ring and halo buffers (context_bytes)
 
   @property
   def fixed(self) -> float:
     """The bytes no weight scales."""
-    return self.state + self.counted
+    return self.state + self.counted + self.context
 
   def memory(self) -> Memory:
     parts = _weighted(self.terms, self.weights, self.part_of)
     parts["params_temp"] += self.counted
+    parts["activations"] += self.context
     return Memory(self.state, **parts)
+
+
+def context_bytes(c: ModelConfig, plan: Plan, remat: str) -> float:
+  """What context parallelism (cp > 1) adds to a device's activations, `c` one device's rows
+  (cost_model.per_device_rows), counted (no fit has cp): a global layer's ring keeps its cp
+  steps' partial outputs (fp32) and log-sum-exps for the merge's backward (every global layer's
+  under remat none, one layer's rebuilt otherwise) and holds a visiting step's K/V and the next
+  in flight; a local layer attends its two chunks' 2(w-1)-position edges again (q, k, v and
+  the output)."""
+  if plan.cp == 1:
+    return 0.0
+  b, n, cb = plan.micro_batch, plan.tp, c.compute_dtype.itemsize
+  q, kv = c.num_heads * c.head_dim / n, c.num_kv_heads * c.head_dim / n
+  windows = [c.layer_window(i) for i in range(c.num_layers // plan.pp)]
+  global_layers = windows.count(None)
+  ring_layer = plan.cp * b * c.seq_len * (q + c.num_heads / n) * 4
+  kept = (global_layers if remat == "none" else min(global_layers, 1)) * ring_layer
+  visiting = 2 * 2 * b * c.seq_len * kv * cb if global_layers else 0.0
+  edges = max((2 * b * 2 * (w - 1) * (2 * q + 2 * kv) * cb for w in windows if w is not None), default=0.0)
+  return kept + visiting + edges
 
 
 def weighed_terms(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None,
                   platform: str = "gpu") -> Weighed:
   """megajax's executor on `platform` (`memory`'s arguments): the single stage's terms weighed
   by XLA_GPU / XLA_CPU, the pipeline's by XLA_GPU_PIPELINE / XLA_PIPELINE."""
-  c = apply_switches(c, plan.opts)     # idempotent: memory() passes it switched already
+  c = per_device_rows(apply_switches(c, plan.opts), plan)   # switches idempotent: memory() passes it switched
   remat = remat or c.remat
   fused_attention = plan.opts.fused_ops if fused_attention is None else fused_attention
   counts = param_counts(c, plan)
@@ -296,12 +318,12 @@ def weighed_terms(c: ModelConfig, plan: Plan, remat: str | None = None, fused_at
   if plan.pp == 1:
     remat = remat if platform == "gpu" else "none"       # XLA:CPU runs the recomputation early
     return Weighed(state, 0.0, single_stage_terms(c, plan, counts, remat, fused_attention, platform),
-                   XLA_GPU if platform == "gpu" else XLA_CPU, SINGLE_STAGE_PARTS)
+                   XLA_GPU if platform == "gpu" else XLA_CPU, SINGLE_STAGE_PARTS, context_bytes(c, plan, remat))
   # Pipeline: the stage's weights cast to the compute dtype once per step (executor.stage_params)
   # and held through the tick scan are counted exactly.
   copy = counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0
   return Weighed(state, copy, pipeline_terms(c, plan, counts, remat, fused_attention),
-                 XLA_GPU_PIPELINE if platform == "gpu" else XLA_PIPELINE, PIPELINE_PARTS)
+                 XLA_GPU_PIPELINE if platform == "gpu" else XLA_PIPELINE, PIPELINE_PARTS, context_bytes(c, plan, remat))
 
 
 def _weighted(terms: dict[str, float], weights: dict[str, float], part_of: dict[str, str]) -> dict[str, float]:

@@ -181,6 +181,8 @@ def test_plan_cli_explains_one_plan():
                                          (["--gpus=256", "--batch=768", "--explain=8,4,8,5,1"], "--explain=8,4,8,5,1"),
                                          (["--gpus=8", "--compile"], "--hardware=a100-80g"),
                                          (["--gpus=3", "--hardware=h100-80g", "--compile"], "--gpus=3"),
+                                         (["--gpus=8", "--hardware=h100-80g", "--compile", "--config.parallel.cp=2",
+                                           "--config.model.window=512"], "dp x pp x cp x tp = 128"),
                                          (["--gpus=8", "--fbd_forward=a100:8"], "--fbd_forward=a100:8"),
                                          (["--gpus=8", "--fbd_forward=a100-80g:x"], "--fbd_forward=a100-80g:x")])
 def test_plan_cli_bad_input_is_one_line_naming_the_flag(flags, flag):

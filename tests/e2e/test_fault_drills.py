@@ -192,7 +192,7 @@ def test_a_hung_worker_is_found_and_the_job_continues_without_it(reference, tmp_
   victim_log = (elastic / "logs" / "attempt_0.process_0.log").read_text()
   assert "(most recent call first)" in victim_log and "_run_loop" in victim_log, victim_log[-3000:]
   assert incident["action"] == "elastic" and incident["bad_processes"] == [1], incident
-  assert incident["mesh_after"] == [1, 1, 2] and incident["processes_after"] == 1
+  assert incident["mesh_after"] == [1, 1, 1, 2] and incident["processes_after"] == 1     # (dp, pp, cp, tp)
   assert "train.microbatches=8 (the global batch stays 16)" in output
   report = json.loads(next((elastic / "diagnostics").glob("*.json")).read_text())
   assert report["bad_processes"] == [1]

@@ -156,6 +156,31 @@ def test_launcher_losses_are_the_same_on_any_mesh(tmp_path, tmp_path_factory):
   assert single[-1] < single[0]
 
 
+def test_context_parallel_through_the_launcher_logs_the_single_device_losses(tmp_path):
+  """--config.parallel.cp=2 with dp 2 x tp 2 (the short job's model, its window cut to one
+  chunk + 1 = 9 for 32-position rows at cp = 2, local and global layers): the mesh in the
+  log, and the losses of the same run on one device."""
+  window = ["--config.model.window=9", "--config.parallel.pp=1", "--config.parallel.virtual_stages=1"]
+  single = run_module([*SHORT_RUN, f"--workdir={tmp_path}/single", *window, "--config.parallel.dp=1",
+                       "--config.parallel.tp=1"])
+  sharded = run_module([*SHORT_RUN, f"--workdir={tmp_path}/cp", *window, "--config.parallel.cp=2"])
+  assert single.returncode == 0 and sharded.returncode == 0, (single.stderr[-2000:], sharded.stderr[-2000:])
+  assert "mesh dp=2 pp=1 cp=2 tp=2" in sharded.stderr
+  single_losses, sharded_losses = _losses(tmp_path / "single"), _losses(tmp_path / "cp")
+  assert len(single_losses) == len(sharded_losses) == 12
+  np.testing.assert_allclose(sharded_losses, single_losses, rtol=1e-5)
+
+
+def test_context_parallel_bad_input_is_one_line_before_anything_starts(tmp_path):
+  """A window beyond one cp chunk + 1: one line naming model.window and the largest that fits,
+  exit 2, no workdir."""
+  line = one_line_failure(run_module([*TRAIN, f"--workdir={tmp_path}/run", "--config.parallel.cp=2",
+                                      "--config.parallel.pp=1", "--config.parallel.virtual_stages=1"]),
+                          "config error", "model.window=64", "parallel.cp=2", "at most 33")
+  assert line.startswith("megajax-train: config error: model.window=64:")
+  assert not (tmp_path / "run").exists()
+
+
 def test_megafbd_across_processes_is_refused_on_each_in_one_line(tmp_path):
   """parallel.fbd in a 2-process job: every process exits 2 with the one line naming the field
   and why (its groups' transfers are jax.device_put between one process's devices), at the

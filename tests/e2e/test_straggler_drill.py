@@ -77,7 +77,7 @@ def test_the_detector_names_the_slow_rank_and_its_victims(drill):
   written = json.loads((drill / "traces" / "analysis" / "stragglers.json").read_text())
   assert written["stragglers"][0]["rank"] == "DP1-PP0-TP2"
   rows = (drill / "traces" / "analysis" / "heatmap.csv").read_text().splitlines()
-  assert rows[0].startswith("rank,dp,pp,tp") and len(rows) == 1 + 8
+  assert rows[0].startswith("rank,dp,pp,cp,tp") and len(rows) == 1 + 8
   assert (drill / "traces" / "analysis" / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
 
 

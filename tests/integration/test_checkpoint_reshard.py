@@ -14,11 +14,14 @@ from tests.support.checkpoints import parallel_step_for
 from tests.support.once import once_per_run
 
 
-def _small(tiny_config, dp, pp, tp, steps=10):
+def _small(tiny_config, dp, pp, tp, steps=10, cp=1):
   c = tiny_config
   c.model.num_layers, c.train.batch_size, c.train.microbatches, c.train.steps = 4, 16, 2, steps
   c.train.log_every, c.checkpoint.every_steps, c.checkpoint.keep = 1, 3, 10
   c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.virtual_stages = dp, pp, tp, 2 if pp > 1 else 1
+  c.parallel.cp = cp
+  if cp > 1:   # local and global layers, the window a whole chunk at cp = 4
+    c.model.window, c.model.window_pattern = 3, "LG"
   return c
 
 
@@ -59,3 +62,24 @@ def test_restore_onto_another_mesh(tmp_path_factory, tiny_config, mesh):
 def _copy_of(tiny_config):
   """A second, independent copy of the tiny config (the fixture is one object per test)."""
   return copy.deepcopy(tiny_config)
+
+
+@pytest.mark.parametrize("mesh", [(1, 1, 1, 1), (2, 1, 2, 2)], ids=["cp1", "2x1x2x2"])
+def test_restore_across_context_parallel(tmp_path_factory, tiny_config, mesh):
+  """Saved at cp = 4 (dp 2 x cp 4), restored at cp = 1 (one device) and cp = 2 (with dp and
+  tp): parameters are laid out whatever cp is (cp replicates them), so training on from step
+  6 logs the cp = 4 run's losses."""
+  def reference_run(source):                # 10 steps at dp 2 x cp 4, checkpoints 3, 6, 9, 10
+    reference = train(_small(_copy_of(tiny_config), 2, 1, 1, cp=4), str(source), devices=jax.devices())
+    (source / "losses.json").write_text(json.dumps({h["step"]: h["loss"] for h in reference.history}))
+
+  source = once_per_run(tmp_path_factory, "reshard_cp_source", reference_run)
+  want = {int(k): v for k, v in json.loads((source / "losses.json").read_text()).items()}
+  dp, pp, cp, tp = mesh
+  config = _small(tiny_config, dp, pp, tp, cp=cp)
+  config.model.window, config.model.window_pattern = 3, "LG"
+  workdir = tmp_path_factory.mktemp("target")
+  _copy_checkpoint(source, workdir, 6)
+  result = train(config, str(workdir), devices=jax.devices()[:dp * pp * cp * tp])
+  assert result.start_step == 6
+  np.testing.assert_allclose([h["loss"] for h in result.history], [want[s] for s in range(7, 11)], rtol=1e-5)

@@ -174,8 +174,8 @@ def assert_matches_reference(config, rtol=1e-5, param_leaf_rtol=None, packed=Fal
 
 def parallel_step_for(config) -> ParallelStep:
   """The trainer's 3D step (megajax.trainer.build_parallel_step: probes and drills from the
-  config) on the first dp * pp * tp of the 8 test devices."""
-  size = config.parallel.dp * config.parallel.pp * config.parallel.tp
+  config) on the first dp * pp * cp * tp of the 8 test devices."""
+  size = section(config, "parallel").device_count
   return build_parallel_step(config, jax.devices()[:size])
 
 

@@ -131,12 +131,54 @@ def test_megafbd_refuses_what_it_cannot_run(field, value, named):
   assert message.startswith(named + "=") and "\n" not in message and ";" in message, message
 
 
+# Context parallelism (cp = 2, tp = 2, a window of 16 on 128-position rows): one line each.
+INVALID_FOR_CP = [
+    ("parallel.cp", 0, "parallel.cp"),
+    ("model.seq_len", 100, "model.seq_len"),             # not 2 * cp chunks split over tp
+    ("model.window", 40, "model.window"),                # beyond one 32-position chunk + 1
+    ("observe.capture", "0:residual", "observe.capture"),
+    ("observe.perturb", "noise", "observe.perturb"),
+    ("parallel.fbd.enabled", True, "parallel.cp"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", INVALID_FOR_CP, ids=[f"{f}={v}" for f, v, _ in INVALID_FOR_CP])
+def test_context_parallel_refuses_what_it_cannot_run(field, value, named):
+  config = default_config()
+  config.parallel.cp, config.parallel.tp = 2, 2
+  config.model.window, config.model.window_pattern = 16, "LG"
+  validate(config)
+  *parents, name = field.split(".")
+  node = config
+  for parent in parents:
+    node = node[parent]
+  node[name] = value
+  with pytest.raises(ConfigError) as error:
+    validate(config)
+  message = str(error.value)
+  assert message.startswith(named + "=") and "\n" not in message and ";" in message, message
+
+
 def test_heads_must_split_over_tp():
   config = default_config()
   config.model.hidden_dim, config.parallel.tp = 96, 4
   config.model.num_heads = 6
   with pytest.raises(ConfigError, match=r"^model\.num_heads=6: not divisible by parallel\.tp=4"):
     validate(config)
+
+
+def test_slow_rank_is_a_rank_of_the_mesh():
+  """debug.slow_rank: "dp,pp,cp,tp" (MESH_AXES' order) or the 3-value "dp,pp,tp" (cp 0), each
+  below its axis' size."""
+  config = default_config()
+  config.parallel.dp, config.parallel.cp, config.parallel.tp = 2, 2, 2
+  for rank in ("1,0,1,1", "0,0,0,0", "1,0,1"):
+    config.debug.slow_rank = rank
+    validate(config)
+  for rank in ("0,0,2,0", "0,1,0,0", "0,0,0,2", "2,0,0", "0,0", "0,0,0,0,0", "0,0,x,0"):
+    config.debug.slow_rank = rank
+    with pytest.raises(ConfigError, match=r"^debug\.slow_rank='[^']*': must be 'dp,pp,cp,tp'.*dp=2 pp=1 cp=2 tp=2"):
+      validate(config)
 
 
 def test_every_3d_mesh_validates():

@@ -1,8 +1,10 @@
 """The diagnostic tests in process: the outlier rule, the slow-process and eviction rules,
-the findings's text, a run on the 8 test devices as a 2x2x2 mesh. (The 2-process drill:
+the findings's text, runs on the 8 test devices as 2x2x1x2 and 2x1x2x2 (dp, pp, cp, tp) meshes. (The 2-process drill:
 tests/e2e/test_diagnose.py; the supervisor acting on it: tests/e2e/test_fault_drills.py.)"""
 
 import json
+
+import pytest
 
 from megajax.launch.supervisor.diagnostics import (SLOW_RATIO, SLOW_RUNS, diagnose, find_outliers, find_slow,
                                                    format_findings, processes_to_evict)
@@ -53,7 +55,7 @@ def test_eviction_needs_repeated_slowness_of_a_blamed_process():
 
 
 def test_format_findings_names_bad_processes_and_their_hosts():
-  device = {"process": 1, "host": "b", "device_id": 5, "coords": {"dp": 1, "pp": 0, "tp": 0},
+  device = {"process": 1, "host": "b", "device_id": 5, "coords": {"dp": 1, "pp": 0, "cp": 0, "tp": 0},
             "matmul_tflops": 1.0, "h2d_gbps": 2.0, "d2h_gbps": 3.0}
   findings = {"platform": "gpu", "process_count": 2, "devices": [device], "collectives": [], "seconds": 1.0,
             "outliers": [{"metric": "matmul_tflops", "process": 1, "host": "b", "device_id": 5, "value": 1.0,
@@ -62,30 +64,36 @@ def test_format_findings_names_bad_processes_and_their_hosts():
                       "others_median": 4.0}], "bad_processes": [1]}
   text = format_findings(findings)
   assert "matmul_tflops" in text and "device 5" in text and "others' median 4.000" in text
+  header, row = text.splitlines()[2:4]          # the device table: a column per mesh axis
+  assert header.split()[3:7] == ["dp", "pp", "cp", "tp"] and row.split()[3:7] == ["1", "0", "0", "0"]
   assert text.splitlines()[-1] == "bad processes: 1 (host b)"
   clean = {**findings, "outliers": [], "slow": [], "bad_processes": []}
   assert format_findings(clean).splitlines()[-1] == "bad processes: none"
 
 
-def test_diagnose_in_process_on_a_3d_mesh(tiny_config):
-  tiny_config.parallel.dp, tiny_config.parallel.pp, tiny_config.parallel.tp = 2, 2, 2
+@pytest.mark.parametrize("mesh", [(2, 2, 1, 2), (2, 1, 2, 2)], ids=["dp-pp-tp", "dp-cp-tp"])
+def test_diagnose_in_process_on_the_mesh(tiny_config, mesh):
+  p = tiny_config.parallel
+  p.dp, p.pp, p.cp, p.tp = mesh
   findings = diagnose(tiny_config, matmul_size=32, transfer_mib=0.25, collective_mib=0.0625, repeats=2)
 
   assert findings["platform"] == "cpu" and findings["process_count"] == 1
   devices = findings["devices"]
   assert len(devices) == 8
   assert len({tuple(d["coords"].values()) for d in devices}) == 8
-  assert all(set(d["coords"]) == {"dp", "pp", "tp"} for d in devices)
+  assert all(list(d["coords"]) == ["dp", "pp", "cp", "tp"] for d in devices)    # MESH_AXES' order
+  assert all(d["coords"][a] < n for d in devices for a, n in zip(("dp", "pp", "cp", "tp"), mesh))
   for metric in ("matmul_tflops", "h2d_gbps", "d2h_gbps"):
     assert all(d[metric] > 0 for d in devices), metric
+  axes = [a for a, n in zip(("dp", "pp", "cp", "tp"), mesh) if n > 1]          # an axis of one device: none
   ops = {(c["group"], c["op"]) for c in findings["collectives"]}
-  assert ops == {(g, op) for g in ("dp", "pp", "tp") for op in ("all_reduce", "all_gather", "ppermute")}
+  assert ops == {(g, op) for g in axes for op in ("all_reduce", "all_gather", "ppermute")}
   assert all(c["seconds"] > 0 and c["busbw_gbps"] > 0 for c in findings["collectives"])
   gather = next(c for c in findings["collectives"] if c["op"] == "all_gather")
   assert gather["bytes"] == 2**16            # the gathered size
   assert findings["slow"] == [] and findings["bad_processes"] == []     # one process: nobody to compare with
   assert json.loads(json.dumps(findings)) == findings
   text = format_findings(findings)
-  for axis in ("dp", "pp", "tp"):
+  for axis in axes:
     assert f"\n{axis} " in text
   assert text.splitlines()[-1].startswith("bad processes: ")

@@ -18,10 +18,10 @@ from megajax.parallel.sharding import Layout
 from megajax.parallel.zero import gather_params, reduce_scatter_grads
 
 
-def mesh_config(dp, pp, tp):
-  """A parallel section of dp x pp x tp (make_mesh's argument)."""
+def mesh_config(dp, pp, tp, cp=1):
+  """A parallel section of dp x pp x cp x tp (make_mesh's argument)."""
   parallel = default_config().parallel
-  parallel.dp, parallel.pp, parallel.tp = dp, pp, tp
+  parallel.dp, parallel.pp, parallel.cp, parallel.tp = dp, pp, cp, tp
   return parallel
 
 
@@ -44,23 +44,36 @@ def test_an_order_through_one_element_keeps_every_bit_and_the_gradient():
 def test_tp_is_innermost_and_dp_before_pp():
   mesh = make_mesh(mesh_config(2, 2, 2))
   ids = np.vectorize(lambda d: d.id)(mesh.devices)
-  assert mesh.axis_names == ("dp", "pp", "tp")
-  # Physical order (pp, dp, tp): a tp group is adjacent devices, then dp neighbours, then pp.
-  np.testing.assert_array_equal(ids, np.arange(8).reshape(2, 2, 2).transpose(1, 0, 2))
+  assert mesh.axis_names == ("dp", "pp", "cp", "tp")
+  # Physical order (pp, dp, cp, tp): a tp group is adjacent devices, then dp neighbours, then pp.
+  np.testing.assert_array_equal(ids, np.arange(8).reshape(2, 2, 1, 2).transpose(1, 0, 2, 3))
   assert local_batch_slice(mesh, 16) == (0, 1)  # one process holds every row
 
 
+def test_cp_sits_between_tp_and_dp():
+  """Physical order (pp, dp, cp, tp): a cp group is tp groups side by side, inside a dp replica."""
+  mesh = make_mesh(mesh_config(2, 1, 2, cp=2))
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  np.testing.assert_array_equal(ids, np.arange(8).reshape(1, 2, 2, 2).transpose(1, 0, 2, 3))
+  assert local_batch_slice(mesh, 16) == (0, 1)
+  with pytest.raises(ConfigError, match=r"^parallel='dp=2 pp=1 cp=3 tp=2': the mesh has 12 devices but the job has "
+                                        r"8; choose dp \* pp \* cp \* tp = 8"):
+    make_mesh(mesh_config(2, 1, 2, cp=3))
+
+
 def test_mesh_size_must_match_the_devices():
-  with pytest.raises(ConfigError, match=r"^parallel='dp=2 pp=1 tp=2': the mesh has 4 devices but the job has 8; "
-                                        r"choose dp \* pp \* tp = 8"):
+  with pytest.raises(ConfigError, match=r"^parallel='dp=2 pp=1 cp=1 tp=2': the mesh has 4 devices but the job has "
+                                        r"8; choose dp \* pp \* cp \* tp = 8"):
     make_mesh(mesh_config(2, 1, 2))
-  assert make_mesh(mesh_config(2, 1, 2), jax.devices()[:4]).devices.shape == (2, 1, 2)
+  assert make_mesh(mesh_config(2, 1, 2), jax.devices()[:4]).devices.shape == (2, 1, 1, 2)
 
 
-@pytest.mark.parametrize("shape,per_host,in_host,across", [
-    ((4, 2, 8), 8, (1, 1, 8), (2, 4, 1)),   # 64 GPUs: tp fills a host, dp across hosts before pp
-    ((8, 1, 2), 4, (1, 2, 2), (1, 4, 1)),   # a host holds 2 tp groups of one dp group each
-    ((2, 4, 1), 4, (2, 2, 1), (2, 1, 1)),   # dp fills the host first, then pp
+@pytest.mark.parametrize("shape,per_host,in_host,across", [   # (dp, pp, cp, tp); physical (pp, dp, cp, tp)
+    ((4, 2, 1, 8), 8, (1, 1, 1, 8), (2, 4, 1, 1)),   # 64 GPUs: tp fills a host, dp across hosts before pp
+    ((8, 1, 1, 2), 4, (1, 2, 1, 2), (1, 4, 1, 1)),   # a host holds 2 tp groups of one dp group each
+    ((2, 4, 1, 1), 4, (2, 2, 1, 1), (2, 1, 1, 1)),   # dp fills the host first, then pp
+    ((2, 1, 4, 2), 8, (1, 1, 4, 2), (1, 2, 1, 1)),   # cp beside tp in a host, dp across hosts
+    ((2, 1, 4, 4), 8, (1, 1, 2, 4), (1, 2, 2, 1)),   # a cp group across two hosts, before dp
 ])
 def test_multi_host_placement(shape, per_host, in_host, across):
   assert _host_split(*shape, per_host) == (in_host, across)
@@ -76,7 +89,7 @@ def test_chunks_must_divide_the_sequence_shard():
 
 def test_tp_must_stay_inside_a_host():
   with pytest.raises(ConfigError, match=r"^parallel\.tp=16: a tensor-parallel group must fit on one host"):
-    _host_split(1, 1, 16, 8)
+    _host_split(1, 1, 1, 16, 8)
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])

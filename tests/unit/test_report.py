@@ -154,6 +154,21 @@ def test_clean_trace_analysis_says_no_straggler(tmp_path):
   assert "No straggler found" in page and "No heatmap.png" in page
 
 
+def test_straggler_tables_have_a_cp_column(tmp_path):
+  """Stragglers and victims list each mesh axis, cp among them; an analysis from before the cp
+  axis (no "cp" field) shows cp 0."""
+  write_metrics(str(tmp_path))
+  analysis = tmp_path / "traces" / "analysis"
+  analysis.mkdir(parents=True)
+  (analysis / "stragglers.json").write_text(json.dumps(
+      {"step": 3, "stragglers": [{"rank": "DP1-PP0-CP1-TP0", "dp": 1, "pp": 0, "cp": 1, "tp": 0, "evidence": {}}],
+       "victims": [{"rank": "DP0-PP0-TP1", "dp": 0, "pp": 0, "tp": 1, "evidence": {}}]}))
+  page = open(report.write_report(str(tmp_path))).read()
+  assert "<tr><th>rank</th><th>dp</th><th>pp</th><th>cp</th><th>tp</th><th>evidence</th></tr>" in page
+  assert "<td>DP1-PP0-CP1-TP0</td><td>1</td><td>0</td><td>1</td><td>0</td>" in page
+  assert "<td>DP0-PP0-TP1</td><td>0</td><td>0</td><td>0</td><td>1</td>" in page
+
+
 @pytest.mark.parametrize("make", ["nothing", "empty_dir"])
 def test_cli_names_the_missing_path(tmp_path, capsys, make):
   workdir = str(tmp_path / "run")

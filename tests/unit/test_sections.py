@@ -27,7 +27,7 @@ def test_a_run_resolves_once_into_frozen_sections_with_their_derived_values():
   config.parallel.dp, config.parallel.tp, config.model.num_kv_heads = 2, 2, 0
   run = RunConfig.of(config)
   assert RunConfig.of(run) is run
-  assert run.parallel.mesh_shape == (2, 1, 2) and run.parallel.device_count == 4
+  assert run.parallel.mesh_shape == (2, 1, 1, 2) and run.parallel.device_count == 4
   assert run.parallel.tp_overlap_on("cpu") == "none" and run.parallel.tp_overlap_on("cuda") == "collective_matmul"
   assert run.model.num_kv_heads == run.model.num_heads and run.model.window is None
   assert run.model.compute_dtype == jnp.bfloat16 and run.model.mlp_dim == 4 * run.model.hidden_dim

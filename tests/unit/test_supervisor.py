@@ -23,13 +23,35 @@ def test_classify_names_the_silent_process_first():
 
 
 def test_hang_view_grid():
-  beats = {0: {"host": "a", "step": 9, "phase": "step 10", "devices": [{"id": 0, "coords": [0, 0, 0]},
-                                                                       {"id": 1, "coords": [0, 0, 1]}]},
-           1: {"host": "b", "step": 9, "phase": "step 10", "devices": [{"id": 2, "coords": [1, 0, 0]},
-                                                                       {"id": 3, "coords": [1, 0, 1]}]}}
-  view = format_hang_view(beats, (2, 1, 2), [1], [0])
+  beats = {0: {"host": "a", "step": 9, "phase": "step 10", "devices": [{"id": 0, "coords": [0, 0, 0, 0]},
+                                                                       {"id": 1, "coords": [0, 0, 0, 1]}]},
+           1: {"host": "b", "step": 9, "phase": "step 10", "devices": [{"id": 2, "coords": [1, 0, 0, 0]},
+                                                                       {"id": 3, "coords": [1, 0, 0, 1]}]}}
+  view = format_hang_view(beats, (2, 1, 1, 2), [1], [0])
   assert view.count("S p1 step 10") == 2 and view.count("V p0 step 10") == 2
   assert "suspects: process 1 (b, step 9)" in view and "victims: process 0 (a, step 9)" in view
+  assert view.startswith("3D hang view: dp=2 x pp=1 x tp=2;") and "cp" not in view   # cp = 1: as before cp
+  assert "  pp 0: S p1 step 10 | S p1 step 10" in view.splitlines()
+
+
+def test_hang_view_with_context_parallelism_has_a_row_per_stage_and_cp_rank():
+  """cp = 2, one process per cp rank: each dp block's rows are (pp, cp) pairs, columns tp."""
+  beats = {c: {"host": "ab"[c], "step": 4, "phase": "step 5",
+               "devices": [{"id": 4 * c + 2 * s + t, "coords": [0, s, c, t]} for s in range(2) for t in range(2)]}
+           for c in range(2)}
+  view = format_hang_view(beats, (1, 2, 2, 2), [1], [0])
+  lines = view.splitlines()
+  assert lines[0].startswith("4D hang view: dp=1 x pp=2 x cp=2 x tp=2;")
+  rows = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in lines if line.startswith("  pp ")}
+  assert list(rows) == ["pp 0 cp 0", "pp 0 cp 1", "pp 1 cp 0", "pp 1 cp 1"]
+  assert all(rows[f"pp {s} cp 1"].count("S p1 step 5") == 2 for s in range(2))
+  assert all(rows[f"pp {s} cp 0"].count("V p0 step 5") == 2 for s in range(2))
+  header = next(line for line in lines if "tp 0" in line)
+  assert header.index("tp 0") == lines[lines.index(header) + 1].index("V p0")   # the columns line up
+  # A device no beat describes (or with coordinates of another mesh) stays "?".
+  assert format_hang_view({0: beats[0]}, (1, 2, 2, 2), [], [0]).count("?") == 4
+  assert format_hang_view({0: {**beats[0], "devices": [{"id": 0, "coords": [0, 0, 0]}]}},
+                          (1, 1, 1, 1), [], [0]).count("?") == 1
 
 
 def test_elastic_layout_keeps_the_global_batch():
@@ -40,6 +62,10 @@ def test_elastic_layout_keeps_the_global_batch():
   assert elastic_layout(config, 4, 4, 0) is None
   config.parallel.dp = 3
   assert elastic_layout(config, 3, 4, 2) == {"processes": 1, "parallel.dp": 1, "train.microbatches": 12}
+  # cp is kept too: a dp replica is pp x cp x tp = 8 devices, two processes of 4 (8 x 4 devices,
+  # one bad: 7 usable -> 4 processes, dp 2; without cp, 16 devices would have been taken for dp 4).
+  config.parallel.dp, config.parallel.pp, config.parallel.cp, config.parallel.tp = 4, 1, 2, 4
+  assert elastic_layout(config, 8, 4, 7) == {"processes": 4, "parallel.dp": 2, "train.microbatches": 8}
 
 
 @pytest.mark.parametrize("field, value", [("supervisor.heartbeat_timeout_s", 0.1),

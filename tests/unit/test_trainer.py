@@ -9,6 +9,7 @@ import os
 import signal
 
 import jax
+from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ from megajax.config import ConfigError, validate
 from megajax.observe import MetricsWriter, job_ledger, read_metrics
 from megajax.observe.records import METRICS, drop_after, read_jsonl
 from megajax.parallel import ParallelStep
+from megajax.parallel.mesh import AXIS_TYPES, CP, DP, MESH_AXES
 from megajax.trainer import build_parallel_step, callbacks, drills, train
 from megajax.reference_step import make_loss_fn
 from megajax.trainer.evaluation import Evaluation, held_out_batches
@@ -91,6 +93,22 @@ def test_fault_drills_poison_their_batches(tiny_config):
   assert drills.diagnose_slowed(tiny_config.debug, 0) is False
   tiny_config.debug.diagnose_slow_process = 0
   assert drills.diagnose_slowed(tiny_config.debug, 0) is True
+
+
+@pytest.mark.parametrize("slow_rank, slow", [("1,0,1,0", (1, 0, 1, 0)), ("0,0,1", (0, 0, 0, 1))],
+                         ids=["dp,pp,cp,tp", "dp,pp,tp"])
+def test_the_straggler_drill_slows_its_rank_alone(tiny_config, slow_rank, slow):
+  """debug.slow_rank on a (dp, pp, cp, tp) = (2, 1, 2, 2) mesh: the extra work runs on that
+  device alone (its result non-zero), from slow_rank_from_step on; "dp,pp,tp" is cp 0."""
+  tiny_config.debug.slow_rank, tiny_config.debug.slow_rank_work, tiny_config.debug.slow_rank_from_step = slow_rank, 2, 5
+  extra_work = drills.straggler_work(tiny_config.debug, tiny_config.model)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 2, 2), MESH_AXES, axis_types=AXIS_TYPES)
+  run = jax.jit(jax.shard_map(lambda batch, step: extra_work(batch, step).reshape(1, 1, 1, 1), mesh=mesh,
+                              in_specs=({"inputs": P(DP, CP)}, P()), out_specs=P(*MESH_AXES)))
+  batch = {"inputs": np.arange(1, 9, dtype=np.int32).reshape(2, 4)}
+  worked = np.asarray(run(batch, np.int32(5))) != 0
+  assert list(zip(*np.nonzero(worked))) == [slow]
+  assert not np.asarray(run(batch, np.int32(4))).any()       # before slow_rank_from_step: nobody
 
 
 @pytest.mark.parametrize("mode,sent", [("kill", signal.SIGKILL), ("hang", signal.SIGSTOP)])
