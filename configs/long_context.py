@@ -1,34 +1,42 @@
-r"""Long context: rows of 16,384 tokens split over cp = 4 devices, tensor parallel over 2 inside
-each (8 devices), a Mistral-style sliding window of 512 on three layers of four and a global
-layer of full causal attention.
+r"""Long context, `--config=configs/long_context.py:<size>`: rows split over the cp mesh axis.
 
   megajax-train --config=configs/long_context.py --workdir=/tmp/long
+  megajax-plan --config=configs/long_context.py:7b --gpus=64 --hardware=h100-80g --batch=8
 
-A rank holds two chunks of 2,048 positions (the dual-chunk layout); a local layer receives
-the 511 keys and values before each chunk from a neighbour (the halo: the same bytes at any
-sequence length), the global layer passes the shards' keys and values round the cp ring.
-On CPU the launcher asks XLA for 8 devices; the attention there is XLA's, dense within a
-shard (on GPUs set --config.model.attention_impl=pallas for the sliding-window kernel).
+  tiny   (the default) rows of 16,384 tokens split over cp = 4 devices, tensor parallel over
+         2 inside each (8 devices; on CPU the launcher asks XLA for 8): a Mistral-style sliding
+         window of 512 on three layers of four and a global layer of full causal attention.
+         A rank holds two chunks of 2,048 positions (the dual-chunk layout); a local layer
+         receives the 511 keys and values before each chunk from a neighbour (the halo: the
+         same bytes at any sequence length), the global layer passes the shards' keys and values
+         round the cp ring. XLA's attention (dense within a shard) on CPU; on GPUs set
+         --config.model.attention_impl=pallas.
+  7b     Mistral-7B's shape (32 layers of 4096, 32 heads over 8 KV heads, SwiGLU 14336, window
+         4096 on every layer) on rows of 131,072 tokens, cp = 8 x tp = 4 (32 H100s), remat full,
+         the Pallas kernels: compiled for described H100s (megajax-plan --compile --gpus=32),
+         35.1 GiB a device.
 """
 
 from megajax.config import default_config
 
+SIZES = ("tiny", "7b")
 
-def get_config():
+
+def get_config(size: str = "tiny"):
+  if size not in SIZES:
+    raise ValueError(f"no size {size!r}; use configs/long_context.py:<size> with one of {', '.join(SIZES)}")
   config = default_config()
-  config.model.num_layers = 4
-  config.model.hidden_dim = 128
-  config.model.num_heads = 8
-  config.model.num_kv_heads = 4
-  config.model.seq_len = 16384
-  config.model.window = 512
-  config.model.window_pattern = "LLLG"
-  config.model.remat = "full"
-  config.train.steps = 30
-  config.train.batch_size = 1
-  config.train.log_every = 5
-  config.optimizer.warmup_steps = 5
-  config.optimizer.learning_rate = 1e-2
-  config.parallel.cp = 4
-  config.parallel.tp = 2
+  m, p, t = config.model, config.parallel, config.train
+  if size == "tiny":
+    m.num_layers, m.hidden_dim, m.num_heads, m.num_kv_heads = 4, 128, 8, 4
+    m.seq_len, m.window, m.window_pattern, m.remat = 16384, 512, "LLLG", "full"
+    t.steps, t.batch_size, t.log_every = 30, 1, 5
+    config.optimizer.warmup_steps, config.optimizer.learning_rate = 5, 1e-2
+    p.cp, p.tp = 4, 2
+  else:
+    m.vocab_size, m.seq_len, m.num_layers, m.hidden_dim, m.num_heads, m.num_kv_heads = 32000, 131072, 32, 4096, 32, 8
+    m.mlp_dim, m.mlp, m.norm, m.block, m.use_bias = 14336, "swiglu", "rmsnorm", "serial", False
+    m.window, m.window_pattern, m.remat, m.attention_impl = 4096, "L", "full", "pallas"
+    t.steps, t.batch_size = 100_000, 1
+    p.cp, p.tp = 8, 4
   return config

@@ -205,8 +205,9 @@ def _check_parallel(config) -> None:
 
 
 def _check_context_parallel(config) -> None:
-  """parallel.cp: a row cut into 2 * cp chunks (the dual-chunk layout), each split over tp; a
-  sliding window reaching at most one chunk back (the halo comes from one neighbour)."""
+  """parallel.cp: a row cut into 2 * cp chunks (the dual-chunk layout a global layer's ring
+  needs; cp contiguous shards when every layer has a window), each split over tp; a sliding
+  window reaching at most one chunk (shard) back: the halo comes from one neighbour."""
   m, p, o = config.model, config.parallel, config.observe
   if p.cp == 1:
     return
@@ -214,11 +215,12 @@ def _check_context_parallel(config) -> None:
   check.require(m.seq_len % unit == 0, "model.seq_len", m.seq_len,
                 f"context parallelism cuts a row into 2 * parallel.cp = {2 * p.cp} chunks, each split over "
                 f"parallel.tp={p.tp}", f"use a multiple of {unit}, e.g. {-(-m.seq_len // unit) * unit}")
-  chunk = m.seq_len // (2 * p.cp)
-  local = "L" in m.window_pattern and m.window > 0
-  check.require(not local or m.window <= chunk + 1, "model.window", m.window,
-                f"with parallel.cp={p.cp} a rank holds chunks of {chunk} positions and takes a sliding window's "
-                "halo from one neighbour chunk", f"use a window of at most {chunk + 1}, or a smaller parallel.cp")
+  kinds = {m.window_pattern[layer % len(m.window_pattern)] for layer in range(m.num_layers)} if m.window else {"G"}
+  chunk = m.seq_len // (2 * p.cp) if "G" in kinds else m.seq_len // p.cp
+  check.require("L" not in kinds or m.window <= chunk + 1, "model.window", m.window,
+                f"with parallel.cp={p.cp} a rank holds " + ("chunks" if "G" in kinds else "shards") +
+                f" of {chunk} positions and takes a sliding window's halo from one neighbour",
+                f"use a window of at most {chunk + 1}, or a smaller parallel.cp")
   for field, value, off in (("observe.capture", o.capture, "''"), ("observe.perturb", o.perturb, "''")):
     check.require(not value, field, value, f"not with parallel.cp={p.cp}: the probes see whole rows",
                   f"set {field}={off}, or parallel.cp=1")

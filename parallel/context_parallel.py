@@ -57,23 +57,41 @@ def dual_chunk_order(seq_len: int, cp: int) -> np.ndarray:
   return np.concatenate([np.arange(chunk * c, (chunk + 1) * c) for chunk in chunks])
 
 
-def shard_positions(rows: int, two_c: int, axis: str = CP) -> jax.Array:
-  """int32 [rows, 2c]: the row positions this rank's dual-chunk shard holds (dual_chunk_order's
-  slice for this rank): the rotary positions of a batch without its own (one document a row)."""
+def uses_dual_chunks(model) -> bool:
+  """The layout a model's rows take under cp: the dual-chunk one (dual_chunk_order) when a layer
+  is global (its ring needs the balance), contiguous shards when every layer has a window (one
+  halo, one kernel call over the shard). `model`: a megajax.model.ModelConfig."""
+  return any(model.layer_window(layer) is None for layer in range(model.num_layers))
+
+
+def row_order(seq_len: int, cp: int, dual_chunks: bool) -> np.ndarray | None:
+  """The permutation a row's positions take before an even split over cp (None: as they are)."""
+  return dual_chunk_order(seq_len, cp) if cp > 1 and dual_chunks else None
+
+
+def shard_positions(rows: int, n: int, dual_chunks: bool, axis: str = CP) -> jax.Array:
+  """int32 [rows, n]: the row positions this rank's shard of n holds (its slice of row_order):
+  the rotary positions of a batch without its own (one document a row)."""
   cp, rank = lax.axis_size(axis), collectives.axis_index(axis)
-  c = two_c // 2
-  columns = jnp.arange(two_c)
-  positions = jnp.where(columns < c, rank * c + columns, (2 * cp - 1 - rank) * c + columns - c)
-  return jnp.broadcast_to(positions.astype(jnp.int32), (rows, two_c))
+  columns = jnp.arange(n)
+  if dual_chunks:
+    c = n // 2
+    positions = jnp.where(columns < c, rank * c + columns, (2 * cp - 1 - rank) * c + columns - c)
+  else:
+    positions = rank * n + columns
+  return jnp.broadcast_to(positions.astype(jnp.int32), (rows, n))
 
 
-def attention(q, k, v, window: int | None, segment_ids, impl: str, ring: bool = True, axis: str = CP) -> jax.Array:
-  """One layer's attention over the dual-chunk layout: ring_attention for a global layer
-  (window None), dual_chunk_halo_attention with `impl` for a sliding-window one. ring=False:
+def attention(q, k, v, window: int | None, segment_ids, impl: str, dual_chunks: bool, ring: bool = True,
+              axis: str = CP) -> jax.Array:
+  """One layer's attention over this rank's shard: ring_attention for a global layer (window
+  None; the dual-chunk layout), a sliding-window one's halo in the model's layout
+  (dual_chunk_halo_attention, or halo_attention over contiguous shards), in `impl`. ring=False:
   no ppermute (inside a pipeline stage's branch: _from_rank)."""
   if window is None:
     return ring_attention(q, k, v, axis=axis, segment_ids=segment_ids, ring=ring)
-  return dual_chunk_halo_attention(q, k, v, window, axis=axis, segment_ids=segment_ids, impl=impl, ring=ring)
+  halo = dual_chunk_halo_attention if dual_chunks else halo_attention
+  return halo(q, k, v, window, axis=axis, segment_ids=segment_ids, impl=impl, ring=ring)
 
 
 @jax.checkpoint     # the backward recomputes a block's scores: one block's live at a time, not every step's

@@ -45,7 +45,7 @@ from megajax.model import GPT, count_params, init_params
 from megajax.optim import global_norm, learning_rate_schedule, make_optimizer
 from megajax.parallel import pipeline, sharding, zero
 from megajax.parallel import collectives
-from megajax.parallel.context_parallel import dual_chunk_order, shard_positions
+from megajax.parallel.context_parallel import row_order, shard_positions, uses_dual_chunks
 from megajax.parallel.mesh import (CP, DP, MESH_AXES, PP, TP, after, batch_sharding, batch_spec, picked, to_varying,
                                    varying_axes)
 from megajax.parallel.pipeline import simulate
@@ -238,23 +238,24 @@ class ParallelStep:
 
   def put_batch(self, local_batch: dict) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays split over dp; with
-    cp > 1 each row's positions first put in the dual-chunk order (context_parallel.
-    dual_chunk_order), so that an even split over cp gives rank r chunks r and 2cp-1-r."""
+    cp > 1 and a global layer each row's positions first put in the dual-chunk order
+    (context_parallel.row_order), so that an even split over cp gives rank r chunks r and
+    2cp-1-r (a model of sliding-window layers only: contiguous shards, the row as it is)."""
     batch_size = self.train.batch_size
     placement = batch_sharding(self.mesh)
-    cp = self.mesh.shape[CP]
-    order = dual_chunk_order(self.model.config.seq_len, cp) if cp > 1 else None
+    m = self.model.config
+    order = row_order(m.seq_len, self.mesh.shape[CP], uses_dual_chunks(m))
     return {k: jax.make_array_from_process_local_data(
                 placement, np.asarray(v) if order is None else np.asarray(v)[:, order], (batch_size, *v.shape[1:]))
             for k, v in local_batch.items()}
 
   def _in_context_shards(self, batch: dict) -> dict:
     """With cp > 1: the batch's rotary positions, where it has none (one document a row), the
-    row positions of this rank's dual-chunk shard (a packed batch brings its own, laid out
-    like its tokens by put_batch)."""
+    row positions of this rank's shard (a packed batch brings its own, laid out like its
+    tokens by put_batch)."""
     if self.mesh.shape[CP] == 1 or "positions" in batch:
       return batch
-    return {**batch, "positions": shard_positions(*batch["inputs"].shape)}
+    return {**batch, "positions": shard_positions(*batch["inputs"].shape, uses_dual_chunks(self.model.config))}
 
   # --- Inside the shard_map.
 

@@ -106,7 +106,8 @@ def _attention(q, k, v, positions, window, c: ModelConfig, probe=None, captured=
     captured["attn_probs"] = probe.capture_probs(q, k, window, segment_ids)
   v = v.reshape(b, s, -1, d)
   if collectives.live_axes(CP):       # the row's positions split over cp (megajax.parallel.context_parallel)
-    out = context_parallel.attention(q, k, v, window, segment_ids, c.attention_impl, ring)
+    out = context_parallel.attention(q, k, v, window, segment_ids, c.attention_impl,
+                                     context_parallel.uses_dual_chunks(c), ring)
   else:
     out = ATTENTION_IMPLS[c.attention_impl](q, k, v, window, segment_ids)
   return out.reshape(b, s, -1)

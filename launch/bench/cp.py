@@ -6,8 +6,8 @@
    the row's K/V each way), against what the layout says they must be; all-gathers.
 2. Memory, XLA's temporaries per device of that step compiled on this CPU (s = 16,384,
    w = 1,025, fp32; XLA's attention, dense within a shard) at cp = 1, 2, 4, for L, G and LG;
-   and, compiled for described H100s (bf16, w = 1,025, the Pallas kernel), the attention
-   core's alone at cp = 1, 2, 4 for s = 16,384 and 65,536.
+   and, compiled for described H100s (bf16, w = 1,025, the Pallas kernel), a local-only
+   model's attention core alone (contiguous shards) at cp = 1, 2, 4 for s = 16,384 and 65,536.
 3. Time per token on this CPU, the training step, local-only and global-only: s, 2s, 4s with
    cp = 1, 2, 4 (the shard's length fixed) against cp = 1 at each length. The CPU's devices
    share its cores: a row's time is the work of all of them.
@@ -25,7 +25,7 @@ from megajax.launch.bench.timing import median_seconds
 from megajax.layers.kernels import lowering_for
 from megajax.observe.hlo import collective_counts
 from megajax.parallel import deviceless
-from megajax.parallel.context_parallel import CP, dual_chunk_halo_attention
+from megajax.parallel.context_parallel import CP, halo_attention
 from megajax.trainer import build_parallel_step
 
 SHARDED = P(None, CP)
@@ -67,9 +67,9 @@ def step_permute_bytes(seq_len: int, pattern: str, cp: int = 4, window: int = 12
   layers, kv = config.model.num_layers, config.model.hidden_dim * 4    # fp32 K (or V) bytes per position
   permuted = sum(n for key, n in counts.items() if key[0] == "collective-permute") // layers
   gathers = sum(n for key, n in counts.items() if key[0] == "all-gather")
-  # Forward and back: a local layer's two halos (chunks A and B) of K and V, w-1 positions
-  # each; a global layer's K and V of s/cp positions at each of cp-1 ring steps.
-  expected = 2 * 2 * 2 * (window - 1) * kv if pattern == "L" else 2 * 2 * (cp - 1) * (seq_len // cp) * kv
+  # Forward and back: a local-only model's one halo (contiguous shards) of K and V, w-1
+  # positions; a global layer's K and V of s/cp positions at each of cp-1 ring steps.
+  expected = 2 * 2 * (window - 1) * kv if pattern == "L" else 2 * 2 * (cp - 1) * (seq_len // cp) * kv
   return permuted, expected, gathers
 
 
@@ -97,7 +97,7 @@ def step_memory(seq_len: int = 16384, patterns=("L", "G", "LG"), cps=(1, 2, 4), 
 
 def memory_on_h100(lengths=(16384, 65536), window: int = 1025) -> None:
   print(f"\n== memory per device, compiled for described H100s (bf16, w = {window}, 8 heads of 128, value and "
-        "gradients, the Pallas kernel): XLA's temporaries of the attention core")
+        "gradients, the Pallas kernel): XLA's temporaries of a local-only model's attention core (contiguous shards)")
   try:
     devices = deviceless.gpu_devices("h100-80g", 4)
   except deviceless.DevicelessUnavailable as error:
@@ -107,7 +107,7 @@ def memory_on_h100(lengths=(16384, 65536), window: int = 1025) -> None:
     base = None
     for cp in (1, 2, 4):
       mesh = Mesh(np.array(devices[:cp]), (CP,))
-      loss = _loss(lambda q, k, v: dual_chunk_halo_attention(q, k, v, window, impl="pallas"), mesh, check_vma=False)
+      loss = _loss(lambda q, k, v: halo_attention(q, k, v, window, impl="pallas"), mesh, check_vma=False)
       with lowering_for("cuda"):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*_shapes(1, s, jnp.bfloat16, mesh, 8, 8, 128))
       temp = deviceless.compile_lowered(lowered)[0].memory_analysis().temp_size_in_bytes

@@ -69,7 +69,7 @@ def time_line(x: Candidate) -> str:
 
 
 def _fields(plan: Plan) -> dict:
-  return {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "v": plan.virtual_stages, "b": plan.micro_batch,
+  return {"dp": plan.dp, "pp": plan.pp, "cp": plan.cp, "tp": plan.tp, "v": plan.virtual_stages, "b": plan.micro_batch,
           "m": plan.microbatches, "pipeline_recompute": plan.pipeline_recompute}
 
 
@@ -119,8 +119,9 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
   for name, nbytes in memory_parts(x).items():
     lines.append(f"  {name:14} {nbytes / GB:8.2f} GB   {notes[name]}")
   k = calibration
-  layer = cost_model.mean_layer(run, plan, hw, k)
-  head = operations.head_times(run, plan.micro_batch, plan.tp, hw, k)
+  device_rows = cost_model.per_device_rows(run, plan)      # a device's share of the rows (cp)
+  layer = cost_model.mean_layer(device_rows, plan, hw, k)
+  head = operations.head_times(device_rows, plan.micro_batch, plan.tp, hw, k)
   layers = run.num_layers // plan.pp
   lines.append(f"step {t.total:.3f} s, MFU {100 * t.mfu:.1f}%: {plan.microbatches} microbatches x "
                f"{layers} layers (+ the head) on the last stage")

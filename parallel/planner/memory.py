@@ -285,13 +285,16 @@ class Weighed:
     return Memory(self.state, **parts)
 
 
-def context_bytes(c: ModelConfig, plan: Plan, remat: str) -> float:
+def context_bytes(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool, platform: str) -> float:
   """What context parallelism (cp > 1) adds to a device's activations, `c` one device's rows
   (cost_model.per_device_rows), counted (no fit has cp): a global layer's ring keeps its cp
   steps' partial outputs (fp32) and log-sum-exps for the merge's backward (every global layer's
   under remat none, one layer's rebuilt otherwise) and holds a visiting step's K/V and the next
-  in flight; a local layer attends its two chunks' 2(w-1)-position edges again (q, k, v and
-  the output)."""
+  in flight; its blocks are XLA's dense attention whatever model.attention_impl is, each
+  block's fp32 scores and weights recomputed in its backward: one block's live on GPUs (beyond
+  the scores the terms count for an unfused attention), on XLA:CPU, which runs recomputation
+  early, about half of the cp - 1 visiting ones too; a local layer attends its chunks' (two;
+  with no global layer its one shard's) 2(w-1)-position edges again (q, k, v and the output)."""
   if plan.cp == 1:
     return 0.0
   b, n, cb = plan.micro_batch, plan.tp, c.compute_dtype.itemsize
@@ -300,9 +303,12 @@ def context_bytes(c: ModelConfig, plan: Plan, remat: str) -> float:
   global_layers = windows.count(None)
   ring_layer = plan.cp * b * c.seq_len * (q + c.num_heads / n) * 4
   kept = (global_layers if remat == "none" else min(global_layers, 1)) * ring_layer
-  visiting = 2 * 2 * b * c.seq_len * kv * cb if global_layers else 0.0
-  edges = max((2 * b * 2 * (w - 1) * (2 * q + 2 * kv) * cb for w in windows if w is not None), default=0.0)
-  return kept + visiting + edges
+  block = 2 * b * c.num_heads / n * c.seq_len ** 2 * 4
+  blocks = (1 if fused_attention else 0) + ((plan.cp - 1) / 2 if platform == "cpu" else 0)
+  ring = (2 * 2 * b * c.seq_len * kv * cb + blocks * block) if global_layers else 0.0
+  chunks = 2 if global_layers else 1          # context_parallel.uses_dual_chunks: a halo per chunk
+  edges = max((chunks * b * 2 * (w - 1) * (2 * q + 2 * kv) * cb for w in windows if w is not None), default=0.0)
+  return kept + ring + edges
 
 
 def weighed_terms(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None,
@@ -318,12 +324,14 @@ def weighed_terms(c: ModelConfig, plan: Plan, remat: str | None = None, fused_at
   if plan.pp == 1:
     remat = remat if platform == "gpu" else "none"       # XLA:CPU runs the recomputation early
     return Weighed(state, 0.0, single_stage_terms(c, plan, counts, remat, fused_attention, platform),
-                   XLA_GPU if platform == "gpu" else XLA_CPU, SINGLE_STAGE_PARTS, context_bytes(c, plan, remat))
+                   XLA_GPU if platform == "gpu" else XLA_CPU, SINGLE_STAGE_PARTS,
+                   context_bytes(c, plan, remat, fused_attention, platform))
   # Pipeline: the stage's weights cast to the compute dtype once per step (executor.stage_params)
   # and held through the tick scan are counted exactly.
   copy = counts.stage * c.compute_dtype.itemsize if c.compute_dtype != c.param_dtype else 0.0
   return Weighed(state, copy, pipeline_terms(c, plan, counts, remat, fused_attention),
-                 XLA_GPU_PIPELINE if platform == "gpu" else XLA_PIPELINE, PIPELINE_PARTS, context_bytes(c, plan, remat))
+                 XLA_GPU_PIPELINE if platform == "gpu" else XLA_PIPELINE, PIPELINE_PARTS,
+                 context_bytes(c, plan, remat, fused_attention, platform))
 
 
 def _weighted(terms: dict[str, float], weights: dict[str, float], part_of: dict[str, str]) -> dict[str, float]:

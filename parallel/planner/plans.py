@@ -52,12 +52,14 @@ def _divisors(n: int) -> list[int]:
 
 def cp_splits(c: ModelConfig, tp: int, cp: int) -> bool:
   """megajax's context parallelism (megajax.config's checks): rows cut into 2 cp chunks split
-  over tp, a window at most one chunk + 1, and rows of MIN_CONTEXT_SHARD positions a device."""
+  over tp, a window at most one chunk + 1 (one shard + 1 with no global layer), and rows of
+  MIN_CONTEXT_SHARD positions a device."""
   if cp == 1:
     return True
-  local = any(c.layer_window(i) is not None for i in range(c.num_layers))
+  windows = {c.layer_window(i) for i in range(c.num_layers)}
+  run = c.seq_len // (2 * cp) if None in windows else c.seq_len // cp    # uses_dual_chunks: chunks, else shards
   return (c.seq_len % (2 * cp * tp) == 0 and c.seq_len // cp >= MIN_CONTEXT_SHARD
-          and (not local or c.window <= c.seq_len // (2 * cp) + 1))
+          and (windows == {None} or c.window <= run + 1))
 
 
 def tp_splits(c: ModelConfig, tp: int) -> bool:

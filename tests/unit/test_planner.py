@@ -368,7 +368,7 @@ def test_search_returns_even_plans_that_fit(paper_setting):
     assert [x.time.mfu for x in best] == sorted((x.time.mfu for x in best), reverse=True)
     for x in best:
       p = x.plan
-      assert p.dp * p.pp * p.tp == gpus and p.tp <= hw.gpus_per_node
+      assert p.gpus == gpus and p.tp <= hw.gpus_per_node
       assert c.num_layers % (p.pp * p.virtual_stages) == 0 and batch % (p.dp * p.micro_batch) == 0
       assert p.virtual_stages == 1 or p.microbatches % p.pp == 0
       assert x.fits and x.memory.total <= cost_model.usable_bytes(hw)
