@@ -11,6 +11,7 @@
 3. Time per token on this CPU, the training step, local-only and global-only: s, 2s, 4s with
    cp = 1, 2, 4 (the shard's length fixed) against cp = 1 at each length. The CPU's devices
    share its cores: a row's time is the work of all of them.
+4. (Not --quick) configs/long_context.py:7b compiled for 32 described H100s: bytes a device.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from megajax.config import default_config
+from megajax.config import default_config, load_config
 from megajax.launch.bench.timing import median_seconds
 from megajax.layers.kernels import lowering_for
 from megajax.observe.hlo import collective_counts
 from megajax.parallel import deviceless
+from megajax.parallel.planner import fits
 from megajax.parallel.context_parallel import CP, halo_attention
 from megajax.trainer import build_parallel_step
 
@@ -143,6 +145,23 @@ def time_per_token(repeats: int, s: int = 1024, window: int = 129, patterns=("L"
             f"   (cp = {scale}: {row[scale] / first:.2f} x the first row)")
 
 
+def seven_b_on_h100() -> None:
+  """configs/long_context.py:7b (Mistral-7B's shape, rows of 131,072 over cp 8 x tp 4) compiled
+  for 32 described H100s: XLA's bytes a device against the 80 GB and the planner's estimate."""
+  config = load_config("configs/long_context.py:7b")
+  print("\n== configs/long_context.py:7b (Mistral-7B's shape, s = 131,072, cp = 8 x tp = 4, remat full, Pallas) "
+        "compiled for 32 described H100s")
+  try:
+    result = deviceless.compile_for_gpu(config, "h100-80g")
+  except deviceless.DevicelessUnavailable as error:
+    print(f"  skipped: {error}")
+    return
+  xla, limit = result.bytes_per_device(), deviceless.GPU_TARGETS["h100-80g"].memory_bytes
+  print(f"  {xla / 2**30:.2f} GiB a device of {limit / 2**30:.0f} GiB ({'fits' if xla < limit else 'DOES NOT FIT'}); "
+        f"the planner's estimate {fits.estimate(config, 'gpu').total / 2**30:.2f} GiB; compiled in "
+        f"{result.compile_seconds:.0f} s")
+
+
 def cp(repeats: int, quick: bool = False) -> None:
   """quick: the smoke test's (memory at s = 16,384 for LG at cp 1 and 4 only, time per token
   from s = 256, local-only)."""
@@ -153,3 +172,5 @@ def cp(repeats: int, quick: bool = False) -> None:
     step_memory()
   memory_on_h100((16384,) if quick else (16384, 65536))
   time_per_token(repeats, s=256 if quick else 1024, patterns=("L",) if quick else ("L", "G"))
+  if not quick:     # about 6 minutes of XLA's GPU compiler
+    seven_b_on_h100()
