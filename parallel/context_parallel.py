@@ -246,7 +246,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
   k, v [b, 2c, kv_h, d]; segment_ids [b, 2c]. Returns [b, 2c, h, d] in v's dtype.
 
   Rank r holds chunks A = r and B = 2cp-1-r. Its own keys (the first step) are attended under
-  the causal mask. A visiting rank j's chunks A' = j and B' = 2cp-1-j are all before B, all
+  the causal mask, the masked quarter (A's queries over B's keys) not computed. A visiting rank j's chunks A' = j and B' = 2cp-1-j are all before B, all
   after A when j > r, all before A when j < r; and B' is after A always. So from j < r every
   query sees A' (and nothing of B'), from j > r only B's queries see anything, all of A' and
   B': c x 2c visible pairs either way, computed without the masked half (lax.cond per rank).
@@ -256,11 +256,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP,
   b, two_c = q.shape[:2]
   c = two_c // 2
   rank = lax.axis_index(axis)
-  rows = jnp.arange(two_c)
-  own_positions = jnp.where(rows < c, rank * c + rows, (2 * cp - 1 - rank) * c + rows - c)
-  mask = own_positions[None, :] <= own_positions[:, None]                      # the own step: causal
-  mask = mask[None] & (_same_document(segment_ids, segment_ids) if segment_ids is not None else True)
-  parts = [_partial_attention(q, k, v, jnp.broadcast_to(mask, (b, two_c, two_c)))]
+  # The own step: A's queries see A's keys causally and none of B's (B comes after); B's see
+  # all of A's and B's causally. Three c x c blocks, not the whole (2c)^2 square.
+  causal = jnp.tril(jnp.ones((c, c), bool))               # within a chunk positions ascend
+  documents = lambda q_from, k_to: (True if segment_ids is None
+                                    else _same_document(segment_ids[:, q_from:q_from + c], segment_ids[:, :k_to]))
+  out_a, lse_a = _partial_attention(q[:, :c], k[:, :c], v[:, :c], jnp.broadcast_to(causal & documents(0, c), (b, c, c)))
+  b_mask = jnp.concatenate([jnp.ones((c, c), bool), causal], axis=1)
+  out_b, lse_b = _partial_attention(q[:, c:], k, v, jnp.broadcast_to(b_mask & documents(c, two_c), (b, c, two_c)))
+  parts = [(jnp.concatenate([out_a, out_b], axis=1), jnp.concatenate([lse_a, lse_b], axis=1))]
 
   def visible(q_from: int, k_to: int, k_segments):
     """Queries q_from.. over keys ..k_to, every pair visible by position: the documents' mask."""

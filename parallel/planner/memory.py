@@ -303,7 +303,7 @@ def context_bytes(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
   global_layers = windows.count(None)
   ring_layer = plan.cp * b * c.seq_len * (q + c.num_heads / n) * 4
   kept = (global_layers if remat == "none" else min(global_layers, 1)) * ring_layer
-  block = 2 * b * c.num_heads / n * c.seq_len ** 2 * 4
+  block = 2 * b * c.num_heads / n * c.seq_len ** 2 / 2 * 4       # the largest: c x 2c pairs, 2c = the rows
   blocks = (1 if fused_attention else 0) + ((plan.cp - 1) / 2 if platform == "cpu" else 0)
   ring = (2 * 2 * b * c.seq_len * kv * cb + blocks * block) if global_layers else 0.0
   chunks = 2 if global_layers else 1          # context_parallel.uses_dual_chunks: a halo per chunk
