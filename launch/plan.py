@@ -234,7 +234,8 @@ def _compile(config, gpus: int, hw) -> None:
   c = config.model
   print(f"{PROGRAM} --compile: {ModelConfig.from_config(c).num_layers} layers, hidden {c.hidden_dim}, seq "
         f"{c.seq_len}, batch {config.train.batch_size} in {config.train.microbatches} microbatches, remat {c.remat}, "
-        f"attention {c.attention_impl}; dp={dp} pp={pp} cp={cp} tp={tp} v={config.parallel.virtual_stages} "
+        f"attention {c.attention_impl}; dp={dp} pp={pp} " + (f"cp={cp} " if cp > 1 else "") +
+        f"tp={tp} v={config.parallel.virtual_stages} "
         f"(tp_overlap {parallel.tp_overlap_on('cuda')}, pipeline_recompute {parallel.pipeline_recompute_on('cuda')}) "
         f"on {gpus} {hw.name}, compiled without a GPU in {result.compile_seconds:.1f} s")
   print(f"  XLA      {gib(xla)} a device: arguments {gib(memory.argument_size_in_bytes)} (donated, aliased "

@@ -171,7 +171,8 @@ class ParallelStep:
     schedule (its bubble, stash and backward) with its timelines."""
     m, (dp, pp, cp, tp) = self.model.config, self.mesh.devices.shape
     lines = [f"model: {m.block} block, {m.num_layers} layers, {count_params(self._abstract_state.params) / 1e6:.2f}M "
-             f"parameters; mesh dp={dp} pp={pp} cp={cp} tp={tp}, tp_overlap={self.overlap.mode}"]
+             f"parameters; mesh dp={dp} pp={pp} " + (f"cp={cp} " if cp > 1 else "") +
+             f"tp={tp}, tp_overlap={self.overlap.mode}"]
     if self.pipeline is not None:
       tables, schedule = self.pipeline, self.pipeline.schedule
       backward = ("each chunk's forward rerun in its backward (parallel.pipeline_recompute)" if tables.recompute else

@@ -97,7 +97,7 @@ def step_memory(seq_len: int = 16384, patterns=("L", "G", "LG"), cps=(1, 2, 4), 
       print(f"  {pattern:2} cp = {cp}: {temp / 2**20:9.1f} MiB   ({temp / base:.3f} x cp = 1)")
 
 
-def memory_on_h100(lengths=(16384, 65536), window: int = 1025) -> None:
+def memory_on_h100(lengths=(16384, 65536), window: int = 1025, cps=(1, 2, 4)) -> None:
   print(f"\n== memory per device, compiled for described H100s (bf16, w = {window}, 8 heads of 128, value and "
         "gradients, the Pallas kernel): XLA's temporaries of a local-only model's attention core (contiguous shards)")
   try:
@@ -107,7 +107,7 @@ def memory_on_h100(lengths=(16384, 65536), window: int = 1025) -> None:
     return
   for s in lengths:
     base = None
-    for cp in (1, 2, 4):
+    for cp in cps:
       mesh = Mesh(np.array(devices[:cp]), (CP,))
       loss = _loss(lambda q, k, v: halo_attention(q, k, v, window, impl="pallas"), mesh, check_vma=False)
       with lowering_for("cuda"):
@@ -163,14 +163,14 @@ def seven_b_on_h100() -> None:
 
 
 def cp(repeats: int, quick: bool = False) -> None:
-  """quick: the smoke test's (memory at s = 16,384 for LG at cp 1 and 4 only, time per token
-  from s = 256, local-only)."""
+  """quick: the smoke test's (memory at s = 16,384 for LG, and the H100 attention core, at cp 1
+  and 4 only; time per token from s = 256, local-only)."""
   permute_bytes()
   if quick:
     step_memory(patterns=("LG",), cps=(1, 4))
   else:
     step_memory()
-  memory_on_h100((16384,) if quick else (16384, 65536))
+  memory_on_h100((16384,), cps=(1, 4)) if quick else memory_on_h100()
   time_per_token(repeats, s=256 if quick else 1024, patterns=("L",) if quick else ("L", "G"))
   if not quick:     # about 6 minutes of XLA's GPU compiler
     seven_b_on_h100()

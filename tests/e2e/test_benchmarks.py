@@ -78,9 +78,10 @@ def test_step_costs_benchmark_counts_the_pipelines_flops_and_the_dp_sync():
 
 
 def test_cp_benchmark_shows_the_halo_flat_in_the_sequence():
-  """`python -m megajax.launch.bench cp --quick`: a local layer's permute bytes the same at both
-  lengths and equal to the halo's, the ring's growing with s, no all-gather; the memory rows
-  (or the reason they are skipped) and the time-per-token rows with cp scaled with s."""
+  """`python -m megajax.launch.bench cp --quick`: in the compiled training step a local layer's
+  permute bytes the same at both lengths and equal to the halo's, the ring's growing with s,
+  no all-gather; the step's memory at cp = 4 under cp = 1's, the H100 rows (or the reason they
+  are skipped) and the time-per-token rows with cp scaled with s."""
   result = run_module(["-m", "megajax.launch.bench", "cp", "--quick", "--repeats=1"])
   assert result.returncode == 0, result.stderr[-3000:]
   rows = {(m[0], int(m[1])): (m[2], m[3], m[4]) for m in
@@ -88,8 +89,9 @@ def test_cp_benchmark_shows_the_halo_flat_in_the_sequence():
   assert rows[("local", 2048)][0] == rows[("local", 8192)][0] == rows[("local", 2048)][1]
   assert rows[("global", 8192)][0] == rows[("global", 8192)][1] != rows[("global", 2048)][0]
   assert all(gathers == "0" for _, _, gathers in rows.values())
+  assert re.search(r"^  LG cp = 4: +[\d.]+ MiB +\(0\.\d+ x cp = 1\)$", result.stdout, re.M)   # the step's, on CPU
   assert re.search(r"s = +16384, cp = 4: +[\d.]+ MiB|skipped: ", result.stdout)
-  assert re.findall(r"^ +(256|512|1024) +(1|2|4) +[\d.]+ +[\d.]+ ", result.stdout, re.M) == [
+  assert re.findall(r"^L +(256|512|1024) +(1|2|4) +[\d.]+ +[\d.]+ ", result.stdout, re.M) == [
       ("256", "1"), ("512", "2"), ("1024", "4")]
 
 
