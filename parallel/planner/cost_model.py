@@ -50,6 +50,7 @@ import math
 from megajax import flops
 from megajax.layers import BLOCK_FAMILIES, MLP_FAMILIES, NORM_FAMILIES
 from megajax.model import ModelConfig
+from megajax.parallel.context_parallel import uses_dual_chunks
 from megajax.parallel.pipeline.tables import dp_pieces
 
 from megajax.parallel.planner import hardware, operations
@@ -297,16 +298,24 @@ def pipelined(pieces: int, piece_seconds: float, window: float) -> float:
   return piece_seconds + (pieces - 1) * max(0.0, piece_seconds - window) if pieces else 0.0
 
 
-def mean_layer(c: ModelConfig, plan: Plan, hw: Hardware, k: Calibration) -> operations.LayerTimes:
-  """The layer times averaged over the model's window pattern (local and global layers); `c`
-  one device's rows (per_device_rows). With cp > 1 a global layer's attention is its ring's cp
-  steps, each the work of a causal attention over the device's rows (c x 2c visible pairs)."""
-  windows = [c.layer_window(i) for i in range(c.num_layers)]
+def layer_times_by_window(c: ModelConfig, plan: Plan, hw: Hardware, k: Calibration) -> dict:
+  """{window: operations.LayerTimes} of each kind of layer the model has, `c` one device's rows
+  (per_device_rows). With cp > 1 a global layer's (None) attention is its ring's cp steps, each
+  the work of a causal attention over the device's rows (c x 2c visible pairs)."""
   times = {w: operations.layer_times(c, plan.micro_batch, plan.tp, plan.opts.fused_ops, plan.splits_sequence, hw, k, w)
-           for w in set(windows)}
+           for w in {c.layer_window(i) for i in range(c.num_layers)}}
   if plan.cp > 1 and None in times:
     times[None] = dataclasses.replace(times[None], attention_forward=plan.cp * times[None].attention_forward,
                                       attention_backward=plan.cp * times[None].attention_backward)
+  return times
+
+
+def mean_layer(c: ModelConfig, plan: Plan, hw: Hardware, k: Calibration, times: dict | None = None
+               ) -> operations.LayerTimes:
+  """The layer times averaged over the model's window pattern (local and global layers), `c`
+  one device's rows; `times`: layer_times_by_window's, where the caller has them."""
+  windows = [c.layer_window(i) for i in range(c.num_layers)]
+  times = times or layer_times_by_window(c, plan, hw, k)
   fields = [f.name for f in dataclasses.fields(operations.LayerTimes)]
   return operations.LayerTimes(*(sum(getattr(times[w], f) for w in windows) / len(windows) for f in fields))
 
@@ -332,28 +341,29 @@ def tp_seconds(c: ModelConfig, plan: Plan, hw: Hardware):
   return forward, backward, head
 
 
-def cp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, layer_attention: dict) -> tuple[float, float]:
+def cp_seconds(c: ModelConfig, plan: Plan, hw: Hardware, times: dict) -> tuple[float, float]:
   """(forward, backward) exposed seconds of one microbatch's context-parallel sends on a stage,
-  `c` one device's rows, `layer_attention` {window: (forward, backward) attention seconds of
-  such a layer}. A local layer sends two halos (its chunks') of w-1 keys and values, under the
-  attention over its own keys; a global one cp-1 ring steps of the rows' K/V, each under a
-  step's attention; the backward sends as much back. Over NVLink when the tp x cp group sits in
-  one node, else the NICs."""
+  `c` one device's rows, `times` layer_times_by_window's. A local layer sends a halo of w-1
+  keys and values per chunk it holds (two in the dual-chunk layout, one over contiguous
+  shards: context_parallel.uses_dual_chunks), under the attention over its own keys; a global
+  one cp-1 ring steps of the rows' K/V, each under a step's attention; the backward sends as
+  much back. Over NVLink when the tp x cp group sits in one node, else the NICs."""
   if plan.cp == 1:
     return 0.0, 0.0
+  halos = 2 if uses_dual_chunks(c) else 1
   kv_bytes = plan.micro_batch * c.num_kv_heads * c.head_dim / plan.tp * c.compute_dtype.itemsize * 2   # K and V
   bandwidth = hardware.link_busbw(plan.tp * plan.cp, hw) * GB
   send = lambda positions: hardware.COLLECTIVE_LATENCY_S + positions * kv_bytes / bandwidth
   totals = [0.0, 0.0]
   for layer in range(c.num_layers // plan.pp):
     window = c.layer_window(layer)
-    attention = layer_attention[window]
+    attention = (times[window].attention_forward, times[window].attention_backward)
     for phase in (0, 1):
       if window is None:       # each step's send under the step before's attention
         step = attention[phase] / plan.cp
         totals[phase] += (plan.cp - 1) * max(0.0, send(c.seq_len) - step)
       else:
-        totals[phase] += max(0.0, 2 * send(window - 1) - attention[phase])
+        totals[phase] += max(0.0, halos * send(window - 1) - attention[phase])
   return totals[0], totals[1]
 
 
@@ -375,7 +385,8 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   # megajax's pipeline with pipeline_recompute reruns its chunk, remat full every layer, remat
   # dots (Megatron-LM's selective recomputation) the unfused attention core; FlashAttention's
   # backward reruns its own forward inside (operations.attention_times counts it there).
-  layer = mean_layer(c, plan, hw, k)
+  by_window = layer_times_by_window(c, plan, hw, k)
+  layer = mean_layer(c, plan, hw, k, by_window)
   head = operations.head_times(c, plan.micro_batch, n, hw, k)
   again = (1 if megajax and p > 1 and plan.pipeline_recompute else 0) + (1 if remat == "full" else 0)
   attention_again = again + (1 if remat == "dots" and not o.fused_ops and again == 0 else 0)
@@ -396,11 +407,7 @@ def step_time(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None
   t_tp = forward_comm + backward_comm
   if o.tp_overlap:
     t_tp = hardware.overlapped_seconds(t_tp, t_tp * (1 - k.tp_overlap_hidden))
-  windows = {c.layer_window(i) for i in range(c.num_layers)}
-  attention_of = {w: operations.attention_times(c, plan.micro_batch, n, w, o.fused_ops, hw, k) for w in windows}
-  if None in attention_of:      # the ring's cp steps (mean_layer)
-    attention_of[None] = tuple(plan.cp * t for t in attention_of[None])
-  cp_forward, cp_backward = cp_seconds(c, plan, hw, attention_of)
+  cp_forward, cp_backward = cp_seconds(c, plan, hw, by_window)
   t_cp = cp_forward * (1 + again) + cp_backward
 
   # Pipeline: per microbatch a stage sends v activations and v gradients (receiving as many the

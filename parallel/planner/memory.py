@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from megajax.layers import BLOCK_FAMILIES, MLP_FAMILIES
 from megajax.model import ModelConfig
+from megajax.parallel.context_parallel import uses_dual_chunks
 from megajax.parallel.planner.cost_model import ParamCounts, Plan, apply_switches, param_counts, per_device_rows
 from megajax.parallel.planner.operations import norms_per_layer
 
@@ -306,7 +307,7 @@ def context_bytes(c: ModelConfig, plan: Plan, remat: str, fused_attention: bool,
   block = 2 * b * c.num_heads / n * c.seq_len ** 2 / 2 * 4       # the largest: c x 2c pairs, 2c = the rows
   blocks = (1 if fused_attention else 0) + ((plan.cp - 1) / 2 if platform == "cpu" else 0)
   ring = (2 * 2 * b * c.seq_len * kv * cb + blocks * block) if global_layers else 0.0
-  chunks = 2 if global_layers else 1          # context_parallel.uses_dual_chunks: a halo per chunk
+  chunks = 2 if uses_dual_chunks(c) else 1    # a halo per chunk the layout gives a rank
   edges = max((chunks * b * 2 * (w - 1) * (2 * q + 2 * kv) * cb for w in windows if w is not None), default=0.0)
   return kept + ring + edges
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.model import ModelConfig
+from megajax.parallel.context_parallel import uses_dual_chunks
 from megajax.parallel.planner import cost_model, memory
 from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, Calibration, Hardware, Optimizations, Plan
 from megajax.parallel.planner.memory import Memory
@@ -56,10 +57,10 @@ def cp_splits(c: ModelConfig, tp: int, cp: int) -> bool:
   MIN_CONTEXT_SHARD positions a device."""
   if cp == 1:
     return True
-  windows = {c.layer_window(i) for i in range(c.num_layers)}
-  run = c.seq_len // (2 * cp) if None in windows else c.seq_len // cp    # uses_dual_chunks: chunks, else shards
+  run = c.seq_len // (2 * cp) if uses_dual_chunks(c) else c.seq_len // cp    # a rank's chunks, else its shard
+  local = any(c.layer_window(i) is not None for i in range(c.num_layers))
   return (c.seq_len % (2 * cp * tp) == 0 and c.seq_len // cp >= MIN_CONTEXT_SHARD
-          and (windows == {None} or c.window <= run + 1))
+          and (not local or c.window <= run + 1))
 
 
 def tp_splits(c: ModelConfig, tp: int) -> bool:
