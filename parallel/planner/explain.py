@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megajax import flops
 from megajax.model import ModelConfig
-from megajax.parallel.planner import cost_model, hardware, memory, operations, plans
+from megajax.parallel.planner import cost_model, hardware, memory, operations
 from megajax.parallel.planner.cost_model import GB, CALIBRATION, Calibration, Hardware, Plan
 from megajax.parallel.planner.plans import Candidate, assess, describe
 
@@ -106,8 +106,8 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
            f"executor: {EXECUTORS[plan.executor]}",
            f"memory per GPU (busiest stage): {x.memory.total / GB:.1f} GB of {usable / GB:.0f} usable: "
            f"{'fits' if x.fits else 'DOES NOT FIT'}"
-           + (f" (with the {plans.MEMORY_MARGIN:.0%} margin for the estimate's error)" if plan.executor == "megajax"
-              else "")]
+           + (f" (with the {memory.estimate_margin(plan):.0%} margin for the estimate's error)"
+              if plan.executor == "megajax" else "")]
   notes = {"state": "fp32 master + 2 moments (+ bf16 weights and fp32 gradients for paper)",
            "params+grads": "gathered compute parameters, gradient buffers and sums",
            "activations": ("what the backward needs: " + (

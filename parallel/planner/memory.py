@@ -227,6 +227,24 @@ def megatron_microbatches_in_flight(plan: Plan) -> float:
   return p if v == 1 else p * (1 + (p - 1) / (p * v))
 
 
+# How far the estimate has fallen short of XLA where it was checked off its fit sets, at the sizes
+# fit decisions are made at (held-out GPU cases of 1 GiB and more, memory_gpu_fit.GPU_HELD_OUT and
+# memory_gpu_pipeline_fit.GPU_PIPELINE_HELD_OUT): -12.3% without context parallelism (dp 2 tp 4
+# with 2 microbatches), -24.1% with it (configs/long_context.py:7b, the one cp case). A fit
+# decision raises a megajax estimate by enough to cover that (1 / (1 - 0.123) = 1.14, 1 / (1 -
+# 0.241) = 1.32); tests/unit/test_planner.py holds every such case under its margin. The paper
+# executor's memory is the published runs' own count (Korthikanti et al.): no margin.
+ESTIMATE_MARGIN = 0.15
+CONTEXT_PARALLEL_MARGIN = 0.35
+
+
+def estimate_margin(plan: Plan) -> float:
+  """The share a fit decision adds to `plan`'s estimate for the estimate's own error."""
+  if plan.executor != "megajax":
+    return 0.0
+  return CONTEXT_PARALLEL_MARGIN if plan.cp > 1 else ESTIMATE_MARGIN
+
+
 def memory(c: ModelConfig, plan: Plan, remat: str | None = None, fused_attention: bool | None = None,
            platform: str = "gpu") -> Memory:
   """Per-device bytes of `plan` on the model `c` (the switches applied here). `remat` defaults to

@@ -72,4 +72,5 @@ HELD_OUT = {
     'h 2048, 8 layers, seq 2048, batch 8, tp 4': 5261613216,
     'h 2048, 8 layers, seq 2048, batch 16, 2 microbatches, tp 2': 9684227488,
     'h 2048, 8 layers, seq 2048, batch 16, 2 microbatches, tp 4': 5730124192,
+    '7B shape, s 131072, cp 8, tp 4, window 4096, remat full, Pallas (long_context.py:7b)': 37614744438,
 }

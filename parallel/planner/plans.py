@@ -19,27 +19,20 @@ from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, Calibrat
 from megajax.parallel.planner.memory import Memory
 
 
-# megajax's memory is fitted to XLA; its held-out cases miss by up to 10% (and a few more, the
-# known misses: -12% at 3 GiB on GPUs, to -49% on sub-GiB tp configs with microbatches, far below
-# any device): a megajax plan fits when its estimate and this margin do.
-# The paper executor's memory is the published runs' own count (Korthikanti et al.): no margin.
-MEMORY_MARGIN = 0.10
-
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   plan: Plan
   memory: Memory
   time: cost_model.StepTime
-  fits: bool            # the memory fits the device (cost_model.usable_bytes; megajax's with MEMORY_MARGIN)
+  fits: bool            # the memory fits the device (cost_model.usable_bytes, the estimate raised by memory.estimate_margin)
 
 
 def assess(c: ModelConfig, plan: Plan, hw: Hardware, remat: str | None = None,
              calibration: Calibration = CALIBRATION) -> Candidate:
   mem = memory.memory(c, plan, remat)
-  margin = 1 + MEMORY_MARGIN if plan.executor == "megajax" else 1.0
   return Candidate(plan, mem, cost_model.step_time(c, plan, hw, remat, calibration),
-                   mem.total * margin <= cost_model.usable_bytes(hw))
+                   mem.total * (1 + memory.estimate_margin(plan)) <= cost_model.usable_bytes(hw))
 
 
 # cp splits a row no finer than this many positions a device: below it a ring step's attention is

@@ -10,9 +10,9 @@ import jax
 import pytest
 
 from megajax.config import CONFIGS_DIR, ConfigError, default_config, load_config
-from megajax.parallel.planner import HARDWARE
+from megajax.parallel.planner import HARDWARE, memory
 from megajax.parallel.planner.cost_model import GB
-from megajax.parallel.planner.fits import FIT_MARGIN, check_fits, device_memory, estimate, refuse_or_warn
+from megajax.parallel.planner.fits import check_fits, device_memory, estimate, refuse_or_warn
 from megajax.trainer import train
 
 # Each config on the hardware it is meant for: its own mesh where the file sets one (175B,
@@ -74,9 +74,9 @@ def test_cpu_memory_is_shared_by_the_devices():
 def test_over_the_device_is_refused_unless_forced(caplog):
   """Over 1x the device's memory by the estimate: one line with the estimate, the ratio and the
   ways out; train.force_memory=True runs it anyway, with a warning. Fitting by less than
-  FIT_MARGIN (the estimate's held-out errors lean negative): a warning."""
+  the estimate's margin (its held-out errors lean negative): a warning."""
   needed = estimate(default_config(), "cpu")
-  refuse_or_warn(needed, needed.total * (1 + FIT_MARGIN), "test")     # fits with the margin: nothing said
+  refuse_or_warn(needed, needed.total * (1 + memory.ESTIMATE_MARGIN), "test")     # fits with the margin: nothing said
   assert not caplog.text
   refuse_or_warn(needed, needed.total, "test")           # exactly fits: inside the estimate's error, said
   assert "fits by less than the estimate's error" in caplog.text
