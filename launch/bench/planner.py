@@ -4,8 +4,8 @@ and against XLA.
 Prints:
   micro-benchmarks  the measured numbers the step time is built from (hardware.py, cited there).
   calibration       the constants no micro-benchmark gives (cost_model.Calibration), refitted now
-                    by least squares on the calibration set (MegaScale's Table 3; Narayanan et
-                    al.'s Table 2 by its slope) next to the values CALIBRATION holds, and each
+                    by least squares on the calibration set (MegaScale's Table 3) next to the
+                    values CALIBRATION holds (the slow-machine slowdown: published), and each
                     calibration row's leave-one-out error (fitted without that row).
   validation        every published run of published.validation_set() (never fitted to), with
                     its source, what is assumed, predicted vs published and the error; goal:
@@ -32,7 +32,6 @@ Prints:
 
 from __future__ import annotations
 
-import dataclasses
 
 from megajax.parallel.planner import (calibration, explain, hardware, memory, memory_cpu_fit, memory_fit, memory_gpu_fit,
                                       memory_gpu_pipeline_fit, memory_measured, memory_measured_cpu,
@@ -52,22 +51,21 @@ def print_measured() -> None:
   print(f"  compute under a hidden collective: {hardware.OVERLAP_SLOWDOWN:.1%} slower (Lee et al. 2025)")
   print(f"  slow machines: {hardware.SLOW_MACHINE_FRACTION:.1%} of them (MegaScale section 5.1): a job holds one with "
         + ", ".join(f"{hardware.slow_machine_chance(gpus, hw):.0%} on {gpus}" for gpus in (8, 256, 1024, 3072, 12288))
-        + " GPUs")
+        + f" GPUs; such a machine {hardware.SLOW_MACHINE_SLOWDOWN:.0%} slower (section 6.3)")
 
 
 def print_fit() -> None:
   fitted = calibration.fit_calibration()
   runs = published.calibration_set()
-  print("\n== calibration: cost_model.Calibration refitted now on the calibration set (MegaScale Table 3, "
-        f"Narayanan et al. Table 2 by its slope: {len(runs)} rows) vs CALIBRATION")
-  for field in dataclasses.fields(fitted):
-    print(f"  {field.name:20} fitted {getattr(fitted, field.name):10.4g}   held {getattr(CALIBRATION, field.name):10.4g}")
-  residuals = calibration.fit_residuals(runs, CALIBRATION)
-  print(f"{'calibration row':48} {'error':>7} {'leave-one-out':>14}  fitted as")
-  for (run, error, held_out), residual in zip(calibration.leave_one_out(), residuals):
-    unit = "" if run.metric == "mfu" else "%"
-    fitted_as = f"{residual:+.1f}{unit} off its series' slope (error less the series' mean)" if run.series else "its error"
-    print(f"{run.where:48} {error:>+6.1f}{unit or ' '} {held_out:>+13.1f}{unit or ' '}  {fitted_as}")
+  print("\n== calibration: cost_model.Calibration refitted now on the calibration set (MegaScale Table 3: "
+        f"{len(runs)} rows) vs CALIBRATION")
+  for name in calibration.FITTED:
+    print(f"  {name:20} fitted {getattr(fitted, name):10.4g}   held {getattr(CALIBRATION, name):10.4g}")
+  print(f"  {'straggler_slowdown':20} not fitted: {CALIBRATION.straggler_slowdown:.3g} (MegaScale section 6.3's "
+        "measured slow hosts, hardware.SLOW_MACHINE_SLOWDOWN)")
+  print(f"{'calibration row':48} {'error':>7} {'leave-one-out':>14}")
+  for run, error, held_out in calibration.leave_one_out():
+    print(f"{run.where:48} {error:>+6.1f} {held_out:>+14.1f}")
 
 
 def print_validation() -> bool:
@@ -208,7 +206,7 @@ def print_executor_gap(c, hw) -> None:
     print(f"  {term}: {known}")
   print("both executors alike: the compute under every hidden collective "
         f"{hardware.OVERLAP_SLOWDOWN:.1%} slower (published, assumed for XLA:GPU's schedule too) and the wait for "
-        "a slow machine (a property of the cluster, fitted on Narayanan et al.'s Table 2)")
+        "a slow machine (a property of the cluster: MegaScale's 0.5% of machines, 10% slower, sections 5.1 and 6.3)")
 
 
 def print_best_plans(c, hw, gpus=12288, batch=6144, top=5) -> None:

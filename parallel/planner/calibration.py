@@ -1,9 +1,9 @@
 """Where the cost model's fitted numbers come from, and how well the model holds.
 
-  fit_calibration  the step-time constants no micro-benchmark gives (cost_model.Calibration) by
-                 least squares on published.calibration_set() only: MegaScale's Table 3 (175B on
-                 256 A100s; each switch's row shows its constant) and the slope of Narayanan et
-                 al.'s Table 2 (the straggler slowdown). Returns a new Calibration.
+  fit_calibration  the step-time constants no micro-benchmark gives (cost_model.Calibration, but
+                 the straggler slowdown: published) by least squares on
+                 published.calibration_set() only: MegaScale's Table 3 (175B on 256 A100s; each
+                 switch's row shows its constant). Returns a new Calibration.
   leave_one_out  each calibration row predicted by the fit to the others: how much any one row
                  moves the constants.
   validate       every published.validation_set() row (runs the fit never saw) predicted with
@@ -34,10 +34,9 @@ from megajax.parallel.planner.fits import plan_of
 from megajax.parallel.step import ParallelStep
 
 # The fitted fields, their bounds and scales (least_squares' x_scale).
-FITTED = ("gemm_sustained", "hbm_efficiency", "tp_overlap_hidden", "p2p_latency_s", "data_s_per_token",
-          "straggler_slowdown")
-BOUNDS = ([0.3, 0.3, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 5e-3, 1e-5, 1.0])
-SCALES = [0.1, 0.1, 0.1, 1e-4, 1e-7, 0.01]
+FITTED = ("gemm_sustained", "hbm_efficiency", "tp_overlap_hidden", "p2p_latency_s", "data_s_per_token")
+BOUNDS = ([0.3, 0.3, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 5e-3, 1e-5])
+SCALES = [0.1, 0.1, 0.1, 1e-4, 1e-7]
 MEMORY_TOLERANCE = 0.10
 
 
@@ -49,22 +48,10 @@ def fit_calibration(runs: list[published.Run] | None = None, start: Calibration 
 
   def errors(x):
     calibration = dataclasses.replace(start, **dict(zip(FITTED, x)))
-    return np.array(fit_residuals(runs, calibration))
+    return np.array([published.predict(run, calibration).error for run in runs])
   x0 = np.clip([getattr(start, name) for name in FITTED], BOUNDS[0], BOUNDS[1])
   result = least_squares(errors, x0, bounds=BOUNDS, x_scale=SCALES)
   return dataclasses.replace(start, **{name: float(value) for name, value in zip(FITTED, result.x)})
-
-
-def fit_residuals(runs: list[published.Run], calibration: Calibration) -> list[float]:
-  """What the fit minimizes, one a row: a row's error; for a row of a strong-scaling series
-  (`Run.series`), its error less the series' mean: only the slope is fitted there, the level is
-  left to the constants Table 3 shows."""
-  errors = [published.predict(run, calibration).error for run in runs]
-  series = {}
-  for run, error in zip(runs, errors):
-    if run.series:
-      series.setdefault(run.series, []).append(error)
-  return [error - float(np.mean(series[run.series])) if run.series else error for run, error in zip(runs, errors)]
 
 
 def leave_one_out(calibration: Calibration = CALIBRATION) -> list[tuple[published.Run, float, float]]:

@@ -31,12 +31,12 @@ Two executors (`Plan.executor`):
 
 Two costs grow with scale at a fixed batch beyond the bubble and the dp traffic (issue 34):
 the wait for a slow machine (the chance that a job holds one, from MegaScale's 0.5% of machines,
-times a fitted slowdown) and the compute a hidden collective slows (hardware.OVERLAP_SLOWDOWN,
-published, not fitted), which matters more as a step's compute shrinks.
+times the 10% such a machine was measured slower: hardware.SLOW_MACHINE_SLOWDOWN, published, not
+fitted) and the compute a hidden collective slows (hardware.OVERLAP_SLOWDOWN, published, not
+fitted), which matters more as a step's compute shrinks.
 
-Fitted numbers: the six fields of `Calibration`, fitted by calibration.fit_calibration on
-published.calibration_set() only (MegaScale's Table 3, the slope of Narayanan et al.'s
-Table 2), never on a row they are validated on
+Fitted numbers: five fields of `Calibration`, fitted by calibration.fit_calibration on
+published.calibration_set() only (MegaScale's Table 3), never on a row they are validated on
 (`python -m megajax.launch.bench planner` prints the fit, the leave-one-out errors and every
 validation row with its source); and the megajax memory constants in memory.py (to XLA's
 buffer assignment).
@@ -68,23 +68,21 @@ class Calibration:
   `CALIBRATION` holds the least-squares fit (calibration.fit_calibration, reprinted by `python -m
   megajax.launch.bench planner` with each constant's leave-one-out errors) to
   published.calibration_set(): MegaScale's Table 3 (175B on 256 A100s, the baseline and eight
-  cumulative switches; each switch's row is what shows its constant) and the slope of Narayanan
-  et al.'s Table 2 (two models, each on 1x, 2x and 4x the GPUs at its batch: what shows the
-  straggler slowdown). No validation row is in it.
+  cumulative switches; each switch's row is what shows its constant). No validation row is in
+  it. `straggler_slowdown` is here to be varied, not fitted: a published measurement.
   """
-  gemm_sustained: float = 0.873      # of the micro-benchmark's GEMM rate (hardware.FULL_WAVE_GEMM_FRACTION), what a
+  gemm_sustained: float = 0.876      # of the micro-benchmark's GEMM rate (hardware.FULL_WAVE_GEMM_FRACTION), what a
                                      # training run sustains: clocks under sustained power, cuBLAS's tile
                                      # choices for its shapes, the gaps between its kernels
-  hbm_efficiency: float = 0.905      # fraction of HBM bandwidth the streaming kernels reach
+  hbm_efficiency: float = 0.909      # fraction of HBM bandwidth the streaming kernels reach
   tp_overlap_hidden: float = 1.0     # share of tp communication MegaScale's collective matmul hides
                                      # (the fit sits at its bound: all of it)
-  p2p_latency_s: float = 0.652e-3    # per blocking pipeline transfer (Megatron's synchronous p2p)
-  data_s_per_token: float = 1.79e-6  # exposed data loading per token of a replica's batch, without
+  p2p_latency_s: float = 0.649e-3    # per blocking pipeline transfer (Megatron's synchronous p2p)
+  data_s_per_token: float = 1.78e-6  # exposed data loading per token of a replica's batch, without
                                      # MegaScale's asynchronous, one-per-node data pipeline (misc)
-  straggler_slowdown: float = 0.081  # how much longer a step is when the job holds a slow machine
-                                     # (hardware.slow_machine_chance); fitted on the slope of
-                                     # Narayanan et al.'s Table 2 (MegaScale section 6.3 saw
-                                     # such hosts take ~10% longer in the forward)
+  straggler_slowdown: float = hardware.SLOW_MACHINE_SLOWDOWN  # how much longer a step is when the job
+                                     # holds a slow machine (hardware.slow_machine_chance): MegaScale
+                                     # section 6.3's measured ~10%, not fitted
 
 
 CALIBRATION = Calibration()

@@ -51,9 +51,15 @@ COLLECTIVE_LATENCY_S = 10e-6
 # slowest machine's performance" (MegaScale, NSDI '24, section 5.1, its performance heat map;
 # section 6.3: such hosts took "approximately 10% more time" for the same forward computation).
 # A synchronous step waits for its slowest machine, so the chance that a job holds one grows with
-# its machines: 1 - (1 - 0.005)^nodes. How much slower the step then is, the cost model fits
-# (cost_model.Calibration.straggler_slowdown, on Narayanan et al.'s Table 2 only).
+# its machines: 1 - (1 - 0.005)^nodes, and the step is then that machine's 10% longer (the
+# measured figure, taken for the whole step: the slowest stage sets a pipeline's pace). Not
+# fitted (2026-12-06; it was fitted on Narayanan et al.'s Table 2 before, 8.1%: NVIDIA's cluster,
+# whose slow machines no source counts, carrying ByteDance's fraction). Not reconciled: the same
+# section 6.3 saw "an approximate 0.7% improvement in MFU" once such hosts were removed from a
+# production job of more than 10,000 GPUs, where this term charges ~10% of the step; that job's
+# setup and what else changed are not given, the per-host measurement is direct.
 SLOW_MACHINE_FRACTION = 0.005
+SLOW_MACHINE_SLOWDOWN = 0.10
 
 # Compute under a hidden collective is not free: "overlapping computation and communication can
 # result in an average computational slowdown of 18.9%, with a maximum of 40.0%" against the same

@@ -312,14 +312,13 @@ def test_every_megajax_executor_term_says_how_it_is_known_and_its_tests_exist():
 
 def test_no_constant_is_fitted_to_a_row_it_is_validated_on():
   """The calibration set is MegaScale's Table 3 (Table 2's 256-GPU MegaScale row, the same run
-  as its last, counted once: not in either set) and Narayanan et al.'s Table 2 (its slope), the
-  validation set everything else; no run is in twice, no validation run has a calibration run's
+  as its last, counted once: not in either set), the validation set everything else (Narayanan
+  et al.'s Table 2 among it); no run is in twice, no validation run has a calibration run's
   model, plan and recomputation, and the fit reads only the calibration set."""
   calibration_runs, validation_runs = published.calibration_set(), published.validation_set()
   assert calibration_runs and validation_runs
-  table2 = [run for run in published.narayanan() if run.where.startswith("Table 2")]
-  assert {run.where for run in calibration_runs} == {run.where for run in published.megascale_table3() + table2}
-  assert {run.series for run in table2} == {"174.6B", "529.6B"} and not any(run.series for run in validation_runs)
+  assert {run.where for run in calibration_runs} == {run.where for run in published.megascale_table3()}
+  assert sum(run.where.startswith("Table 2, PTD-P") for run in validation_runs) == 6
   every = [(run.model, run.plan, run.remat, run.published) for run in published.all_runs()]
   assert len(every) == len(set(every))
   keys = lambda runs: {(run.model, run.plan, run.remat) for run in runs}
@@ -465,15 +464,17 @@ def test_a_hidden_collective_slows_the_compute_under_it(paper_setting):
 
 
 def test_megascale_table2_loses_mfu_with_scale_as_published():
-  """Issue 34's goal: the predicted fall from 256 to 12,288 GPUs within SLOPE_GOAL_POINTS of the
-  published one. Not met yet (the MegaScale system 2.6 points short, Megatron-LM 3.4): this holds
-  what the straggler and contention terms gave (it was 7.7 and 6.3 without them)."""
+  """Issue 34's goal: the MegaScale system's predicted fall from 256 to 12,288 GPUs within
+  SLOPE_GOAL_POINTS of the published one (1.8 short); Megatron-LM's (2.7 short) held where it is.
+  Without a slow-machine term it is 6.5 short: the goal rests on MegaScale's measured 10%."""
   slopes = published.scale_slope()
   for system, (fall, predicted) in slopes.items():
     print(f"{system}: published {fall:+.1f}, predicted {predicted:+.1f}")
     assert fall < predicted < 0
-  assert abs(slopes["MegaScale"][1] - slopes["MegaScale"][0]) < 2.8
-  assert abs(slopes["Megatron-LM"][1] - slopes["Megatron-LM"][0]) < 3.6
+  assert abs(slopes["MegaScale"][1] - slopes["MegaScale"][0]) <= published.SLOPE_GOAL_POINTS
+  assert abs(slopes["Megatron-LM"][1] - slopes["Megatron-LM"][0]) < 3.0
+  assert CALIBRATION.straggler_slowdown == hardware.SLOW_MACHINE_SLOWDOWN == 0.10
+  assert "straggler_slowdown" not in calibration.FITTED
 
 
 def test_megatron_activations_in_flight_follow_the_published_counts():
