@@ -21,7 +21,7 @@ from tests.support import REPO
 # the package's own __init__ (the API facade) is the top layer and is matched exactly.
 LAYERS = (
     ("layers", ("megajax.layers",)),
-    ("core", ("megajax.sections", "megajax.config", "megajax.config_checks", "megajax.model", "megajax.loss", "megajax.optim",
+    ("core", ("megajax.sections", "megajax.config", "megajax.config_checks", "megajax.config_parallel", "megajax.model", "megajax.loss", "megajax.optim",
               "megajax.flops", "megajax.data", "megajax.token_files", "megajax.tokenizer", "megajax.text_inputs",
               "megajax.reference_step")),
     ("parallel", ("megajax.parallel", "megajax.sampling")),   # sampling: decoding, heads split over tp
