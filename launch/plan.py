@@ -129,8 +129,8 @@ def main(argv):
   other = next(r for r in EXECUTORS if r != _EXECUTOR.value)
   print(f"executor {_EXECUTOR.value}: {explain.EXECUTORS[_EXECUTOR.value]} (--executor={other}: {explain.EXECUTORS[other]})")
   print(explain.LEGEND)
-  margin = (f" with a {memory.ESTIMATE_MARGIN:.0%} margin for the memory estimate's error "
-            f"({memory.CONTEXT_PARALLEL_MARGIN:.0%} with cp > 1)" if _EXECUTOR.value == "megajax" else "")
+  margin = (f" with a {memory.ESTIMATE_MARGIN:.0%} margin for the memory estimate's error"
+            if _EXECUTOR.value == "megajax" else "")
   print(f"{even} plans divide evenly, {len(best)} fit in {hw.memory_gb - cost_model.MEMORY_RESERVED_GB:g} GB{margin}")
   print(plans.PLAN_HEADER)
   for i, candidate in enumerate(best[:top], 1):

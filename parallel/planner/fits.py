@@ -13,7 +13,7 @@ what the device has (`device_memory`):
 A config whose estimate is more than the device's memory is refused with a one-line
 ConfigError giving both figures, the largest part and the ways out, unless
 train.force_memory, which logs a warning and lets XLA decide; one that fits by less than the
-estimate's margin (memory.estimate_margin: 15%, 35% with cp > 1, what the held-out errors need)
+estimate's margin (memory.estimate_margin: 20%, what the held-out errors need)
 runs with a warning (XLA:GPU rematerializes when memory runs short, which the model does not count). On a CPU host going over means swapping
 or the kernel's out-of-memory killer, not an error; on a GPU a failed allocation after the
 compile. The memory model is within 10% of XLA's buffer assignment where it was checked
@@ -91,8 +91,8 @@ def refuse_or_warn(needed: Memory, have: float, where: str, force: bool = False,
     return
   if needed.total <= have:
     logging.warning("memory per device: %s estimated of the %s a device has (%s): it fits by less than the "
-                    "estimate's error (%.0f%%: held-out cases reach -12%% without context parallelism, -24%% "
-                    "with it), so it may not; if it runs out of memory: more train.microbatches, "
+                    "estimate's error (%.0f%%: held-out cases reach -15%% at planner sizes), so it may not; "
+                    "if it runs out of memory: more train.microbatches, "
                     "model.remat=full or a larger parallel.dp", _gb(needed.total), _gb(have), where, 100 * margin)
     return
   parts = {"optimizer state": needed.state, "parameters in use": needed.params_temp,

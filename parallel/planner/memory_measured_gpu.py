@@ -73,4 +73,8 @@ HELD_OUT = {
     'h 2048, 8 layers, seq 2048, batch 16, 2 microbatches, tp 2': 9684227488,
     'h 2048, 8 layers, seq 2048, batch 16, 2 microbatches, tp 4': 5730124192,
     '7B shape, s 131072, cp 8, tp 4, window 4096, remat full, Pallas (long_context.py:7b)': 37614744438,
+    'tp 2, h 3072, 6 layers, seq 4096, batch 4, 2 microbatches, remat full': 9629084152,
+    'tp 8, h 4096, 4 layers, seq 2048, batch 8, remat dots': 4254665088,
+    'cp 4 tp 2, h 2048, 8 layers, seq 32768, window 4096, remat full, Pallas': 5597228184,
+    'dp 2 tp 4, h 2560, 8 layers, seq 4096, batch 8, 4 microbatches, swiglu': 4635052472,
 }
