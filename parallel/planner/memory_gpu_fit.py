@@ -183,7 +183,9 @@ _SMALL_TP_MICROBATCHES = (
     "f/tp] summed afterwards (a reduce over the split in the consumer fusion; 384 such dots in the tp 4 "
     "case's program): those partials are the \"forward ring's outputs at 4x their fp32 size\" seen before, "
     "live at the peak. No program at the planner's sizes has one (the h 2048 tp 4 cases, the dp 2 tp 4 case, "
-    "configs/long_context.py:7b: none), so no term counts them. Tried and not adopted (2026-12-05): six more "
+    "configs/long_context.py:7b: none), so no term counts them; and a deviceless compile cannot autotune "
+    "(no device), so these are XLA's default GEMM configurations, which a GPU's autotuner may not keep. "
+    "Tried and not adopted (2026-12-05): six more "
     "cases of that regime in the fit set (tp 2-4, 2-4 microbatches, 0.27-0.67 GiB; the held-out ones left "
     "out): the refit held 41 of its 49 cases within 10% (was 43 of 43), left these -20..-39% and put the "
     "1.3B LAMB row at +23%")
