@@ -296,6 +296,10 @@ def test_rows_with_unstated_values_carry_their_alternatives_and_an_error_range()
   assert not any(run.remat_alternatives for run in runs if run.source != "MegaScale")
   full = published.predict(dataclasses.replace(runs[0], remat="full")).error
   assert published.error_range(runs[0])[0] <= full
+  # Megatron-LM's distributed optimizer (MegaScale's rows without its DP overlap): plain all-reduce beside it.
+  megatron = [run for run in runs if run.source == "MegaScale" and not run.plan.opts.dp_overlap]
+  assert megatron and all("distributed optimizer" in run.assumed and any(
+      not plan.distributed_optimizer for plan in run.alternatives) for run in megatron)
 
 
 def test_every_megajax_executor_term_says_how_it_is_known_and_its_tests_exist():
