@@ -73,13 +73,10 @@ def shard_positions(rows: int, n: int, dual_chunks: bool, axis: str = CP) -> jax
   """int32 [rows, n]: the row positions this rank's shard of n holds (its slice of row_order):
   the rotary positions of a batch without its own (one document a row)."""
   cp, rank = lax.axis_size(axis), collectives.axis_index(axis)
-  columns = jnp.arange(n)
-  if dual_chunks:
-    c = n // 2
-    positions = jnp.where(columns < c, rank * c + columns, (2 * cp - 1 - rank) * c + columns - c)
-  else:
-    positions = rank * n + columns
-  return jnp.broadcast_to(positions.astype(jnp.int32), (rows, n))
+  order = row_order(n * cp, cp, dual_chunks)
+  order = np.arange(n * cp) if order is None else order
+  positions = lax.dynamic_slice_in_dim(jnp.asarray(order, jnp.int32), rank * n, n)
+  return jnp.broadcast_to(positions, (rows, n))
 
 
 def attention(q, k, v, window: int | None, segment_ids, impl: str, dual_chunks: bool, ring: bool = True,

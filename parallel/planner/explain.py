@@ -107,7 +107,7 @@ def explain(c: ModelConfig, plan: Plan, hw: Hardware, remat: str, calibration: C
            f"memory per GPU (busiest stage): {x.memory.total / GB:.1f} GB of {usable / GB:.0f} usable: "
            f"{'fits' if x.fits else 'DOES NOT FIT'}"
            + (f" (with the {memory.estimate_margin(plan):.0%} margin for the estimate's error)"
-              if plan.executor == "megajax" else "")]
+              if memory.estimate_margin(plan) else "")]
   notes = {"state": "fp32 master + 2 moments (+ bf16 weights and fp32 gradients for paper)",
            "params+grads": "gathered compute parameters, gradient buffers and sums",
            "activations": ("what the backward needs: " + (

@@ -77,16 +77,15 @@ def check_fits(config, devices) -> Memory:
   if have is None:
     logging.info("memory per device: %s estimated; not checked (%s)", _gb(needed.total), where)
   else:
-    refuse_or_warn(needed, have, where, force=config.train.force_memory,
-                   margin=memory.estimate_margin(plan_of(config, devices[0].platform)))
+    refuse_or_warn(needed, have, where, force=config.train.force_memory)
   return needed
 
 
-def refuse_or_warn(needed: Memory, have: float, where: str, force: bool = False,
-                   margin: float = memory.ESTIMATE_MARGIN) -> None:
+def refuse_or_warn(needed: Memory, have: float, where: str, force: bool = False) -> None:
   """The decision, apart from the devices: ConfigError above `have`, a warning when `force`;
-  a warning when the estimate fits by less than `margin` (memory.estimate_margin: the held-out
-  errors at these sizes lean negative)."""
+  a warning when the estimate fits by less than memory.ESTIMATE_MARGIN (the held-out errors at
+  these sizes lean negative)."""
+  margin = memory.ESTIMATE_MARGIN
   if needed.total * (1 + margin) <= have:
     return
   if needed.total <= have:

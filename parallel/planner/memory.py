@@ -385,9 +385,10 @@ def single_stage_terms(c: ModelConfig, plan: Plan, counts: ParamCounts, remat: s
     terms["accumulator"] = counts.stage * 4 if plan.grad_sync == "step" else counts.shard * pb
   if plan.tp > 1:
     widths = c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + len(MLP_FAMILIES[c.mlp].inputs) * c.mlp_dim
-    terms["ring"] = plan.micro_batch * c.seq_len * widths / plan.tp * 4
+    outputs = plan.micro_batch * c.seq_len * widths / plan.tp     # a layer's column-parallel outputs, elements
+    terms["ring"] = outputs * 4
     if platform == "gpu":     # every layer's column-parallel output gradient, held for the deferred weight gradients
-      terms["deferred"] = c.num_layers * plan.micro_batch * c.seq_len * widths / plan.tp * cb
+      terms["deferred"] = c.num_layers * outputs * cb
   kept, scores = _layer_kept(act, plan, remat, fused_attention)     # scores only under remat none
   terms["saved"] = (kept - scores) * c.num_layers
   if plan.microbatches > 1:     # run one after another (step._after_the_others): what is left, fitted

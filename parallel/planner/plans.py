@@ -19,7 +19,6 @@ from megajax.parallel.planner.cost_model import CALIBRATION, MEGASCALE, Calibrat
 from megajax.parallel.planner.memory import Memory
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   plan: Plan
