@@ -72,6 +72,11 @@ def _check_model(config) -> None:
   check.choice(config, "model.compute_dtype", DTYPE_CHOICES)
   check.choice(config, "model.param_dtype", DTYPE_CHOICES)
   check.choice(config, "model.remat", REMAT_CHOICES)
+  # cuDNN's fused attention takes half precision only (jax raises deep inside the trace otherwise).
+  check.require(m.attention_impl != "cudnn" or m.compute_dtype in ("bfloat16", "float16"),
+                "model.attention_impl", m.attention_impl,
+                f"cuDNN attention takes bfloat16 or float16 inputs, model.compute_dtype is {m.compute_dtype}",
+                "use model.compute_dtype=bfloat16, or model.attention_impl=xla (or pallas) for float32")
 
   # Attention heads.
   check.require(m.hidden_dim % m.num_heads == 0, "model.num_heads", m.num_heads,

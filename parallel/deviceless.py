@@ -91,10 +91,21 @@ GPU_TARGETS = {
 GPUS_PER_HOST = 8
 
 
-def _target(name: str) -> GpuTarget:
-  if name not in GPU_TARGETS:
-    raise ConfigError("target", name, "no such deviceless GPU", f"use one of {', '.join(GPU_TARGETS)}")
-  return GPU_TARGETS[name]
+def with_memory(target: str, memory_bytes: int) -> str:
+  """`target` described with `memory_bytes` of memory: XLA:GPU schedules (and rematerializes)
+  to fit the device it compiles for, so compiling for a smaller one asks whether a program fits
+  there, not just what it holds when the device has room to spare."""
+  return f"{target}@{int(memory_bytes) // MIB}MiB"
+
+
+def described(name: str) -> GpuTarget:
+  """The GpuTarget named `name`: a GPU_TARGETS key, or one with_memory made."""
+  base, _, memory = name.partition("@")
+  if base not in GPU_TARGETS or (memory and not (memory.endswith("MiB") and memory[:-3].isdigit())):
+    raise ConfigError("target", name, "no such deviceless GPU",
+                      f"use one of {', '.join(GPU_TARGETS)}, optionally with @<N>MiB of memory")
+  spec = GPU_TARGETS[base]
+  return dataclasses.replace(spec, memory_bytes=int(memory[:-3]) * MIB) if memory else spec
 
 
 class DevicelessUnavailable(RuntimeError):
@@ -132,7 +143,7 @@ def _register_cuda_plugin() -> None:
 @functools.cache
 def topology(target: str = "h100-80g", devices: int = GPUS_PER_HOST):
   """`devices` described GPUs in hosts of 8 (a process index each, as on a cluster)."""
-  spec = _target(target)
+  spec = described(target)
   hosts = math.ceil(devices / GPUS_PER_HOST)
   if devices > GPUS_PER_HOST and devices % GPUS_PER_HOST:
     raise ConfigError("devices", devices, f"more than one host of {GPUS_PER_HOST} GPUs must fill whole hosts",
@@ -153,7 +164,7 @@ def cudnn_as(target: str = "h100-80g"):
   neither on a CPU machine): answered as the target's, so the step traces the cuDNN fused
   attention calls it would there. Restored on exit."""
   from jax._src.cudnn import fused_attention_stablehlo as lowering   # jax's own answerers
-  spec = _target(target)
+  spec = described(target)
   major, minor, patch = spec.cudnn_version
   version = lambda text: tuple(int(x) for x in text.split("."))    # "9.0" -> (9, 0)
   answers = {"check_cudnn_version": lambda: major * 10000 + minor * 100 + patch,

@@ -22,7 +22,7 @@ import itertools
 from megajax.config import apply_overrides, default_config, validate
 from megajax.model import ModelConfig
 from megajax.parallel import deviceless
-from megajax.parallel.planner import memory
+from megajax.parallel.planner import calibration, memory
 from megajax.parallel.planner.calibration import MemoryCase
 from megajax.parallel.planner.fits import plan_of
 from megajax.parallel.planner.memory_fit import fit_platform, write_data
@@ -172,6 +172,23 @@ GPU_HELD_OUT = (
                {**GPU_BASE, "model.hidden_dim": 2560, "model.num_heads": 20, "model.num_layers": 8, "model.seq_len": 4096,
                 "model.vocab_size": 32768, "train.batch_size": 8, "train.microbatches": 4, "parallel.dp": 2,
                 "parallel.tp": 4, "model.mlp": "swiglu"}),
+    # Written down with their predictions (2026-12-06) to judge a refit that was then not kept (the
+    # first m = 2 accumulator term; XLA_GPU's note): unseen by these weights too.
+    MemoryCase("tp 2, h 2560, 12 layers, seq 2048, batch 8, 2 microbatches, swiglu, remat dots",
+               {**GPU_BASE, "model.hidden_dim": 2560, "model.num_heads": 20, "model.num_layers": 12, "model.seq_len": 2048,
+                "model.vocab_size": 32768, "train.batch_size": 8, "train.microbatches": 2, "parallel.tp": 2,
+                "model.mlp": "swiglu"}),
+    MemoryCase("tp 4, h 4096, 8 layers, seq 4096, batch 4, GQA 8, rmsnorm, remat full",
+               {**GPU_BASE, "model.hidden_dim": 4096, "model.num_heads": 32, "model.num_kv_heads": 8, "model.num_layers": 8,
+                "model.seq_len": 4096, "model.vocab_size": 32768, "model.norm": "rmsnorm", "train.batch_size": 4,
+                "parallel.tp": 4, "model.remat": "full"}),
+    MemoryCase("dp 2 tp 2, h 3072, 8 layers, seq 2048, batch 16, 2 microbatches, lamb, remat full",
+               {**GPU_BASE, "model.hidden_dim": 3072, "model.num_heads": 24, "model.num_layers": 8, "model.seq_len": 2048,
+                "model.vocab_size": 32768, "train.batch_size": 16, "train.microbatches": 2, "parallel.dp": 2,
+                "parallel.tp": 2, "optimizer.name": "lamb", "model.remat": "full"}),
+    MemoryCase("tp 8, h 6144, 4 layers, seq 4096, batch 2, remat dots",
+               {**GPU_BASE, "model.hidden_dim": 6144, "model.num_heads": 48, "model.num_layers": 4, "model.seq_len": 4096,
+                "model.vocab_size": 32768, "train.batch_size": 2, "parallel.tp": 8}),
 )
 
 # tp with microbatches off the planner's sizes: what the second audit found (2026-12-05), and its
@@ -190,18 +207,23 @@ _SMALL_TP_MICROBATCHES = (
     "out): the refit held 41 of its 49 cases within 10% (was 43 of 43), left these -20..-39% and put the "
     "1.3B LAMB row at +23%")
 
-# Held-out cases outside 10%, and why as far as known (the unit test holds the list).
+# The first microbatch's gradients, held through the second's backward: what two under-predicted
+# cases with 2 microbatches and remat full hold (2026-12-06).
+_FIRST_MICROBATCH = (
+    "{}. Counting the first microbatch's fp32 gradients at m = 2 (the scan-sum term, m > 2 only) was "
+    "tried (2026-12-06): it fits these (+2.0%, +12.0%) but puts remat dots with 2 microbatches at +15% "
+    "and +21%, where the peak sits in the activations instead; judged on four cases compiled after "
+    "their predictions were written down, by a rule written with them (keep it if the mean error falls "
+    "and no case is pushed past 10%), it was not kept (mean 13.3% against 10.5%)")
+
+# Held-out cases outside the goal (memory_gpu_fit.within), and why as far as known (the unit
+# test holds the list).
 GPU_KNOWN_MISSES = {
-    "dp 2, tp 4, h 2048, 8 layers, seq 2048, 2 microbatches":
-        "-10.6% (under; unseen case; -19.4% before the microbatch ordering, -12.3% before the deferred term). "
-        "XLA's live ranges show what the deferred term counts (each layer's column-parallel output gradient "
-        "[b, s, widths/tp], concatenated, held from its layer's backward to the end of the microbatch's, "
-        "where XLA:GPU runs the weight-gradient GEMMs) and the forward ring's gathered projection outputs of "
-        "all 8 layers, which remat dots saves; the term's one weight, fitted on tp 2-4 single-microbatch "
-        "cases, leaves the rest",
     "7B shape, s 131072, cp 8, tp 4, window 4096, remat full, Pallas (long_context.py:7b)":
         "-11.4% (under; unseen; -24.1% before the deferred term; the estimate's state is XLA's argument bytes "
-        "exactly). XLA's live ranges at the peak (three quarters into the program, in the backward) hold 5.9 GB "
+        "exactly); compiled for a device of 1.1 x the estimate (34.1 GiB) XLA:GPU's rematerialization cannot "
+        "get under it (39.4 GiB). XLA's live ranges at the 80 GB peak (three quarters into the program, in the "
+        "backward) hold 5.9 GB "
         "of the 7.2 GB fp32 gradients (already summed over cp), where the params term (0.53 x the fp32 "
         "parameters, fitted on cases whose peak sits where activations dominate) counts 3.8, and 3.2 GB that "
         "are operands of the norms' scale gradients: XLA:GPU schedules those small reductions after the whole "
@@ -209,22 +231,22 @@ GPU_KNOWN_MISSES = {
         "incoming-gradient pieces stay live until then. Tried (2026-12-06): an optimization barrier making "
         "each layer's input gradient wait for its norm's scale gradient: 8 layers of this shape went from "
         "10.86 to 9.45 GiB, but all 32 from 35.03 to 37.67: XLA then ran about 13 layers' recomputed forwards "
-        "early. At an 80 GB budget the schedule spends memory on overlap in ways a per-layer count does not "
-        "bound; the fit decisions' margin covers it (memory.estimate_margin)",
-    "tp 2, h 3072, 6 layers, seq 4096, batch 4, 2 microbatches, remat full":
-        "-15.4% (under; unseen by the current terms, -17.3% without the deferred term). The peak sits at the "
-        "head in the second microbatch: the logits' fp32 chunks and the cross-entropy's fp32 product (1.0 GiB; "
-        "the logits term counts 0.94), the embedding's fp32 gradient pieces (0.38 GiB), every layer's weights "
-        "concatenated in bf16 for the fused projections, held through the step (0.63 GiB; the compute-copy "
-        "term weighs 0 in a fit set where every case computes in bf16: it is collinear with the params term) "
-        "and the first microbatch's weight gradients",
-    "tp 8, h 4096, 4 layers, seq 2048, batch 8, remat dots":
-        "-10.5% (under; unseen). The peak sits at the head: XLA issues all 14 of the head's ring transfers "
-        "(2 directions x 7 steps) at once, the whole gathered input [b, s, h] in flight (112 MiB), beside the "
-        "fp32 cross-entropy (512 MiB; the logits term counts 483). The fit set's tp is at most 4; the "
-        "held-out tp 8 pipeline case errs the other way (+11.1%)",
+        "early. A per-layer count does not bound what XLA:GPU's schedule holds here; the fit decisions' "
+        "margin covers it (memory.estimate_margin)",
+    "tp 2, h 3072, 6 layers, seq 4096, batch 4, 2 microbatches, remat full": _FIRST_MICROBATCH.format(
+        "-15.4% (under; unseen by the current terms, -17.3% without the deferred term; on a device of 1.1 x the "
+        "estimate, 8.35 GiB, XLA:GPU holds 9.43 GiB). The peak sits at the head in the second microbatch: the "
+        "logits' fp32 chunks and the cross-entropy's fp32 product (1.0 GiB; the logits term counts 0.94), the "
+        "embedding's fp32 gradient pieces (0.38 GiB), every layer's weights concatenated in bf16 for the fused "
+        "projections, held through the step (0.63 GiB; the compute-copy term weighs 0 in a fit set where every "
+        "case computes in bf16: it is collinear with the params term) and the first microbatch's weight "
+        "gradients"),
+    "dp 2 tp 2, h 3072, 8 layers, seq 2048, batch 16, 2 microbatches, lamb, remat full": _FIRST_MICROBATCH.format(
+        "-11.0% (under; unseen; on a device of 1.1 x the estimate, 7.39 GiB, XLA:GPU holds 8.21 GiB); the "
+        "family of the tp 2 h 3072 case above (2 microbatches, remat full, parameters large beside the "
+        "activations)"),
     **{name: _SMALL_TP_MICROBATCHES for name in (
-        "tp 4, 2 microbatches", "tp 2, 2 microbatches", "tp 4, 3 microbatches", "tp 4, 4 microbatches, dp 2",
+        "tp 4, 2 microbatches", "tp 4, 3 microbatches", "tp 4, 4 microbatches, dp 2",
         "tp 4, 2 microbatches, remat none", "tp 4, 2 microbatches, remat full", "tp 2, 2 microbatches, remat full",
         "tp 4, h 1024, 2 microbatches", "h 1024, seq 128, 2 microbatches, tp 4")},
 }
@@ -241,14 +263,49 @@ def predicted_bytes(case: MemoryCase) -> float:
   return memory.memory(ModelConfig.from_config(config.model), plan_of(config, "gpu"), platform="gpu").total
 
 
-def measure(cases, log=print) -> dict[str, int]:
+def measure(cases, log=print, target: str = TARGET) -> dict[str, int]:
   """{case name: XLA:GPU's bytes a device}, each case's step compiled for described H100s."""
   measured = {}
   for case in cases:
-    compiled = deviceless.compile_for_gpu(case_config(case), TARGET)
+    compiled = deviceless.compile_for_gpu(case_config(case), target)
     measured[case.name] = compiled.bytes_per_device()
     log(f"  {case.name}: {measured[case.name] / 2**20:.1f} MiB ({compiled.compile_seconds:.0f} s)")
   return measured
+
+
+# What a case needs, not only what it holds. XLA:GPU schedules for the device it compiles for:
+# on an 80 GB H100 a program of a few GB starts collectives early and defers weight gradients
+# because there is room, and one compiled for a smaller device is scheduled (and rematerialized)
+# to fit it. A held-out case that XLA's 80 GB compile puts more than 10% above its estimate is
+# therefore compiled again for a device of BUDGET x the estimate; if it fits there, the estimate is
+# within 10% of the device the case needs (the question a fit decision asks). Found 2026-12-06:
+# the tp 4 h 4096 GQA case holds 9.91 GiB at 80 GB and 8.17 GiB on a device of 8.39 GiB.
+BUDGET = 1 + calibration.MEMORY_TOLERANCE
+
+
+def measure_under_budget(cases, measured: dict[str, int], log=print) -> dict[str, list[int]]:
+  """{case name: [device bytes, XLA:GPU's bytes there]} for each of `cases` whose `measured`
+  80 GB bytes are more than 10% above its estimate, compiled for a device of BUDGET x that."""
+  budgeted = {}
+  for case in cases:
+    predicted = predicted_bytes(case)
+    if measured[case.name] * (1 - calibration.MEMORY_TOLERANCE) > predicted:
+      target = deviceless.with_memory(TARGET, predicted * BUDGET)
+      device = deviceless.described(target).memory_bytes
+      budgeted[case.name] = [device, measure([case], log, target)[case.name]]
+  return budgeted
+
+
+def within(name: str, predicted: float, measured: int, budgeted: dict[str, list[int]]) -> bool:
+  """The memory goal for one held-out case: XLA:GPU's 80 GB bytes within 10% of the estimate,
+  or, where they are above it by more, the program compiled to fit a device of BUDGET x the
+  estimate (`budgeted`, measure_under_budget's data, measured at an estimate no lower than now)."""
+  if abs(predicted / measured - 1) <= calibration.MEMORY_TOLERANCE:
+    return True
+  if predicted > measured or name not in budgeted:
+    return False
+  device, held = budgeted[name]
+  return device <= predicted * BUDGET and held <= device
 
 
 def fit(measured: dict[str, int], cases=GPU_FIT_CASES) -> tuple[dict[str, float], dict[str, float]]:
@@ -256,8 +313,10 @@ def fit(measured: dict[str, int], cases=GPU_FIT_CASES) -> tuple[dict[str, float]
   return fit_platform(memory.XLA_GPU, cases, measured, case_config, "gpu")
 
 
-def write_measured(path: str, fit_bytes: dict[str, int], held_out_bytes: dict[str, int]) -> None:
-  """memory_measured_gpu.py: the fit set's and the held-out cases' bytes."""
+def write_measured(path: str, fit_bytes: dict[str, int], held_out_bytes: dict[str, int],
+                   budgeted: dict[str, list[int]]) -> None:
+  """memory_measured_gpu.py: the fit set's and the held-out cases' bytes, and the held-out
+  cases compiled for a device of BUDGET x their estimate ([device bytes, XLA:GPU's bytes])."""
   write_data(path, "XLA:GPU's bytes per device (a described H100, parallel.deviceless) of memory_gpu_fit's\n"
              "cases: generated by `python -m megajax.launch.bench planner --measure_memory_gpu`; do not edit.",
-             FIT=fit_bytes, HELD_OUT=held_out_bytes)
+             FIT=fit_bytes, HELD_OUT=held_out_bytes, BUDGETED=budgeted)

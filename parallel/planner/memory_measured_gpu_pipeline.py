@@ -51,3 +51,5 @@ HELD_OUT = {
     'dp 2 pp 4 tp 2 v 2, h 1536, 16 layers, swiglu, remat full': 1470402880,
     'pp 2 tp 2 v 4, 16 layers, seq 2048, parallel block, pipeline_recompute, remat none': 429794120,
 }
+BUDGETED = {
+}

@@ -89,6 +89,13 @@ def test_invalid_config_names_the_field(field, value, named):
   assert ";" in message  # problem; fix
 
 
+def test_cudnn_attention_in_float32_is_refused_before_the_trace():
+  """cuDNN's kernel takes half precision only; jax would raise deep inside the step's trace."""
+  config = default_config()
+  config.model.attention_impl = "cudnn"
+  assert_refused(config, "model.compute_dtype", "float32", "model.attention_impl")
+
+
 @pytest.mark.parametrize("field,value,named", INVALID_FOR_TP, ids=[f"{f}={v}" for f, v, _ in INVALID_FOR_TP])
 def test_tensor_parallel_splits_are_checked(field, value, named):
   config = default_config()
