@@ -13,7 +13,7 @@ what the device has (`device_memory`):
 A config whose estimate is more than the device's memory is refused with a one-line
 ConfigError giving both figures, the largest part and the ways out, unless
 train.force_memory, which logs a warning and lets XLA decide; one that fits by less than the
-estimate's margin (memory.estimate_margin: 20%, what the held-out errors need)
+estimate's margin (memory.estimate_margin: 21%, what the held-out errors need)
 runs with a warning (XLA:GPU rematerializes when memory runs short, which the model does not count). On a CPU host going over means swapping
 or the kernel's out-of-memory killer, not an error; on a GPU a failed allocation after the
 compile. The memory model is within 10% of XLA's buffer assignment where it was checked

@@ -190,7 +190,9 @@ def test_gpu_memory_weights_are_the_fit_to_xla_gpu_and_hold_the_held_out_cases()
   assert not any(case.overrides == other.overrides for case in fit_cases for other in held_out)
   fitted, errors = memory_gpu_fit.fit(memory_measured_gpu.FIT)
   assert fitted == pytest.approx(memory.XLA_GPU, abs=0.006)
-  assert max(abs(e) for e in errors.values()) < 0.15
+  # 0.17: the worst fit case since tp 8 joined the fit set (2026-12-06), tp 8 at h 1024, is -16.6%
+  # (the head's ring transfers all in flight)
+  assert max(abs(e) for e in errors.values()) < 0.17
   predicted = {case.name: memory_gpu_fit.predicted_bytes(case) for case in held_out}
   missed = {name for name in predicted if not memory_gpu_fit.within(
       name, predicted[name], memory_measured_gpu.HELD_OUT[name], memory_measured_gpu.BUDGETED)}
