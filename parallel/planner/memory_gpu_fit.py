@@ -44,7 +44,9 @@ _SHAPES = {
 }
 _LARGE = {"model.hidden_dim": 2048, "model.num_heads": 16, "model.num_layers": 8, "model.seq_len": 2048,
           "model.vocab_size": 32768, "train.batch_size": 8}
-_WIDE_SHORT = {"model.hidden_dim": 1024, "model.num_heads": 8, "model.seq_len": 128}
+_WIDE = {"model.hidden_dim": 1024, "model.num_heads": 8}
+_WIDE_SHORT = {**_WIDE, "model.seq_len": 128}
+_FP32 = {"model.compute_dtype": "float32", "model.attention_impl": "xla"}   # cuDNN attention takes bf16 only
 _OTHERS = {
     "swiglu": {"model.mlp": "swiglu"},
     "xla attention": {"model.attention_impl": "xla"},
@@ -78,24 +80,16 @@ _OTHERS = {
     # layers (`deferred` grows with the layers, `ring` does not), tp 8, and fp32 compute (the
     # compute-dtype copy and the first microbatch's gradients against the params term; cuDNN
     # attention takes bf16 only, so XLA's there).
-    "tp 2, 16 layers":
-        {"parallel.tp": 2, "model.num_layers": 16},
-    "tp 2, 16 layers, remat full":
-        {"parallel.tp": 2, "model.num_layers": 16, "model.remat": 'full'},
-    "tp 4, 16 layers, h 1024":
-        {"parallel.tp": 4, "model.num_layers": 16, "model.hidden_dim": 1024, "model.num_heads": 8},
-    "tp 4, 16 layers, h 1024, remat full":
-        {"parallel.tp": 4, "model.num_layers": 16, "model.hidden_dim": 1024, "model.num_heads": 8, "model.remat": 'full'},
-    "tp 8, h 1024":
-        {"parallel.tp": 8, "model.hidden_dim": 1024, "model.num_heads": 8},
-    "tp 8, h 1024, 8 layers, seq 1024":
-        {"parallel.tp": 8, "model.hidden_dim": 1024, "model.num_heads": 8, "model.num_layers": 8, "model.seq_len": 1024},
-    "fp32, xla attention":
-        {"model.compute_dtype": 'float32', "model.attention_impl": 'xla'},
-    "fp32, xla attention, tp 2, h 1024":
-        {"model.compute_dtype": 'float32', "model.attention_impl": 'xla', "parallel.tp": 2, "model.hidden_dim": 1024, "model.num_heads": 8},
-    "fp32, xla attention, h 1024, seq 128, 2 microbatches":
-        {"model.compute_dtype": 'float32', "model.attention_impl": 'xla', "model.hidden_dim": 1024, "model.num_heads": 8, "model.seq_len": 128, "train.batch_size": 8, "train.microbatches": 2},
+    "tp 2, 16 layers": {"parallel.tp": 2, "model.num_layers": 16},
+    "tp 2, 16 layers, remat full": {"parallel.tp": 2, "model.num_layers": 16, "model.remat": "full"},
+    "tp 4, 16 layers, h 1024": {"parallel.tp": 4, "model.num_layers": 16, **_WIDE},
+    "tp 4, 16 layers, h 1024, remat full": {"parallel.tp": 4, "model.num_layers": 16, **_WIDE, "model.remat": "full"},
+    "tp 8, h 1024": {"parallel.tp": 8, **_WIDE},
+    "tp 8, h 1024, 8 layers, seq 1024": {"parallel.tp": 8, **_WIDE, "model.num_layers": 8, "model.seq_len": 1024},
+    "fp32, xla attention": _FP32,
+    "fp32, xla attention, tp 2, h 1024": {**_FP32, "parallel.tp": 2, **_WIDE},
+    "fp32, xla attention, h 1024, seq 128, 2 microbatches": {**_FP32, **_WIDE_SHORT, "train.batch_size": 8,
+                                                             "train.microbatches": 2},
 }
 GPU_FIT_CASES = tuple(
     MemoryCase(f"{shape}, remat {remat}", {**GPU_BASE, **overrides, "model.remat": remat})
@@ -112,6 +106,12 @@ def _suite_row(size: dict, seq: int, remat: str, row: int) -> dict:
                "optimizer.name": "lamb" if row >= 4 else "adamw"}
   batch = overrides.pop("batch")
   return {**overrides, "train.batch_size": batch * (4 if row >= 4 else 1), "train.microbatches": 4 if row >= 4 else 1}
+
+
+def _sized(hidden: int, layers: int, seq: int, fields: dict) -> dict:
+  """GPU_BASE at a planner-sized shape (heads of 128, a 32,768-entry vocabulary) with `fields` on top."""
+  return {**GPU_BASE, "model.hidden_dim": hidden, "model.num_heads": hidden // 128, "model.num_layers": layers,
+          "model.seq_len": seq, "model.vocab_size": 32768, **fields}
 
 
 _1P3B = {"model.num_layers": 24, "model.hidden_dim": 2048, "model.num_heads": 16, "model.vocab_size": 64000, "batch": 8}
@@ -182,47 +182,44 @@ GPU_HELD_OUT = (
     # Compiled once after the `deferred` term was shaped (on the dp 2 tp 4 case's live ranges) and
     # its predictions written down with and without it (2026-12-06): unseen by both.
     MemoryCase("tp 2, h 3072, 6 layers, seq 4096, batch 4, 2 microbatches, remat full",
-               {**GPU_BASE, "model.hidden_dim": 3072, "model.num_heads": 24, "model.num_layers": 6, "model.seq_len": 4096,
-                "model.vocab_size": 32768, "train.batch_size": 4, "train.microbatches": 2, "parallel.tp": 2,
-                "model.remat": "full"}),
+               _sized(3072, 6, 4096, {"train.batch_size": 4, "train.microbatches": 2, "parallel.tp": 2,
+                                      "model.remat": "full"})),
     MemoryCase("tp 8, h 4096, 4 layers, seq 2048, batch 8, remat dots",
-               {**GPU_BASE, "model.hidden_dim": 4096, "model.num_heads": 32, "model.num_layers": 4, "model.seq_len": 2048,
-                "model.vocab_size": 32768, "train.batch_size": 8, "parallel.tp": 8}),
+               _sized(4096, 4, 2048, {"train.batch_size": 8, "parallel.tp": 8})),
     MemoryCase("cp 4 tp 2, h 2048, 8 layers, seq 32768, window 4096, remat full, Pallas",
-               {**GPU_BASE, "model.hidden_dim": 2048, "model.num_heads": 16, "model.num_layers": 8, "model.seq_len": 32768,
-                "model.vocab_size": 32768, "train.batch_size": 1, "parallel.cp": 4, "parallel.tp": 2,
-                "model.window": 4096, "model.window_pattern": "L", "model.attention_impl": "pallas", "model.remat": "full"}),
+               _sized(2048, 8, 32768, {"train.batch_size": 1, "parallel.cp": 4, "parallel.tp": 2, "model.window": 4096,
+                                       "model.window_pattern": "L", "model.attention_impl": "pallas",
+                                       "model.remat": "full"})),
     MemoryCase("dp 2 tp 4, h 2560, 8 layers, seq 4096, batch 8, 4 microbatches, swiglu",
-               {**GPU_BASE, "model.hidden_dim": 2560, "model.num_heads": 20, "model.num_layers": 8, "model.seq_len": 4096,
-                "model.vocab_size": 32768, "train.batch_size": 8, "train.microbatches": 4, "parallel.dp": 2,
-                "parallel.tp": 4, "model.mlp": "swiglu"}),
+               _sized(2560, 8, 4096, {"train.batch_size": 8, "train.microbatches": 4, "parallel.dp": 2,
+                                      "parallel.tp": 4, "model.mlp": "swiglu"})),
     # Written down with their predictions (2026-12-06) to judge a refit that was then not kept (the
     # first m = 2 accumulator term; docs/planner.md); in view when the `first` term took shape.
     MemoryCase("tp 2, h 2560, 12 layers, seq 2048, batch 8, 2 microbatches, swiglu, remat dots",
-               {**GPU_BASE, "model.hidden_dim": 2560, "model.num_heads": 20, "model.num_layers": 12, "model.seq_len": 2048,
-                "model.vocab_size": 32768, "train.batch_size": 8, "train.microbatches": 2, "parallel.tp": 2,
-                "model.mlp": "swiglu"}),
+               _sized(2560, 12, 2048, {"train.batch_size": 8, "train.microbatches": 2, "parallel.tp": 2,
+                                       "model.mlp": "swiglu"})),
     MemoryCase("tp 4, h 4096, 8 layers, seq 4096, batch 4, GQA 8, rmsnorm, remat full",
-               {**GPU_BASE, "model.hidden_dim": 4096, "model.num_heads": 32, "model.num_kv_heads": 8, "model.num_layers": 8,
-                "model.seq_len": 4096, "model.vocab_size": 32768, "model.norm": "rmsnorm", "train.batch_size": 4,
-                "parallel.tp": 4, "model.remat": "full"}),
+               _sized(4096, 8, 4096, {"model.num_kv_heads": 8, "model.norm": "rmsnorm", "train.batch_size": 4,
+                                      "parallel.tp": 4, "model.remat": "full"})),
     MemoryCase("dp 2 tp 2, h 3072, 8 layers, seq 2048, batch 16, 2 microbatches, lamb, remat full",
-               {**GPU_BASE, "model.hidden_dim": 3072, "model.num_heads": 24, "model.num_layers": 8, "model.seq_len": 2048,
-                "model.vocab_size": 32768, "train.batch_size": 16, "train.microbatches": 2, "parallel.dp": 2,
-                "parallel.tp": 2, "optimizer.name": "lamb", "model.remat": "full"}),
+               _sized(3072, 8, 2048, {"train.batch_size": 16, "train.microbatches": 2, "parallel.dp": 2,
+                                      "parallel.tp": 2, "optimizer.name": "lamb", "model.remat": "full"})),
     MemoryCase("tp 8, h 6144, 4 layers, seq 4096, batch 2, remat dots",
-               {**GPU_BASE, "model.hidden_dim": 6144, "model.num_heads": 48, "model.num_layers": 4, "model.seq_len": 4096,
-                "model.vocab_size": 32768, "train.batch_size": 2, "parallel.tp": 8}),
+               _sized(6144, 4, 4096, {"train.batch_size": 2, "parallel.tp": 8})),
     # Written down with both weights' predictions (2026-12-06) to judge the refit that added the
-    # `first` term and nine fit cases, by the same rule: kept (mean error 12.9% against 13.4%).
+    # `first` term and nine fit cases, by the same rule: kept (mean error 13.1% against 13.4%; the
+    # written-down candidate, the term at 2 bytes a parameter whatever the dtype, 12.9%).
     MemoryCase("tp 4, h 3072, 12 layers, seq 2048, batch 8, 2 microbatches, remat dots",
-               {**GPU_BASE, "model.hidden_dim": 3072, "model.num_heads": 24, "model.num_layers": 12, "model.seq_len": 2048, "model.vocab_size": 32768, "train.batch_size": 8, "train.microbatches": 2, "parallel.tp": 4}),
+               _sized(3072, 12, 2048, {"train.batch_size": 8, "train.microbatches": 2, "parallel.tp": 4})),
     MemoryCase("tp 2, h 2048, 16 layers, seq 4096, batch 2, swiglu, remat full",
-               {**GPU_BASE, "model.hidden_dim": 2048, "model.num_heads": 16, "model.num_layers": 16, "model.seq_len": 4096, "model.vocab_size": 32768, "train.batch_size": 2, "parallel.tp": 2, "model.mlp": 'swiglu', "model.remat": 'full'}),
+               _sized(2048, 16, 4096, {"train.batch_size": 2, "parallel.tp": 2, "model.mlp": "swiglu",
+                                       "model.remat": "full"})),
     MemoryCase("dp 2 tp 4, h 4096, 6 layers, seq 2048, batch 16, 4 microbatches, GQA 8, remat dots",
-               {**GPU_BASE, "model.hidden_dim": 4096, "model.num_heads": 32, "model.num_kv_heads": 8, "model.num_layers": 6, "model.seq_len": 2048, "model.vocab_size": 32768, "train.batch_size": 16, "train.microbatches": 4, "parallel.dp": 2, "parallel.tp": 4}),
+               _sized(4096, 6, 2048, {"model.num_kv_heads": 8, "train.batch_size": 16, "train.microbatches": 4,
+                                      "parallel.dp": 2, "parallel.tp": 4})),
     MemoryCase("tp 8, h 5120, 6 layers, seq 2048, batch 8, 2 microbatches, remat full",
-               {**GPU_BASE, "model.hidden_dim": 5120, "model.num_heads": 40, "model.num_layers": 6, "model.seq_len": 2048, "model.vocab_size": 32768, "train.batch_size": 8, "train.microbatches": 2, "parallel.tp": 8, "model.remat": 'full'}),
+               _sized(5120, 6, 2048, {"train.batch_size": 8, "train.microbatches": 2, "parallel.tp": 8,
+                                      "model.remat": "full"})),
 )
 
 # tp with microbatches off the planner's sizes: what the second audit found (2026-12-05), and its
@@ -243,7 +240,8 @@ _SMALL_TP_MICROBATCHES = (
     "the peak. A term for those partials (its weight fitted) was tried (2026-12-06): without cases of this "
     "regime in the fit set it left these at -12% to -37%; with six (tp 2-4, 2-4 microbatches) it moved the tp "
     "terms off the deferred gradients and put the 7B cp case at -23%. Compiled for a device of 1.1 x the "
-    "estimate, these 5 do not fit it (of the 9 cases of this family, the other 4 are within the goal). Tried and not adopted "
+    "estimate, these 5 do not fit it (of the 9 cases of this family, the other 4 are within the goal). "
+    "Tried and not adopted "
     "(2026-12-05): six more "
     "cases of that regime in the fit set (tp 2-4, 2-4 microbatches, 0.27-0.67 GiB; the held-out ones left "
     "out): the refit held 41 of its 49 cases within 10% (was 43 of 43), left these -20..-39% and put the "
@@ -318,13 +316,18 @@ def measure(cases, log=print, target: str = TARGET) -> dict[str, int]:
 BUDGET = 1 + calibration.MEMORY_TOLERANCE
 
 
+def _under_by_more(predicted: float, measured: int) -> bool:
+  """The estimate more than 10% under XLA:GPU's 80 GB bytes."""
+  return predicted / measured - 1 < -calibration.MEMORY_TOLERANCE
+
+
 def measure_under_budget(cases, measured: dict[str, int], log=print) -> dict[str, list[int]]:
   """{case name: [device bytes, XLA:GPU's bytes there]} for each of `cases` whose `measured`
   80 GB bytes are more than 10% above its estimate, compiled for a device of BUDGET x that."""
   budgeted = {}
   for case in cases:
     predicted = predicted_bytes(case)
-    if measured[case.name] * (1 - calibration.MEMORY_TOLERANCE) > predicted:
+    if _under_by_more(predicted, measured[case.name]):
       target = deviceless.with_memory(TARGET, predicted * BUDGET)
       device = deviceless.described(target).memory_bytes
       budgeted[case.name] = [device, measure([case], log, target)[case.name]]
@@ -337,7 +340,7 @@ def within(name: str, predicted: float, measured: int, budgeted: dict[str, list[
   estimate (`budgeted`, measure_under_budget's data, measured at an estimate no lower than now)."""
   if abs(predicted / measured - 1) <= calibration.MEMORY_TOLERANCE:
     return True
-  if predicted > measured or name not in budgeted:
+  if not _under_by_more(predicted, measured) or name not in budgeted:
     return False
   device, held = budgeted[name]
   return device <= predicted * BUDGET and held <= device
